@@ -1,0 +1,1 @@
+"""Demo models and fleets shipped with lowerflow (used by the README demo, tests and benchmarks)."""

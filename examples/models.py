@@ -1,0 +1,166 @@
+"""The test models of lowerflow.
+
+Each factory returns ``(module, example_inputs)`` with deterministic weights, so
+that the same factory gives the same program (and the same ``.pte`` bytes) in
+any process.  They match the models in ``shared/MEASUREMENTS.md``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _seeded(seed: int = 0) -> None:
+    torch.manual_seed(seed)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.fc2 = nn.Linear(256, 256)
+        self.fc3 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def mlp():
+    _seeded()
+    return MLP().eval(), (torch.randn(4, 64),)
+
+
+class CNN(nn.Module):
+    """conv+BN+relu, pool, conv, residual conv, pool, fc."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.conv3 = nn.Conv2d(32, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = nn.functional.max_pool2d(x, 2)
+        x = torch.relu(self.conv2(x))
+        x = x + torch.relu(self.conv3(x))
+        x = nn.functional.avg_pool2d(x, 2)
+        return self.fc(torch.flatten(x, 1))
+
+
+def cnn():
+    _seeded()
+    model = CNN().eval()
+    # Non-trivial running statistics so BatchNorm is not an identity.
+    with torch.no_grad():
+        model.bn1.running_mean.uniform_(-0.5, 0.5)
+        model.bn1.running_var.uniform_(0.5, 1.5)
+    return model, (torch.randn(1, 3, 32, 32),)
+
+
+class LSTMModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(64, 8)
+
+    def forward(self, x):
+        y, _ = self.lstm(x)
+        return self.fc(y)
+
+
+def lstm():
+    _seeded()
+    return LSTMModel().eval(), (torch.randn(2, 10, 32),)
+
+
+class BufferMutation(nn.Module):
+    """A linear layer and a running-sum buffer updated in place on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("acc", torch.zeros(8))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.acc.add_(y.sum(0))
+        return y * 2 + self.acc
+
+
+def buffer_mutation():
+    _seeded()
+    return BufferMutation().eval(), (torch.randn(4, 8),)
+
+
+def transformer():
+    _seeded()
+    layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0).eval()
+    return layer, (torch.randn(2, 16, 64),)
+
+
+class LiftedConstant(nn.Module):
+    """A plain tensor attribute (not a parameter or buffer) becomes a lifted constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.linspace(0.5, 1.5, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale + self.scale
+
+
+def lifted_constant():
+    _seeded()
+    return LiftedConstant().eval(), (torch.randn(3, 16),)
+
+
+class MultiOutput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.fc(x)
+        return h + y, torch.sigmoid(h), [h * y, h - y]
+
+
+def multi_output():
+    _seeded()
+    return MultiOutput().eval(), (torch.randn(2, 8), torch.randn(2, 8))
+
+
+class IntegerInputs(nn.Module):
+    """An embedding lookup by int64 indices, plus an int32 arithmetic output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+
+    def forward(self, idx, counts):
+        return self.emb(idx).sum(1), counts * 2 + 1
+
+
+def integer_inputs():
+    _seeded()
+    return IntegerInputs().eval(), (
+        torch.tensor([[1, 5, 7], [2, 31, 0]], dtype=torch.long),
+        torch.tensor([3, 4, 5], dtype=torch.int32),
+    )
+
+
+#: name -> factory, the demo fleet and the suite the tests and benchmarks run over.
+MODELS = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "lstm": lstm,
+    "buffer_mutation": buffer_mutation,
+    "transformer": transformer,
+    "lifted_constant": lifted_constant,
+    "multi_output": multi_output,
+    "integer_inputs": integer_inputs,
+}

@@ -1,0 +1,1 @@
+"""lowerflow's compiler library: ExecuTorch's lowering stages on torch alone."""

@@ -1,0 +1,34 @@
+"""Errors raised by the lowering stages.
+
+Every error names the input it is about (the model, the partition tag, the
+backend, the node) so that a failed fleet run says what to fix without a
+traceback from deep inside torch.
+"""
+
+
+class LoweringError(Exception):
+    """Base class of every error lowerflow raises on bad input or a failed stage."""
+
+
+class ExportError(LoweringError):
+    """Stage 1: the model could not be exported or decomposed."""
+
+
+class PartitionError(LoweringError):
+    """Stage 2: a partitioner misbehaved or tagged something that cannot be delegated."""
+
+
+class SubmoduleError(LoweringError):
+    """Stage 3: the nodes of a partition tag cannot be fused into one submodule."""
+
+
+class BackendError(LoweringError):
+    """Stage 5: unknown backend id, or the backend's preprocess failed."""
+
+
+class MemoryPlanError(LoweringError):
+    """Stage 7: the program cannot be memory-planned (e.g. an op without an out variant)."""
+
+
+class EmitError(LoweringError):
+    """Stage 8: the program cannot be written in the ExecuTorch format."""
