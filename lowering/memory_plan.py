@@ -1,0 +1,575 @@
+"""Stage 7 — memory planning.
+
+Give every tensor the program computes at run time a place in one arena
+(``mem_id`` 1), so that the runtime needs a single allocation per method and
+no allocator on the hot path.  Constants (parameters, lifted tensor constants,
+buffers that are never mutated) live in the ``.pte`` itself and get no
+allocation.
+
+The stage is a pure function of the exported program::
+
+    plan = memory_plan(exported_program)          # the program is not changed
+    plan.allocations["addmm"]  # TensorAllocation(mem_id=1, offset=0, size=64, lifetime=(5, 9))
+    plan.out_variants["addmm"] # "aten::addmm.out"
+    plan.arena_sizes           # (0, 270336)
+
+How it works, one function each:
+
+1. :func:`find_out_variants` maps every ATen call to the ``.out`` overload the
+   portable kernels implement (the kernel writes into planned memory).
+2. :func:`collect_values` lists the planned tensor values with their sizes;
+   :func:`find_view_aliases` lets a ``view_copy`` share its base's memory, as
+   ExecuTorch's ``ReplaceViewCopyWithViewPass`` does (a contiguous view of
+   contiguous memory is the same bytes; only graph outputs keep a copy).
+3. :func:`compute_lifetimes` gives each value the inclusive range of graph
+   steps (node indices) from its definition to its last use.
+4. Several placement algorithms (:data:`ALGORITHMS`) assign offsets; the
+   smallest arena wins, ties broken by the fixed order of :data:`ALGORITHMS`.
+
+Two values may share bytes only if their lifetimes are disjoint; inclusive
+ranges mean an op's inputs and outputs never share memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import MemoryPlanError
+
+#: The arena every planned tensor lives in; 0 is reserved for constants.
+ARENA_MEM_ID = 1
+
+#: Name of the higher-order op that calls a delegated payload (its outputs are
+#: planned here, but it has no out variant: the backend writes them).
+DELEGATE_CALL = "executorch_call_delegate"
+
+
+# ---------------------------------------------------------------------------
+# The plan
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorAllocation:
+    """Where one tensor value lives.
+
+    ``size`` is the number of bytes reserved (the tensor's ``nbytes`` rounded
+    up to the alignment); ``lifetime`` is the inclusive range of graph steps
+    (node indices in graph order) during which the bytes are in use.
+    """
+
+    mem_id: int
+    offset: int
+    size: int
+    lifetime: tuple[int, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mem_id": self.mem_id,
+            "offset": self.offset,
+            "size": self.size,
+            "lifetime": list(self.lifetime),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TensorAllocation":
+        return cls(int(d["mem_id"]), int(d["offset"]), int(d["size"]), tuple(d["lifetime"]))
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The result of stage 7; plain data, JSON-able through :meth:`to_dict`.
+
+    ``allocations`` holds every planned value, including the aliases (views),
+    whose entries repeat their base's ``mem_id``/``offset`` with the alias's
+    own lifetime.  ``aliases`` maps such a value to the base it shares memory
+    with; the base's lifetime covers every use of its aliases.
+    """
+
+    out_variants: dict[str, str]
+    allocations: dict[str, TensorAllocation]
+    arena_sizes: tuple[int, ...]
+    lower_bound: int
+    algorithm: str
+    aliases: dict[str, str] = field(default_factory=dict)
+    alignment: int = 16
+
+    @property
+    def arena_bytes(self) -> int:
+        """Size of the planned arena (``mem_id`` 1)."""
+        return self.arena_sizes[ARENA_MEM_ID] if len(self.arena_sizes) > ARENA_MEM_ID else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, deterministic, JSON-able data (keys in graph order)."""
+        return {
+            "out_variants": dict(self.out_variants),
+            "allocations": {k: a.to_dict() for k, a in self.allocations.items()},
+            "arena_sizes": list(self.arena_sizes),
+            "lower_bound": self.lower_bound,
+            "algorithm": self.algorithm,
+            "aliases": dict(self.aliases),
+            "alignment": self.alignment,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MemoryPlan":
+        return cls(
+            out_variants=dict(d["out_variants"]),
+            allocations={k: TensorAllocation.from_dict(a) for k, a in d["allocations"].items()},
+            arena_sizes=tuple(int(s) for s in d["arena_sizes"]),
+            lower_bound=int(d["lower_bound"]),
+            algorithm=str(d["algorithm"]),
+            aliases=dict(d.get("aliases", {})),
+            alignment=int(d.get("alignment", 16)),
+        )
+
+
+# ---------------------------------------------------------------------------
+# Out variants
+# ---------------------------------------------------------------------------
+
+
+def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
+    """Map each ``call_function`` OpOverload node to its out overload name.
+
+    ``getitem`` and the delegate call are skipped; an op without an out
+    variant raises :class:`MemoryPlanError` naming the op and the node.
+    """
+    out: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or _is_getitem(node) or _is_delegate_call(node):
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            if _tensor_vals(node):
+                raise MemoryPlanError(
+                    f"node {node.name!r}: {node.target} is not an ATen operator overload "
+                    "and produces tensors; it cannot be memory-planned"
+                )
+            continue
+        name = out_variant_name(node.target)
+        if name is None:
+            raise MemoryPlanError(
+                f"op {node.target} at node {node.name!r} has no out variant "
+                "(no '.out' overload with a matching schema is registered)"
+            )
+        out[node.name] = name
+    return out
+
+
+def out_variant_name(op: torch._ops.OpOverload) -> str | None:
+    """``aten.add.Tensor`` -> ``"aten::add.out"``; None if no out overload matches."""
+    schema = op._schema
+    return _out_variant_table(schema.name).get(schema.overload_name or "default")
+
+
+@functools.lru_cache(maxsize=None)
+def _out_variant_table(qualified_name: str) -> dict[str, str]:
+    """overload name -> out overload name, for every schema of one operator.
+
+    Schemas are grouped by their torchgen signature (arguments without the
+    out arguments, no returns), which is how a functional schema and its out
+    variant are paired; an out schema maps to itself.
+    """
+    from torchgen.model import FunctionSchema, SchemaKind
+
+    parsed = []
+    for pybind_schema in torch._C._jit_get_schemas_for_operator(qualified_name):
+        try:
+            parsed.append(FunctionSchema.parse(str(pybind_schema)))
+        except Exception:  # torchgen cannot parse some prim schemas; they have no out form
+            continue
+    groups: dict[Any, dict[Any, Any]] = {}
+    for schema in parsed:
+        signature = dataclasses.replace(schema.signature(), returns=())
+        groups.setdefault(signature, {})[schema.kind()] = schema
+    table: dict[str, str] = {}
+    for group in groups.values():
+        out_schema = group.get(SchemaKind.out)
+        if out_schema is None:
+            continue
+        out_name = _qualified_overload(qualified_name, out_schema.name.overload_name)
+        for kind in (SchemaKind.functional, SchemaKind.out):
+            schema = group.get(kind)
+            if schema is not None:
+                table[schema.name.overload_name or "default"] = out_name
+    return table
+
+
+def _qualified_overload(qualified_name: str, overload: str) -> str:
+    return f"{qualified_name}.{overload}" if overload else qualified_name
+
+
+# ---------------------------------------------------------------------------
+# Values, aliases, lifetimes
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class PlannedValue:
+    """One tensor value to place: its key, byte sizes and inclusive lifetime."""
+
+    key: str
+    nbytes: int
+    size: int
+    start: int
+    end: int
+
+
+def collect_values(
+    ep: ExportedProgram, alignment: int
+) -> tuple[dict[str, PlannedValue], dict[torch.fx.Node, list[str]], set[str]]:
+    """List the values to plan, in graph order.
+
+    Returns ``(values, refs, mutated)``: ``values`` by key (lifetimes not yet
+    set), ``refs`` mapping each node to the value keys it names (a ``getitem``
+    names one element of its source; a multi-output node names all of its
+    outputs), and the keys of mutated buffers.
+    """
+    sig = ep.graph_signature
+    input_kinds = {spec.arg.name: spec.kind for spec in sig.input_specs if hasattr(spec.arg, "name")}
+    mutated_targets = {
+        spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION
+    }
+    buffer_targets = {
+        spec.arg.name: spec.target
+        for spec in sig.input_specs
+        if spec.kind == InputKind.BUFFER and hasattr(spec.arg, "name")
+    }
+    values: dict[str, PlannedValue] = {}
+    refs: dict[torch.fx.Node, list[str]] = {}
+    mutated: set[str] = set()
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            kind = input_kinds.get(node.name)
+            is_mutated_buffer = kind == InputKind.BUFFER and buffer_targets.get(node.name) in mutated_targets
+            if kind == InputKind.USER_INPUT or is_mutated_buffer:
+                val = node.meta.get("val")
+                if isinstance(val, torch.Tensor):
+                    values[node.name] = _new_value(node.name, val, alignment)
+                    refs[node] = [node.name]
+                    if is_mutated_buffer:
+                        mutated.add(node.name)
+        elif node.op == "call_function":
+            if _is_getitem(node):
+                source, index = node.args
+                if source in refs and isinstance(source.meta.get("val"), (tuple, list)):
+                    key = f"{source.name}.{index}"
+                    if key in values:
+                        refs[node] = [key]
+                continue
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                values[node.name] = _new_value(node.name, val, alignment)
+                refs[node] = [node.name]
+            elif isinstance(val, (tuple, list)):
+                keys = []
+                for i, item in enumerate(val):
+                    if isinstance(item, torch.Tensor):
+                        key = f"{node.name}.{i}"
+                        values[key] = _new_value(key, item, alignment)
+                        keys.append(key)
+                if keys:
+                    refs[node] = keys
+    return values, refs, mutated
+
+
+def _new_value(key: str, val: torch.Tensor, alignment: int) -> PlannedValue:
+    """A value of ``val``'s byte size; static shapes only."""
+    if any(not isinstance(d, int) for d in val.shape):
+        raise MemoryPlanError(
+            f"value {key!r} has shape {tuple(val.shape)}: dynamic shapes are not yet supported"
+        )
+    nbytes = val.numel() * val.element_size()
+    return PlannedValue(key, nbytes, _align(nbytes, alignment), -1, -1)
+
+
+def find_view_aliases(
+    graph: torch.fx.Graph, values: Mapping[str, PlannedValue], refs: Mapping[torch.fx.Node, list[str]]
+) -> dict[str, str]:
+    """``view_copy`` outputs that share their base's memory: view key -> base key.
+
+    Like ExecuTorch, a view that feeds the graph output keeps its own copy;
+    chains resolve to the root base.  Only planned bases qualify (a view of a
+    constant stays a planned copy).
+    """
+    aliases: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.target is not torch.ops.aten.view_copy.default or node.name not in values:
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        base = node.args[0]
+        base_keys = refs.get(base) if isinstance(base, torch.fx.Node) else None
+        if not base_keys or len(base_keys) != 1:
+            continue
+        root = aliases.get(base_keys[0], base_keys[0])
+        if values[root].nbytes != values[node.name].nbytes:
+            continue
+        aliases[node.name] = root
+    return aliases
+
+
+def compute_lifetimes(
+    graph: torch.fx.Graph,
+    values: Mapping[str, PlannedValue],
+    refs: Mapping[torch.fx.Node, list[str]],
+    mutated: set[str],
+    aliases: Mapping[str, str],
+) -> dict[str, tuple[int, int]]:
+    """Set each value's inclusive (first, last) step; returns the aliases' own lifetimes.
+
+    Step = node index in graph order.  Placeholders start at 0, graph outputs
+    live to the output node, mutated buffers live throughout; a base's
+    lifetime covers its aliases' uses.
+    """
+    nodes = list(graph.nodes)
+    last_step = len(nodes) - 1
+    alias_lifetimes: dict[str, list[int]] = {}
+    for step, node in enumerate(nodes):
+        touched = list(refs.get(node, ()))
+        for arg in _input_nodes(node):
+            touched.extend(refs.get(arg, ()))
+        for key in touched:
+            if key in aliases:
+                span = alias_lifetimes.setdefault(key, [step, step])
+                span[1] = step
+                key = aliases[key]
+            value = values[key]
+            start = 0 if node.op == "placeholder" else step
+            if value.start < 0 or start < value.start:
+                value.start = start
+            value.end = max(value.end, step)
+    for key in mutated:
+        values[key].start, values[key].end = 0, last_step
+    return {k: (s, e) for k, (s, e) in alias_lifetimes.items()}
+
+
+def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes ``node`` reads (args and kwargs, flattened)."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return found
+
+
+def lower_bound(values: Iterable[PlannedValue]) -> int:
+    """Max over steps of the summed sizes of the values live at that step."""
+    delta: dict[int, int] = {}
+    for v in values:
+        delta[v.start] = delta.get(v.start, 0) + v.size
+        delta[v.end + 1] = delta.get(v.end + 1, 0) - v.size
+    best = live = 0
+    for step in sorted(delta):
+        live += delta[step]
+        best = max(best, live)
+    return best
+
+
+# ---------------------------------------------------------------------------
+# Placement algorithms
+# ---------------------------------------------------------------------------
+
+#: A placement algorithm: values (lifetimes set) -> offsets by key.
+Algorithm = Callable[[Sequence[PlannedValue]], dict[str, int]]
+
+
+def _overlaps(a: PlannedValue, b: PlannedValue) -> bool:
+    return a.start <= b.end and b.start <= a.end
+
+
+def _conflicts(values: Sequence[PlannedValue]) -> list[list[int]]:
+    """For each value (by index), the indices of values whose lifetimes overlap it.
+
+    A sweep over start steps: O(n log n + number of overlapping pairs).
+    """
+    order = sorted(range(len(values)), key=lambda i: (values[i].start, i))
+    conflicts: list[list[int]] = [[] for _ in values]
+    active: list[int] = []
+    for i in order:
+        start = values[i].start
+        active = [j for j in active if values[j].end >= start]
+        for j in active:
+            conflicts[i].append(j)
+            conflicts[j].append(i)
+        active.append(i)
+    return conflicts
+
+
+def _place_in_order(
+    values: Sequence[PlannedValue], order: Sequence[int], conflicts: Sequence[Sequence[int]], *, best_fit: bool
+) -> list[int]:
+    """Place values in ``order``, each at the lowest (or tightest) free gap.
+
+    A gap is free if no already placed, lifetime-overlapping value occupies
+    it.  ``best_fit`` picks the smallest gap that fits (lowest offset on ties);
+    otherwise the lowest offset.
+    """
+    offsets = [-1] * len(values)
+    for i in order:
+        size = values[i].size
+        if size == 0:
+            offsets[i] = 0
+            continue
+        busy = sorted(
+            (offsets[j], offsets[j] + values[j].size)
+            for j in conflicts[i]
+            if offsets[j] >= 0 and values[j].size
+        )
+        chosen = -1
+        chosen_gap = -1
+        cursor = 0
+        for lo, hi in busy:
+            gap = lo - cursor
+            if gap >= size:
+                if not best_fit:
+                    chosen = cursor
+                    break
+                if chosen < 0 or gap < chosen_gap:
+                    chosen, chosen_gap = cursor, gap
+            cursor = max(cursor, hi)
+        if chosen < 0:
+            chosen = cursor
+        offsets[i] = chosen
+    return offsets
+
+
+def _arena(values: Sequence[PlannedValue], offsets: Sequence[int]) -> int:
+    return max((o + v.size for v, o in zip(values, offsets)), default=0)
+
+
+def greedy_by_size(values: Sequence[PlannedValue], conflicts, *, best_fit: bool = True) -> list[int]:
+    """Largest first (ties: longer lifetime, earlier start), best-fit gaps."""
+    order = sorted(
+        range(len(values)),
+        key=lambda i: (-values[i].size, -(values[i].end - values[i].start), values[i].start, i),
+    )
+    return _place_in_order(values, order, conflicts, best_fit=best_fit)
+
+
+def greedy_by_lifetime(values: Sequence[PlannedValue], conflicts) -> list[int]:
+    """Longest-lived first (ties: larger, earlier), best-fit gaps."""
+    order = sorted(
+        range(len(values)),
+        key=lambda i: (-(values[i].end - values[i].start), -values[i].size, values[i].start, i),
+    )
+    return _place_in_order(values, order, conflicts, best_fit=True)
+
+
+def greedy_by_breadth(values: Sequence[PlannedValue], conflicts) -> list[int]:
+    """Steps by decreasing live bytes; at each, its unplaced values largest first.
+
+    The values at the peak step are packed first, so the peak's bytes stack
+    tightly (Pisarchyk & Lee, "Efficient Memory Management for Deep Neural
+    Net Inference", 2020, greedy by breadth).
+    """
+    live_at: dict[int, list[int]] = {}
+    load: dict[int, int] = {}
+    for i, v in enumerate(values):
+        for step in range(v.start, v.end + 1):
+            live_at.setdefault(step, []).append(i)
+            load[step] = load.get(step, 0) + v.size
+    order: list[int] = []
+    seen = [False] * len(values)
+    for step in sorted(load, key=lambda s: (-load[s], s)):
+        for i in sorted(live_at[step], key=lambda i: (-values[i].size, values[i].start, i)):
+            if not seen[i]:
+                seen[i] = True
+                order.append(i)
+    return _place_in_order(values, order, conflicts, best_fit=True)
+
+
+#: Placement algorithms in tie-break order (first wins on equal arenas).
+ALGORITHMS: dict[str, Callable[..., list[int]]] = {
+    "greedy_by_size": greedy_by_size,
+    "greedy_by_breadth": greedy_by_breadth,
+    "greedy_by_lifetime": greedy_by_lifetime,
+}
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------
+
+
+def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int = 16) -> MemoryPlan:
+    """Plan the memory of ``ep`` (not mutated); see the module docstring."""
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise MemoryPlanError(
+            f"unknown memory planning algorithm {algorithm!r}; "
+            f"choose 'auto' or one of {sorted(ALGORITHMS)}"
+        )
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise MemoryPlanError(f"alignment must be a power of two, got {alignment}")
+    graph = ep.graph
+    out_variants = find_out_variants(graph)
+    values, refs, mutated = collect_values(ep, alignment)
+    aliases = find_view_aliases(graph, values, refs)
+    alias_lifetimes = compute_lifetimes(graph, values, refs, mutated, aliases)
+    planned = [v for k, v in values.items() if k not in aliases]
+    bound = lower_bound(planned)
+    conflicts = _conflicts(planned)
+
+    names = list(ALGORITHMS) if algorithm == "auto" else [algorithm]
+    best_name, best_offsets, best_arena = "", [], -1
+    for name in names:
+        offsets = ALGORITHMS[name](planned, conflicts)
+        arena = _arena(planned, offsets)
+        if best_arena < 0 or arena < best_arena:
+            best_name, best_offsets, best_arena = name, offsets, arena
+        if best_arena == bound:
+            break
+
+    placed = {v.key: (v, o) for v, o in zip(planned, best_offsets)}
+    allocations: dict[str, TensorAllocation] = {}
+    for key, value in values.items():
+        if key in aliases:
+            base, offset = placed[aliases[key]]
+            allocations[key] = TensorAllocation(ARENA_MEM_ID, offset, value.size, alias_lifetimes[key])
+        else:
+            _, offset = placed[key]
+            allocations[key] = TensorAllocation(ARENA_MEM_ID, offset, value.size, (value.start, value.end))
+    return MemoryPlan(
+        out_variants=out_variants,
+        allocations=allocations,
+        arena_sizes=(0, max(best_arena, 0)),
+        lower_bound=bound,
+        algorithm=best_name,
+        aliases=dict(aliases),
+        alignment=alignment,
+    )
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _is_getitem(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is operator.getitem
+
+
+def _is_delegate_call(node: torch.fx.Node) -> bool:
+    target = node.target
+    name = getattr(target, "__name__", None) or getattr(target, "_name", None)
+    return node.op == "call_function" and name == DELEGATE_CALL
+
+
+def _tensor_vals(node: torch.fx.Node) -> list[torch.Tensor]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
