@@ -1,0 +1,388 @@
+"""The ``.pte`` container: flatbuffer program + extended header + data segments.
+
+File layout (all integers little-endian)::
+
+    [0:4]    root table offset of the flatbuffer
+    [4:8]    file identifier "ET12"
+    [8:40]   extended header "eh00" (32 bytes, see :func:`extended_header`)
+    [40:P]   rest of the flatbuffer program (P = program size)
+    pad to 128
+    [B:...]  segments (B = segment base offset); each starts 128-aligned
+             relative to B.  Segment 0 is the constant segment (tensors
+             16-byte aligned inside it), then the mutable-data segment (initial
+             values of planned mutable buffers, unpadded), then one segment per
+             distinct delegate payload.
+
+The facts above (header fields and order, header padded to the largest
+``force_align`` of the schema, 128-byte segment alignment, 16-byte tensor
+alignment, deduplicated delegate payloads) are those of ExecuTorch's
+``exir/_serialize/_program.py``; the code is lowerflow's own.
+
+The in-memory form is :class:`PteData`: the flatbuffer object tree (generated
+object API, ``ProgramT``) whose tensors and delegates refer by index to plain
+byte lists held next to it, so that callers never deal with segment offsets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import flatbuffers
+
+from ..errors import LoweringError
+from .generated import program_generated as fb
+
+#: The flatbuffer file identifier of the ExecuTorch program schema.
+FILE_IDENTIFIER = b"ET12"
+#: Magic of the extended header inserted after the file identifier.
+EXTENDED_HEADER_MAGIC = b"eh00"
+#: Bytes of header content: magic, length, program size, segment base, segment size.
+EXTENDED_HEADER_LENGTH = 4 + 4 + 8 + 8 + 8
+#: Largest ``force_align`` in program.fbs; the inserted header is padded to it
+#: so that every aligned flatbuffer vector stays aligned after the insertion.
+SCHEMA_MAX_ALIGNMENT = 16
+#: Alignment of each segment start (relative to the segment base offset too).
+SEGMENT_ALIGNMENT = 128
+#: Alignment of each constant tensor inside the constant segment.
+CONSTANT_TENSOR_ALIGNMENT = 16
+#: ExecuTorch schema version written in ``Program.version``.
+SCHEMA_VERSION = 0
+
+
+class PteFormatError(LoweringError):
+    """Bytes that are not a well-formed ``.pte`` program."""
+
+
+@dataclass
+class PteData:
+    """A program and the data blobs its tables refer to by index.
+
+    - ``constants[i]``: bytes of the constant tensor whose ``data_buffer_idx``
+      is ``i`` (and which has no ``allocation_info``).  Entry 0 is reserved and
+      empty: ``data_buffer_idx == 0`` means "not a constant".
+    - ``mutable_data[i]``: initial bytes of the planned tensor whose
+      ``allocation_info`` is set and whose ``data_buffer_idx`` is ``i``; entry
+      0 is reserved and empty.  Empty list when no tensor has an initial value.
+    - ``delegate_data[i]``: processed payload of every ``BackendDelegate``
+      whose ``processed`` reference has ``location == SEGMENT`` and
+      ``index == i``.
+    """
+
+    program: fb.ProgramT
+    constants: list[bytes] = field(default_factory=lambda: [b""])
+    mutable_data: list[bytes] = field(default_factory=list)
+    delegate_data: list[bytes] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------
+# serialize
+
+
+def serialize(pte: PteData) -> bytes:
+    """Return the ``.pte`` bytes of ``pte``; deterministic for equal inputs.
+
+    ``pte.program`` is not modified: the segment tables are written into a
+    shallow working copy of the root table.
+    """
+    program = _copy_root(pte.program)
+    segments: list[bytes] = []
+    program.constantSegment = _add_subsegments(
+        segments, pte.constants, CONSTANT_TENSOR_ALIGNMENT
+    )
+    program.mutableDataSegments = None
+    if pte.mutable_data:
+        program.mutableDataSegments = [_add_subsegments(segments, pte.mutable_data, 1)]
+    program.executionPlan = _delegates_to_segments(program.executionPlan, pte.delegate_data, segments)
+    # Empty vectors rather than absent ones: ExecuTorch's python reader
+    # expects these lists to exist.
+    program.backendDelegateData = []
+    program.constantBuffer = []
+    segment_table, segment_blob = _layout_segments(segments)
+    program.segments = segment_table
+    flatbuffer = _finish_flatbuffer(program)
+    return _assemble(flatbuffer, segment_blob)
+
+
+def _copy_root(program: fb.ProgramT) -> fb.ProgramT:
+    """Shallow copy of the root table (its children are shared, not modified)."""
+    copy = fb.ProgramT()
+    copy.__dict__.update(program.__dict__)
+    copy.version = program.version or SCHEMA_VERSION
+    return copy
+
+
+def _add_subsegments(segments: list[bytes], blobs: list[bytes], alignment: int) -> fb.SubsegmentOffsetsT:
+    """Append one segment packing ``blobs`` (each ``alignment``-aligned); return its offsets."""
+    offsets: list[int] = []
+    parts: list[bytes] = []
+    position = 0
+    for i, blob in enumerate(blobs):
+        offsets.append(position)
+        parts.append(bytes(blob))
+        position += len(blob)
+        if i < len(blobs) - 1:
+            pad = _padding(position, alignment)
+            parts.append(b"\0" * pad)
+            position += pad
+    table = fb.SubsegmentOffsetsT()
+    table.segmentIndex = len(segments)
+    table.offsets = offsets
+    segments.append(b"".join(parts))
+    return table
+
+
+def _delegates_to_segments(plans, delegate_data: list[bytes], segments: list[bytes]):
+    """Point every delegate at a segment holding its payload, one segment per distinct payload.
+
+    Returns new ``ExecutionPlanT`` objects with new delegate tables (the input
+    plans are not modified).
+    """
+    if not plans:
+        return plans
+    segment_of_payload: dict[bytes, int] = {}
+    new_plans = []
+    for plan in plans:
+        new_plan = fb.ExecutionPlanT()
+        new_plan.__dict__.update(plan.__dict__)
+        new_delegates = []
+        for delegate in plan.delegates or []:
+            reference = delegate.processed
+            if reference is None or reference.location != fb.DataLocation.SEGMENT:
+                raise PteFormatError(
+                    f"delegate {_text(delegate.id)!r}: payload must be given in PteData.delegate_data"
+                )
+            if reference.index >= len(delegate_data):
+                raise PteFormatError(
+                    f"delegate {_text(delegate.id)!r}: payload index {reference.index} "
+                    f">= {len(delegate_data)} payloads"
+                )
+            payload = bytes(delegate_data[reference.index])
+            if payload not in segment_of_payload:
+                segment_of_payload[payload] = len(segments)
+                segments.append(payload)
+            new_delegate = fb.BackendDelegateT()
+            new_delegate.__dict__.update(delegate.__dict__)
+            new_delegate.processed = _data_reference(fb.DataLocation.SEGMENT, segment_of_payload[payload])
+            new_delegates.append(new_delegate)
+        new_plan.delegates = new_delegates
+        new_plans.append(new_plan)
+    return new_plans
+
+
+def _data_reference(location: int, index: int) -> fb.BackendDelegateDataReferenceT:
+    reference = fb.BackendDelegateDataReferenceT()
+    reference.location = location
+    reference.index = index
+    return reference
+
+
+def _layout_segments(segments: list[bytes]) -> tuple[list[fb.DataSegmentT], bytes]:
+    """Concatenate segments, each starting at a multiple of SEGMENT_ALIGNMENT; return table and blob."""
+    table: list[fb.DataSegmentT] = []
+    parts: list[bytes] = []
+    position = 0
+    for data in segments:
+        pad = _padding(position, SEGMENT_ALIGNMENT)
+        parts.append(b"\0" * pad)
+        position += pad
+        entry = fb.DataSegmentT()
+        entry.offset = position
+        entry.size = len(data)
+        table.append(entry)
+        parts.append(data)
+        position += len(data)
+    return table, b"".join(parts)
+
+
+def _finish_flatbuffer(program: fb.ProgramT) -> bytes:
+    """Pack the object tree into flatbuffer bytes with the ET12 identifier."""
+    builder = flatbuffers.Builder(1024)
+    root = program.Pack(builder)
+    builder.Finish(root, file_identifier=FILE_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def extended_header(program_size: int, segment_base_offset: int, segment_data_size: int) -> bytes:
+    """The ``eh00`` header, padded to SCHEMA_MAX_ALIGNMENT.
+
+    Fields: magic ``eh00``, uint32 header length (32), uint64 program size
+    (flatbuffer bytes including this header), uint64 offset of the first
+    segment (0 if none), uint64 total size of the segment data.
+    """
+    header = (
+        EXTENDED_HEADER_MAGIC
+        + EXTENDED_HEADER_LENGTH.to_bytes(4, "little")
+        + program_size.to_bytes(8, "little")
+        + segment_base_offset.to_bytes(8, "little")
+        + segment_data_size.to_bytes(8, "little")
+    )
+    return header + b"\0" * _padding(len(header), SCHEMA_MAX_ALIGNMENT)
+
+
+def _padded_header_length() -> int:
+    return EXTENDED_HEADER_LENGTH + _padding(EXTENDED_HEADER_LENGTH, SCHEMA_MAX_ALIGNMENT)
+
+
+def _assemble(flatbuffer: bytes, segment_blob: bytes) -> bytes:
+    """Insert the extended header after the file identifier and append the segments."""
+    if flatbuffer[4:8] != FILE_IDENTIFIER:
+        raise PteFormatError(f"flatbuffer identifier is {flatbuffer[4:8]!r}, expected {FILE_IDENTIFIER!r}")
+    header_length = _padded_header_length()
+    program_size = header_length + len(flatbuffer)
+    segment_base = program_size + _padding(program_size, SEGMENT_ALIGNMENT) if segment_blob else 0
+    root_offset = int.from_bytes(flatbuffer[0:4], "little") + header_length
+    parts = [
+        root_offset.to_bytes(4, "little"),
+        flatbuffer[4:8],
+        extended_header(program_size, segment_base, len(segment_blob)),
+        flatbuffer[8:],
+    ]
+    if segment_blob:
+        parts.append(b"\0" * (segment_base - program_size))
+        parts.append(segment_blob)
+    return b"".join(parts)
+
+
+# --------------------------------------------------------------------------
+# deserialize
+
+
+@dataclass(frozen=True)
+class ExtendedHeader:
+    """The decoded ``eh00`` header."""
+
+    program_size: int
+    segment_base_offset: int
+    segment_data_size: int
+
+
+def read_extended_header(data: bytes) -> ExtendedHeader | None:
+    """The extended header of ``data``, or None if the file has none."""
+    if len(data) < 8 + EXTENDED_HEADER_LENGTH - 8 or data[8:12] != EXTENDED_HEADER_MAGIC:
+        return None
+    length = int.from_bytes(data[12:16], "little")
+    if length < EXTENDED_HEADER_LENGTH - 8:
+        raise PteFormatError(f"extended header length {length} is too small")
+    segment_data_size = int.from_bytes(data[32:40], "little") if length >= EXTENDED_HEADER_LENGTH else 0
+    return ExtendedHeader(
+        program_size=int.from_bytes(data[16:24], "little"),
+        segment_base_offset=int.from_bytes(data[24:32], "little"),
+        segment_data_size=segment_data_size,
+    )
+
+
+def deserialize(data: bytes) -> PteData:
+    """Parse ``.pte`` bytes (ours or ExecuTorch's) into :class:`PteData`.
+
+    Constant tensors, mutable initial values and delegate payloads are taken
+    out of their segments (or out of the inline ``constant_buffer`` /
+    ``backend_delegate_data`` tables of files without segments) into the byte
+    lists of PteData; the returned program has no segment tables, so
+    ``serialize(deserialize(b))`` is a valid file again.
+    """
+    data = bytes(data)
+    if len(data) < 8 or data[4:8] != FILE_IDENTIFIER:
+        raise PteFormatError(
+            f"not an ExecuTorch program: identifier {data[4:8]!r}, expected {FILE_IDENTIFIER!r}"
+        )
+    header = read_extended_header(data)
+    program_size = header.program_size if header else len(data)
+    if program_size > len(data):
+        raise PteFormatError(f"program size {program_size} exceeds file size {len(data)}")
+    program = fb.ProgramT.InitFromPackedBuf(data[:program_size], 0)
+    segment_area = data[header.segment_base_offset:] if header and header.segment_base_offset else b""
+    segments = _read_segments(program, segment_area)
+    pte = PteData(
+        program=program,
+        constants=_read_constants(program, segments),
+        mutable_data=_read_mutable_data(program, segments),
+        delegate_data=_read_delegate_payloads(program, segments),
+    )
+    program.segments = None
+    program.constantSegment = None
+    program.mutableDataSegments = None
+    program.constantBuffer = None
+    program.backendDelegateData = None
+    return pte
+
+
+def _read_segments(program: fb.ProgramT, area: bytes) -> list[bytes]:
+    segments = []
+    for i, entry in enumerate(program.segments or []):
+        end = entry.offset + entry.size
+        if end > len(area):
+            raise PteFormatError(f"segment {i} ends at {end}, past the {len(area)} bytes of segment data")
+        segments.append(area[entry.offset:end])
+    return segments
+
+
+def _split_subsegments(table: fb.SubsegmentOffsetsT, segments: list[bytes], what: str) -> list[bytes]:
+    """Cut a segment at the given offsets; each piece keeps its trailing padding."""
+    if table.segmentIndex >= len(segments):
+        raise PteFormatError(f"{what} segment index {table.segmentIndex} >= {len(segments)} segments")
+    blob = segments[table.segmentIndex]
+    offsets = [int(o) for o in table.offsets] if table.offsets is not None else []
+    ends = offsets[1:] + [len(blob)]
+    return [blob[start:end] for start, end in zip(offsets, ends)]
+
+
+def _read_constants(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
+    table = program.constantSegment
+    if table is not None and table.offsets is not None and len(table.offsets) > 0:
+        return _split_subsegments(table, segments, "constant")
+    inline = [_as_bytes(buffer.storage) for buffer in program.constantBuffer or []]
+    return inline or [b""]
+
+
+def _read_mutable_data(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
+    tables = program.mutableDataSegments or []
+    if len(tables) > 1:
+        raise PteFormatError(f"{len(tables)} mutable data segments; only one is supported")
+    return _split_subsegments(tables[0], segments, "mutable data") if tables else []
+
+
+def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
+    """Collect delegate payloads (deduplicated) and re-point delegates at them."""
+    inline = program.backendDelegateData or []
+    payloads: list[bytes] = []
+    index_of: dict[bytes, int] = {}
+    for plan in program.executionPlan or []:
+        for delegate in plan.delegates or []:
+            reference = delegate.processed
+            if reference.location == fb.DataLocation.SEGMENT:
+                if reference.index >= len(segments):
+                    raise PteFormatError(
+                        f"delegate {_text(delegate.id)!r}: segment {reference.index} >= {len(segments)} segments"
+                    )
+                payload = segments[reference.index]
+            else:
+                if reference.index >= len(inline):
+                    raise PteFormatError(
+                        f"delegate {_text(delegate.id)!r}: inline data {reference.index} >= {len(inline)}"
+                    )
+                payload = _as_bytes(inline[reference.index].data)
+            if payload not in index_of:
+                index_of[payload] = len(payloads)
+                payloads.append(payload)
+            delegate.processed = _data_reference(fb.DataLocation.SEGMENT, index_of[payload])
+    return payloads
+
+
+def _as_bytes(vector) -> bytes:
+    """Bytes of a ubyte vector as unpacked by the object API (numpy array, list or None)."""
+    if vector is None:
+        return b""
+    if hasattr(vector, "tobytes"):
+        return vector.tobytes()
+    return bytes(vector)
+
+
+def _text(value) -> str:
+    """A flatbuffer string (unpacked as bytes) as str."""
+    if value is None:
+        return ""
+    return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _padding(offset: int, alignment: int) -> int:
+    return (-offset) % alignment

@@ -1,0 +1,127 @@
+"""lowering.pte: the .pte container, checked against ExecuTorch's own files and tools."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowering.pte import PteData, PteFormatError, deserialize, read_extended_header, schema, serialize
+from lowering.pte.format import CONSTANT_TENSOR_ALIGNMENT, SEGMENT_ALIGNMENT
+
+from ._interop import assert_all_close, eager_outputs, executorch_pte, model_and_inputs, run_in_executorch
+
+pytest.importorskip("executorch")
+
+ROUND_TRIP_MODELS = ["mlp", "cnn", "buffer_mutation", "multi_output", "integer_inputs", "lifted_constant"]
+
+
+@pytest.mark.parametrize("name", ROUND_TRIP_MODELS)
+def test_reserialized_executorch_program_runs_in_executorch(name):
+    original = executorch_pte(name)
+    ours = serialize(deserialize(original))
+    _, inputs = model_and_inputs(name)
+    [outputs] = run_in_executorch(ours, inputs)
+    assert_all_close(outputs, eager_outputs(name))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "multi_output"])
+def test_executorch_deserializer_reads_ours_back_equal(name):
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    original = executorch_pte(name)
+    ours = serialize(deserialize(original))
+    theirs_program = deserialize_pte_binary(original).program
+    ours_program = deserialize_pte_binary(ours).program
+    assert ours_program.execution_plan == theirs_program.execution_plan
+    assert ours_program.constant_buffer == theirs_program.constant_buffer
+    assert len(ours) == len(original)
+
+
+def test_serialize_is_deterministic_and_a_fixed_point():
+    once = serialize(deserialize(executorch_pte("mlp")))
+    assert serialize(deserialize(once)) == once
+    assert serialize(deserialize(executorch_pte("mlp"))) == once
+
+
+def test_extended_header_and_segment_alignment():
+    pte_bytes = serialize(deserialize(executorch_pte("cnn")))
+    assert pte_bytes[4:8] == b"ET12"
+    assert pte_bytes[8:12] == b"eh00"
+    header = read_extended_header(pte_bytes)
+    assert header.segment_base_offset % SEGMENT_ALIGNMENT == 0
+    assert header.segment_base_offset >= header.program_size
+    assert header.segment_base_offset + header.segment_data_size == len(pte_bytes)
+    program = schema.ProgramT.InitFromPackedBuf(pte_bytes[: header.program_size], 0)
+    assert all(segment.offset % SEGMENT_ALIGNMENT == 0 for segment in program.segments)
+    offsets = [int(o) for o in program.constantSegment.offsets]
+    assert len(offsets) > 2 and all(o % CONSTANT_TENSOR_ALIGNMENT == 0 for o in offsets)
+
+
+def test_constants_survive_round_trip_exactly():
+    original = deserialize(executorch_pte("lifted_constant"))
+    again = deserialize(serialize(original))
+    # Each constant keeps its bytes; only inter-tensor padding may follow it.
+    for before, after in zip(original.constants, again.constants):
+        assert after[: len(before.rstrip(b"\0"))] == before.rstrip(b"\0")
+    assert len(again.constants) == len(original.constants) > 3
+
+
+def _delegate(backend_id: str, payload_index: int) -> schema.BackendDelegateT:
+    delegate = schema.BackendDelegateT()
+    delegate.id = backend_id
+    delegate.processed = schema.BackendDelegateDataReferenceT()
+    delegate.processed.location = schema.DataLocation.SEGMENT
+    delegate.processed.index = payload_index
+    spec = schema.CompileSpecT()
+    spec.key = "level"
+    spec.value = list(b"\x02")
+    delegate.compileSpecs = [spec]
+    return delegate
+
+
+def _program_with_delegates(*payload_indices: int) -> schema.ProgramT:
+    plan = schema.ExecutionPlanT()
+    plan.name = "forward"
+    plan.delegates = [_delegate(f"Backend{i}", index) for i, index in enumerate(payload_indices)]
+    program = schema.ProgramT()
+    program.executionPlan = [plan]
+    return program
+
+
+def test_identical_delegate_payloads_share_one_segment():
+    payload_a = bytes(range(200))
+    payload_b = b"other payload"
+    pte = PteData(
+        program=_program_with_delegates(0, 1, 2),
+        delegate_data=[payload_a, payload_b, bytes(payload_a)],
+    )
+    pte_bytes = serialize(pte)
+    header = read_extended_header(pte_bytes)
+    program = schema.ProgramT.InitFromPackedBuf(pte_bytes[: header.program_size], 0)
+    indices = [d.processed.index for d in program.executionPlan[0].delegates]
+    assert indices[0] == indices[2] != indices[1]
+    # constant segment (empty placeholder) + two distinct payloads
+    assert len(program.segments) == 3
+    for segment in program.segments:
+        assert segment.offset % SEGMENT_ALIGNMENT == 0
+    back = deserialize(pte_bytes)
+    assert back.delegate_data == [payload_a, payload_b]
+    assert [d.processed.index for d in back.program.executionPlan[0].delegates] == [0, 1, 0]
+
+
+def test_executorch_deserializer_reads_our_delegate_payloads():
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    payload = bytes(range(256)) * 3
+    pte_bytes = serialize(PteData(program=_program_with_delegates(0, 0), delegate_data=[payload]))
+    program = deserialize_pte_binary(pte_bytes).program
+    delegates = program.execution_plan[0].delegates
+    assert [d.id for d in delegates] == ["Backend0", "Backend1"]
+    assert delegates[0].compile_specs[0].key == "level"
+    assert bytes(delegates[0].compile_specs[0].value) == b"\x02"
+    for delegate in delegates:
+        assert bytes(program.backend_delegate_data[delegate.processed.index].data) == payload
+
+
+def test_bad_identifier_is_a_clear_error():
+    with pytest.raises(PteFormatError, match="ET12"):
+        deserialize(b"\0\0\0\0XXXX" + b"\0" * 64)
