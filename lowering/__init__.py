@@ -1,1 +1,51 @@
-"""lowerflow's compiler library: ExecuTorch's lowering stages on torch alone."""
+"""lowerflow's compiler library: ExecuTorch's lowering stages on torch alone.
+
+    export ─► partition ─► create submodule ─► build ExportedProgram ─► preprocess
+           ─► adjust original program ─► memory plan ─► emit
+"""
+
+from .delegate import executorch_call_delegate
+from .errors import (
+    BackendError,
+    EmitError,
+    ExportError,
+    LoweringError,
+    MemoryPlanError,
+    PartitionError,
+    SubmoduleError,
+)
+from .export import export
+from .lowered_module import BackendDetails, LoweredBackendModule, PreprocessResult
+from .partition import (
+    CompileSpec,
+    DelegationSpec,
+    OpSupportPartitioner,
+    Partitioner,
+    PartitionResult,
+    tag_constant_data,
+    tag_mutated_buffer,
+)
+from .to_backend import to_backend
+
+__all__ = [
+    "BackendDetails",
+    "BackendError",
+    "CompileSpec",
+    "DelegationSpec",
+    "EmitError",
+    "ExportError",
+    "LoweredBackendModule",
+    "LoweringError",
+    "MemoryPlanError",
+    "OpSupportPartitioner",
+    "PartitionError",
+    "PartitionResult",
+    "Partitioner",
+    "PreprocessResult",
+    "SubmoduleError",
+    "executorch_call_delegate",
+    "export",
+    "tag_constant_data",
+    "tag_mutated_buffer",
+    "to_backend",
+]

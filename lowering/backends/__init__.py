@@ -1,0 +1,1 @@
+"""Backends shipped with lowerflow."""

@@ -1,0 +1,72 @@
+"""The ``reference`` backend: an op-allowlist partitioner and a self-contained payload.
+
+``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops;
+``ReferenceBackend.preprocess`` serializes the partition's program into a
+deterministic payload (see :mod:`.payload`), and :class:`.runtime.ReferenceRuntime`
+executes that payload on tensors without the original Python objects.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ...lowered_module import BackendDetails, PreprocessResult
+from ...partition import CompileSpec, OpSupportPartitioner
+from .payload import serialize_program
+from .runtime import ReferenceRuntime
+
+BACKEND_ID = "ReferenceBackend"
+
+aten = torch.ops.aten
+
+#: Ops the reference backend takes by default: the elementwise and linear-algebra
+#: core of MLPs, CNNs and attention.  Deliberately not everything, so that real
+#: models split into several partitions.
+SUPPORTED_OPS = frozenset(
+    {
+        aten.add.Tensor,
+        aten.sub.Tensor,
+        aten.mul.Tensor,
+        aten.mul.Scalar,
+        aten.div.Tensor,
+        aten.relu.default,
+        aten.sigmoid.default,
+        aten.tanh.default,
+        aten.addmm.default,
+        aten.mm.default,
+        aten.bmm.default,
+        aten.permute_copy.default,
+        aten.view_copy.default,
+        aten.convolution.default,
+        aten._native_batch_norm_legit_no_training.default,
+        aten.sum.dim_IntList,
+    }
+)
+
+
+class ReferencePartitioner(OpSupportPartitioner):
+    def __init__(
+        self,
+        supported_ops: Iterable[object] = SUPPORTED_OPS,
+        *,
+        compile_specs: Iterable[CompileSpec] = (),
+        **options,
+    ) -> None:
+        super().__init__(BACKEND_ID, supported_ops, compile_specs=compile_specs, **options)
+
+
+class ReferenceBackend(BackendDetails):
+    @staticmethod
+    def preprocess(edge_program, compile_specs) -> PreprocessResult:
+        return PreprocessResult(serialize_program(edge_program))
+
+
+__all__ = [
+    "BACKEND_ID",
+    "SUPPORTED_OPS",
+    "ReferenceBackend",
+    "ReferencePartitioner",
+    "ReferenceRuntime",
+]

@@ -1,0 +1,389 @@
+"""Stage 2 — partition: tag the nodes a backend will take.
+
+A :class:`Partitioner` returns a :class:`PartitionResult`: the program with
+``node.meta["delegation_tag"]`` set on the nodes of each partition, and a
+:class:`DelegationSpec` per tag saying which backend lowers it.  A partitioner
+only tags; :func:`check_partition_result` verifies that it changed nothing
+else and that no tag lands on a node that cannot be delegated.
+
+Before (an MLP, nothing tagged)::
+
+    %p_fc1_weight : placeholder   %x : placeholder
+    %permute_copy = aten.permute_copy(%p_fc1_weight, [1, 0])
+    %addmm        = aten.addmm(%p_fc1_bias, %x, %permute_copy)
+    %relu         = aten.relu(%addmm)
+    return (%relu,)
+
+After ``OpSupportPartitioner("ReferenceBackend", {addmm, permute_copy})`` and
+``tag_constant_data``::
+
+    %p_fc1_weight {tag: ReferenceBackend_0}   %x {no tag: user input}
+    %permute_copy {tag: ReferenceBackend_0}
+    %addmm        {tag: ReferenceBackend_0}
+    %relu         {no tag}
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import operator
+from collections import defaultdict
+from typing import Callable, Iterable, Mapping
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from .errors import PartitionError
+
+#: The node.meta key a partitioner sets.
+TAG = "delegation_tag"
+#: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
+NO_COPY = "no_copy"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One backend option: a key and its raw bytes (as in ExecuTorch)."""
+
+    key: str
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not isinstance(self.value, (bytes, bytearray)):
+            raise TypeError(
+                f"CompileSpec(key={self.key!r}): key must be str and value bytes, "
+                f"got {type(self.key).__name__} and {type(self.value).__name__}"
+            )
+        object.__setattr__(self, "value", bytes(self.value))
+
+
+@dataclasses.dataclass(frozen=True)
+class DelegationSpec:
+    """Which backend lowers a partition, and with which compile specs."""
+
+    backend_id: str
+    compile_specs: tuple[CompileSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compile_specs", tuple(self.compile_specs))
+
+
+@dataclasses.dataclass
+class PartitionResult:
+    tagged_exported_program: ExportedProgram
+    partition_tags: dict[str, DelegationSpec]
+
+
+class Partitioner(abc.ABC):
+    """Tags the nodes of ``exported_program`` that a backend should take.
+
+    It may only set ``node.meta["delegation_tag"]`` (and ``no_copy``); any other
+    change to the graph is rejected by :func:`check_partition_result`.
+    """
+
+    @abc.abstractmethod
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult: ...
+
+    def __call__(self, exported_program: ExportedProgram) -> PartitionResult:
+        return self.partition(exported_program)
+
+
+class _AllowlistSupport(OperatorSupportBase):
+    def __init__(self, is_supported: Callable[[torch.fx.Node], bool]) -> None:
+        self._is_supported = is_supported
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        return node.op == "call_function" and self._is_supported(node)
+
+
+class OpSupportPartitioner(Partitioner):
+    """Partitions by operator support with torch.fx's ``CapabilityBasedPartitioner``.
+
+    ``supported`` is a collection of ``OpOverload``/``OpOverloadPacket`` or a
+    predicate on nodes.  Each maximal cycle-free group of supported nodes
+    becomes one partition tagged ``f"{tag_prefix}{i}"``; constants used only by
+    one partition (and mutated buffers, if ``take_mutated_buffers``) are tagged
+    with it.
+    """
+
+    def __init__(
+        self,
+        backend_id: str,
+        supported: Iterable[object] | Callable[[torch.fx.Node], bool],
+        *,
+        compile_specs: Iterable[CompileSpec] = (),
+        tag_prefix: str | None = None,
+        take_constants: bool = True,
+        take_mutated_buffers: bool = True,
+        allows_single_node_partition: bool = True,
+    ) -> None:
+        self.delegation_spec = DelegationSpec(backend_id, tuple(compile_specs))
+        self.tag_prefix = tag_prefix if tag_prefix is not None else f"{backend_id}_"
+        self.take_constants = take_constants
+        self.take_mutated_buffers = take_mutated_buffers
+        self.allows_single_node_partition = allows_single_node_partition
+        if callable(supported):
+            self._is_supported = supported
+        else:
+            ops = set(supported)
+            self._is_supported = lambda n: n.target in ops or getattr(
+                n.target, "overloadpacket", None
+            ) in ops
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        gm = exported_program.graph_module
+        partitions = CapabilityBasedPartitioner(
+            gm,
+            _AllowlistSupport(self._is_supported),
+            allows_single_node_partition=self.allows_single_node_partition,
+        ).propose_partitions()
+        # Number partitions by their first node in graph order: deterministic.
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        partitions.sort(key=lambda p: min(order[n] for n in p.nodes))
+        tags: dict[str, DelegationSpec] = {}
+        for i, part in enumerate(partitions):
+            tag = f"{self.tag_prefix}{i}"
+            tags[tag] = self.delegation_spec
+            for node in part.nodes:
+                node.meta[TAG] = tag
+        if self.take_constants:
+            tag_constant_data(exported_program)
+        if self.take_mutated_buffers:
+            tag_mutated_buffer(exported_program)
+        return PartitionResult(exported_program, tags)
+
+
+def tag_constant_data(exported_program: ExportedProgram) -> list[torch.fx.Node]:
+    """Tag each parameter, buffer and lifted constant whose users are all tagged.
+
+    A constant used by several partitions is tagged with the first of them (in
+    sorted order); ``to_backend`` then gives every other partition its own copy
+    (see :func:`duplicate_shared_constants`) unless it is marked ``no_copy``.
+    A constant with an untagged user stays in the top-level program.
+    Mutated buffers are left to :func:`tag_mutated_buffer`.  Returns the nodes tagged.
+    """
+    sig = exported_program.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    tagged = []
+    for node in exported_program.graph.nodes:
+        if node.op != "placeholder" or not node.users:
+            continue
+        spec = _input_spec(exported_program, node)
+        if spec.kind not in _CONSTANT_KINDS or spec.target in mutated:
+            continue
+        user_tags = {u.meta.get(TAG) for u in node.users}
+        if None in user_tags:
+            continue
+        node.meta[TAG] = sorted(user_tags)[0]
+        tagged.append(node)
+    return tagged
+
+
+def tag_mutated_buffer(exported_program: ExportedProgram) -> list[torch.fx.Node]:
+    """Tag a mutated buffer with the partition that computes its new value,
+    when every user of the buffer is in that same partition.
+
+    Before::  %b_acc (BUFFER, mutated)      %add = aten.add(%b_acc, %sum) {tag: T}
+              return (%add  [BUFFER_MUTATION acc], ...)
+    After::   %b_acc {tag: T}  — the mutation moves inside the delegate.
+    """
+    sig = exported_program.graph_signature
+    producer = {}
+    output_node = exported_program.graph.output_node()
+    for spec, arg in zip(sig.output_specs, output_node.args[0]):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            producer[spec.target] = arg
+    tagged = []
+    for node in exported_program.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        spec = _input_spec(exported_program, node)
+        if spec.kind != InputKind.BUFFER or spec.target not in producer:
+            continue
+        tag = producer[spec.target].meta.get(TAG)
+        if tag is not None and all(u.meta.get(TAG) == tag for u in node.users):
+            node.meta[TAG] = tag
+            tagged.append(node)
+    return tagged
+
+
+_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def _input_spec(exported_program: ExportedProgram, placeholder: torch.fx.Node):
+    for spec in exported_program.graph_signature.input_specs:
+        if getattr(spec.arg, "name", None) == placeholder.name:
+            return spec
+    raise PartitionError(f"placeholder {placeholder.name!r} has no input spec")
+
+
+# ---------------------------------------------------------------------------
+# Checks the framework runs on every PartitionResult.
+# ---------------------------------------------------------------------------
+
+
+def graph_fingerprint(graph: torch.fx.Graph) -> list[tuple]:
+    """Everything about a graph a partitioner must not change: nodes, ops, targets, edges."""
+    return [
+        (n.name, n.op, _target_name(n.target), _arg_names(n.args), _arg_names(n.kwargs))
+        for n in graph.nodes
+    ]
+
+
+def check_partition_result(
+    result: PartitionResult,
+    before: list[tuple],
+    partitioner: object,
+) -> None:
+    """Reject a partitioner that changed the graph or tagged what cannot be delegated."""
+    name = type(partitioner).__name__
+    if not isinstance(result, PartitionResult):
+        raise PartitionError(
+            f"partitioner {name}: partition() must return a PartitionResult, "
+            f"got {type(result).__name__}"
+        )
+    ep = result.tagged_exported_program
+    after = graph_fingerprint(ep.graph)
+    if after != before:
+        raise PartitionError(
+            f"partitioner {name} changed the graph ({_first_difference(before, after)}); "
+            f"a partitioner may only set node.meta[{TAG!r}]"
+        )
+    for tag, spec in result.partition_tags.items():
+        if not isinstance(spec, DelegationSpec):
+            raise PartitionError(
+                f"partitioner {name}: tag {tag!r} maps to {type(spec).__name__}, "
+                "expected a DelegationSpec"
+            )
+    user_inputs = set(ep.graph_signature.user_inputs)
+    for node in ep.graph.nodes:
+        tag = node.meta.get(TAG)
+        if tag is None:
+            continue
+        if node.op == "output":
+            raise PartitionError(
+                f"partitioner {name} tagged the output node with {tag!r}; "
+                "outputs cannot be delegated, tag the nodes that compute them"
+            )
+        if node.op == "placeholder" and node.name in user_inputs:
+            raise PartitionError(
+                f"partitioner {name} tagged user input {node.name!r} with {tag!r}; "
+                "user inputs are passed to a delegate, never consumed by it"
+            )
+        if tag not in result.partition_tags:
+            raise PartitionError(
+                f"partitioner {name} tagged node {node.name!r} with {tag!r}, "
+                "which is not in partition_tags"
+            )
+
+
+def _target_name(target: object) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+
+
+def _arg_names(args: object) -> object:
+    return torch.fx.node.map_arg(args, lambda n: ("%", n.name))
+
+
+def _first_difference(before: list[tuple], after: list[tuple]) -> str:
+    for b, a in zip(before, after):
+        if b != a:
+            return f"node {b[0]!r} became {a[0]!r} {a[1]} {a[2]}"
+    if len(after) > len(before):
+        return f"node {after[len(before)][0]!r} was added"
+    return f"node {before[len(after)][0]!r} was removed"
+
+
+# ---------------------------------------------------------------------------
+# Normalisations the framework applies after the checks.
+# ---------------------------------------------------------------------------
+
+
+def tag_getitems_with_producer(graph: torch.fx.Graph) -> None:
+    """A ``getitem`` always follows the node it unpacks into (or out of) a partition.
+
+    Before:: %max_pool {tag: T}   %getitem = getitem(%max_pool, 0) {no tag}
+    After::  %max_pool {tag: T}   %getitem {tag: T}
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            src = node.args[0]
+            tag = src.meta.get(TAG) if isinstance(src, torch.fx.Node) else None
+            if tag is None:
+                node.meta.pop(TAG, None)
+            else:
+                node.meta[TAG] = tag
+
+
+def duplicate_shared_constants(exported_program: ExportedProgram) -> list[torch.fx.Node]:
+    """Give each partition its own copy of a tagged constant other partitions use too.
+
+    Before::  %p_w {tag: A}      %mm_a = mm(%x, %p_w) {tag: A}    %mm_b = mm(%y, %p_w) {tag: B}
+    After::   %p_w {tag: A}      %mm_a = mm(%x, %p_w) {tag: A}
+              %p_w_dup_B {tag: B}   %mm_b = mm(%y, %p_w_dup_B) {tag: B}
+
+    The copy shares the tensor (no extra memory at lowering time) under a new
+    state-dict name; it gets its own input spec right after the original's.
+    Users outside any partition keep the original, which then stays top-level.
+    A node marked ``node.meta["no_copy"] = True`` raises instead.  Returns the copies.
+    """
+    sig = exported_program.graph_signature
+    copies = []
+    for node in list(exported_program.graph.nodes):
+        if node.op != "placeholder" or node.meta.get(TAG) is None:
+            continue
+        own = node.meta[TAG]
+        by_tag: dict[str, list[torch.fx.Node]] = defaultdict(list)
+        for user in node.users:
+            other = user.meta.get(TAG)
+            if other is not None and other != own:
+                by_tag[other].append(user)
+        if not by_tag:
+            continue
+        if node.meta.get(NO_COPY):
+            raise PartitionError(
+                f"constant {node.name!r} is used by partitions {sorted([own, *by_tag])} "
+                f"but is marked {NO_COPY!r}; tag its users into one partition or "
+                "leave it untagged so it stays in the top-level program"
+            )
+        if any(u.meta.get(TAG) is None for u in node.users):
+            # Shared with the top-level program too: keep it there, consumed by nobody.
+            node.meta.pop(TAG)
+            continue
+        index = next(i for i, s in enumerate(sig.input_specs) if s.arg.name == node.name)
+        spec = sig.input_specs[index]
+        anchor = node
+        for offset, tag in enumerate(sorted(by_tag), start=1):
+            anchor = _copy_placeholder(
+                exported_program, node, anchor, spec, index + offset, tag, by_tag[tag]
+            )
+            copies.append(anchor)
+    return copies
+
+
+def _copy_placeholder(ep, node, anchor, spec, spec_index, tag, users):
+    """Insert a copy of placeholder ``node`` after ``anchor`` for the ``users`` tagged ``tag``."""
+    graph = ep.graph
+    target = f"{spec.target}_dup_{_safe(tag)}"
+    name = f"{node.name}_dup_{_safe(tag)}"
+    with graph.inserting_after(anchor):
+        dup = graph.placeholder(name)
+    dup.meta = dict(node.meta)
+    dup.meta[TAG] = tag
+    for user in users:
+        user.replace_input_with(node, dup)
+    table = ep.constants if spec.kind == InputKind.CONSTANT_TENSOR or (
+        spec.kind == InputKind.BUFFER and not spec.persistent
+    ) else ep.state_dict
+    table[target] = table[spec.target]
+    new_spec = dataclasses.replace(spec, arg=type(spec.arg)(name=dup.name), target=target)
+    ep.graph_signature.input_specs.insert(spec_index, new_spec)
+    return dup
+
+
+def _safe(tag: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in tag)

@@ -1,0 +1,71 @@
+"""Helpers on ExportedProgram shared by the stages: copy, rebuild."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+from torch.export import ExportedProgram
+
+
+def copy_program(exported_program: ExportedProgram) -> ExportedProgram:
+    """A copy whose graph can be rewritten freely; weights are shared, not copied.
+
+    Lowering never writes into weight tensors, so sharing them keeps the copy
+    cheap for large models (ExecuTorch deep-copies the whole program).
+    """
+    gm = exported_program.graph_module
+    memo = {id(t): t for t in (*exported_program.state_dict.values(), *exported_program.constants.values())}
+    new_gm = copy.deepcopy(gm, memo)
+    return ExportedProgram(
+        root=new_gm,
+        graph=new_gm.graph,
+        graph_signature=copy.deepcopy(exported_program.graph_signature),
+        state_dict=dict(exported_program.state_dict),
+        range_constraints=dict(exported_program.range_constraints),
+        module_call_graph=copy.deepcopy(exported_program.module_call_graph),
+        example_inputs=exported_program.example_inputs,
+        constants=dict(exported_program.constants),
+        verifiers=[exported_program.verifier],
+    )
+
+
+def rebuild_program(exported_program: ExportedProgram) -> ExportedProgram:
+    """A new ExportedProgram over the (rewritten) graph of ``exported_program``.
+
+    Output specs and the module call graph are renamed to the nodes the output
+    node now returns (fusion replaces output values by getitems), and entries
+    of the state dict and constants that no input spec names any more are dropped.
+    """
+    gm = exported_program.graph_module
+    sig = exported_program.graph_signature
+    outputs = list(gm.graph.output_node().args[0])
+    renamed = {}
+    output_specs = []
+    for spec, node in zip(sig.output_specs, outputs):
+        if hasattr(spec.arg, "name") and isinstance(node, torch.fx.Node):
+            renamed[spec.arg.name] = node.name
+            spec = dataclasses.replace(spec, arg=type(spec.arg)(name=node.name))
+        output_specs.append(spec)
+    new_sig = dataclasses.replace(sig, output_specs=output_specs)
+    targets = {s.target for s in new_sig.input_specs if s.target is not None}
+    state_dict = {k: v for k, v in exported_program.state_dict.items() if k in targets}
+    constants = {k: v for k, v in exported_program.constants.items() if k in targets}
+    call_graph = copy.deepcopy(exported_program.module_call_graph)
+    for entry in call_graph:
+        if entry.fqn == "" and entry.signature is not None:
+            for arg in entry.signature.outputs:
+                if hasattr(arg, "name") and arg.name in renamed:
+                    arg.name = renamed[arg.name]
+    return ExportedProgram(
+        root=gm,
+        graph=gm.graph,
+        graph_signature=new_sig,
+        state_dict=state_dict,
+        range_constraints=exported_program.range_constraints,
+        module_call_graph=call_graph,
+        example_inputs=exported_program.example_inputs,
+        constants=constants,
+        verifiers=[exported_program.verifier],
+    )
