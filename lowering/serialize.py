@@ -1,0 +1,367 @@
+"""Serialization of stage outputs without pickle: a manifest plus content-addressed blobs.
+
+An ``ExportedProgram`` becomes one small JSON *manifest* and a set of *blobs*
+keyed by the sha256 of their bytes::
+
+    manifest (canonical JSON, UTF-8)                 blobs: {sha256 hex: bytes}
+    {
+      "format": "lowerflow.exported_program",
+      "version": 1,
+      "graph": "<sha256 of the graph JSON blob>",   -> torch's JSON serde of the graph
+      "state_dict": {"fc1.weight": TENSOR, ...},    -> raw tensor bytes, one blob each
+      "constants": {"scale": TENSOR, ...},
+      "example_inputs": {"treespec": "...", "leaves": [{"tensor": TENSOR} | {"value": 3}]} | null,
+      "blobs": ["<sha256>", ...]                    every blob the manifest needs, sorted
+    }
+    TENSOR = {"blob": "<sha256>", "dtype": "float32", "shape": [256, 64],
+              "stride": [64, 1], "parameter": true, "requires_grad": true}
+
+Why this layout (see shared/MEASUREMENTS.md): consecutive lowering stages keep
+the same weights, so a store that keys blobs by digest writes each weight once
+for the whole pipeline, and only the small graph blob and manifest change from
+stage to stage.  Every blob digest appears in the manifest, so the manifest's
+own digest covers the whole program (a Merkle tree): equal manifest digests
+mean equal programs.
+
+Guarantees:
+
+* Deterministic: the same program gives the same manifest and blobs in any
+  process (torch's serde embeds ``id()`` of graphs in ``from_node`` metadata;
+  those are renumbered by first appearance).
+* Loading never unpickles and never executes stored code: the graph is read by
+  torch's JSON deserializer, tensors are rebuilt from raw bytes with
+  ``torch.frombuffer``; every blob is checked against its digest.
+* Extensible: a later format (e.g. a program holding lowered modules) is another
+  manifest ``format`` whose fields name further blobs (processed bytes, nested
+  program manifests, ...) and whose ``"blobs"`` list names them all, so stores can
+  verify, copy and garbage-collect any manifest with :func:`manifest_blobs`.
+
+Limits: tensors are stored dense; a tensor whose strides overlap or leave gaps
+(e.g. an ``expand``) is stored contiguous.  Tensors that shared storage (tied
+weights) load as separate tensors with equal values (stored once by digest).
+Script objects (torchbind constants) are rejected.  Non-CPU tensors load on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch._export.serde import serialize as _serde
+from torch.export import ExportedProgram
+from torch.utils import _pytree as pytree
+
+from .errors import LoweringError
+
+#: ``"format"`` of the manifest written by :func:`serialize_program`.
+PROGRAM_FORMAT = "lowerflow.exported_program"
+#: Bumped whenever the bytes written for the same program change.
+PROGRAM_FORMAT_VERSION = 1
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+        torch.uint16, torch.uint32, torch.uint64, torch.bool,
+        torch.float8_e4m3fn, torch.float8_e5m2,
+    )
+}  # fmt: skip
+
+_GRAPH_ID = re.compile(r'"graph_id": (-?\d+)')
+
+
+class SerializationError(LoweringError):
+    """A program or blob cannot be serialized or deserialized; names the offending item."""
+
+
+@dataclass(frozen=True)
+class Serialized:
+    """A manifest and the blobs it names (``{sha256 hex: bytes}``)."""
+
+    manifest: bytes
+    blobs: dict[str, bytes]
+
+    def get_blob(self, digest: str) -> bytes:
+        """The blob with ``digest``; a ``get_blob`` for :func:`deserialize_program`."""
+        try:
+            return self.blobs[digest]
+        except KeyError:
+            raise SerializationError(f"blob {digest} is not in this serialized program") from None
+
+
+# --------------------------------------------------------------------------- digests / JSON
+
+
+def blob_digest(data: bytes) -> str:
+    """The sha256 hex digest that names ``data`` (the same one the artifact store uses)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Deterministic JSON bytes: sorted keys, no whitespace, ASCII, no NaN."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def read_manifest(manifest: bytes, *, expected_format: str | None = None) -> dict[str, Any]:
+    """Parse a manifest, checking it is a JSON object with a ``format`` (and the expected one)."""
+    try:
+        obj = json.loads(manifest)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SerializationError(f"manifest is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict) or not isinstance(obj.get("format"), str):
+        raise SerializationError("manifest is not a JSON object with a 'format' field")
+    if expected_format is not None and obj["format"] != expected_format:
+        raise SerializationError(
+            f"manifest has format {obj['format']!r}, expected {expected_format!r}"
+        )
+    return obj
+
+
+def manifest_blobs(manifest: bytes) -> list[str]:
+    """Digests of every blob a manifest (of any format) needs, from its ``"blobs"`` list."""
+    blobs = read_manifest(manifest).get("blobs", [])
+    if not isinstance(blobs, list) or not all(isinstance(b, str) for b in blobs):
+        raise SerializationError("manifest field 'blobs' is not a list of digests")
+    return blobs
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dict[str, Any], bytes]:
+    """Raw bytes of ``tensor`` in memory order and the JSON metadata to rebuild it.
+
+    The metadata's ``"blob"`` is the digest of the bytes.  Strides of dense tensors
+    (e.g. channels-last) are kept; other layouts are stored contiguous.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise SerializationError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.dtype not in _DTYPES.values():
+        raise SerializationError(
+            f"{name}: unsupported tensor (layout {tensor.layout}, dtype {tensor.dtype})"
+        )
+    t = tensor.detach().cpu()
+    order = _memory_order(t)
+    dense = t.permute(order) if order is not None else t.contiguous()
+    if order is None:
+        t = dense
+    data = dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+    meta = {
+        "blob": blob_digest(data),
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "stride": list(t.stride()),
+        "parameter": isinstance(tensor, torch.nn.Parameter),
+        "requires_grad": bool(tensor.requires_grad),
+    }
+    return meta, data
+
+
+def tensor_from_blob(meta: Mapping[str, Any], data: bytes, *, name: str = "<tensor>") -> torch.Tensor:
+    """Rebuild the tensor :func:`tensor_to_blob` described, from its (verified) bytes."""
+    try:
+        dtype = _DTYPES[meta["dtype"]]
+        shape, stride = [int(s) for s in meta["shape"]], [int(s) for s in meta["stride"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SerializationError(f"{name}: bad tensor metadata {dict(meta)!r}") from exc
+    numel = 1
+    for s in shape:
+        numel *= s
+    if len(data) != numel * dtype.itemsize or len(stride) != len(shape):
+        raise SerializationError(
+            f"{name}: {len(data)} bytes do not hold a {meta['dtype']} tensor of shape {shape}"
+        )
+    # Dims from outermost to innermost in memory: the reverse of ascending stride.
+    order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]), reverse=True)
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    dense = raw.view(dtype).reshape([shape[d] for d in order])
+    tensor = dense.permute(_inverse(order))
+    if list(tensor.stride()) != stride and numel > 1:
+        tensor = tensor.as_strided(shape, stride)  # same memory, size-1 dims' strides
+    if meta.get("parameter"):
+        return torch.nn.Parameter(tensor, requires_grad=bool(meta.get("requires_grad")))
+    if meta.get("requires_grad"):
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def _memory_order(t: torch.Tensor) -> list[int] | None:
+    """The dim permutation that makes a dense ``t`` contiguous, or None if ``t`` is not dense."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    if not torch._prims_common.is_non_overlapping_and_dense(t):
+        return None
+    return sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+
+
+def _inverse(order: list[int]) -> list[int]:
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return inverse
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def serialize_program(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
+    """``ep`` as a manifest plus blobs (graph JSON and one blob per distinct tensor).
+
+    ``keep_stack_traces=False`` drops the source stack traces from node metadata,
+    which makes the bytes independent of where the code lives on disk.
+    """
+    blobs: dict[str, bytes] = {}
+
+    def add(data: bytes) -> str:
+        digest = blob_digest(data)
+        blobs[digest] = data
+        return digest
+
+    def tensors(table: Mapping[str, Any], what: str) -> dict[str, Any]:
+        out = {}
+        for name in sorted(table):
+            value = table[name]
+            if not isinstance(value, torch.Tensor):
+                raise SerializationError(
+                    f"{what} {name!r}: only tensors can be serialized, got {type(value).__name__}"
+                )
+            meta, data = tensor_to_blob(value, name=f"{what} {name!r}")
+            add(data)
+            out[name] = meta
+        return out
+
+    manifest = {
+        "format": PROGRAM_FORMAT,
+        "version": PROGRAM_FORMAT_VERSION,
+        "graph": add(_graph_json(ep, keep_stack_traces=keep_stack_traces)),
+        "state_dict": tensors(ep.state_dict, "state_dict entry"),
+        "constants": tensors(ep.constants, "constant"),
+        "example_inputs": _example_inputs_to_json(ep.example_inputs, add),
+        "blobs": sorted(blobs),
+    }
+    return Serialized(canonical_json(manifest), blobs)
+
+
+def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
+    """Rebuild the program of a :func:`serialize_program` manifest.
+
+    ``get_blob(digest) -> bytes`` fetches blobs (e.g. ``Serialized.get_blob`` or the
+    artifact store); every blob is checked against its digest here.
+    """
+    obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
+    if obj.get("version") != PROGRAM_FORMAT_VERSION:
+        raise SerializationError(
+            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
+        )
+
+    def blob(digest: str, what: str) -> bytes:
+        data = get_blob(digest)
+        if blob_digest(data) != digest:
+            raise SerializationError(f"{what}: blob {digest} does not match its digest")
+        return data
+
+    def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
+        return {
+            name: tensor_from_blob(meta, blob(meta["blob"], f"{what} {name!r}"), name=f"{what} {name!r}")
+            for name, meta in table.items()
+        }
+
+    state_dict = tensors(obj["state_dict"], "state_dict entry")
+    constants = tensors(obj["constants"], "constant")
+    example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
+    graph = blob(obj["graph"], "graph")
+    try:
+        serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
+        # Dicts and tuples are used as they are: torch.load is never reached.
+        return _serde.ExportedProgramDeserializer().deserialize(
+            serialized_ep, state_dict, constants, example_inputs
+        )
+    except SerializationError:
+        raise
+    except Exception as exc:
+        raise SerializationError(
+            f"graph {obj['graph'][:12]}: torch cannot deserialize it: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool) -> bytes:
+    """torch's JSON serde of the graph alone (no tensors), normalized to be deterministic."""
+    try:
+        artifact = _serde.serialize(
+            ep,
+            serialize_state_dict=False,
+            serialize_constants=False,
+            serialize_example_inputs=False,
+        )
+    except Exception as exc:
+        raise SerializationError(
+            f"torch cannot serialize the graph: {type(exc).__name__}: {exc}"
+        ) from exc
+    obj = json.loads(artifact.exported_program)
+    _normalize_graph(obj["graph_module"]["graph"], keep_stack_traces)
+    return canonical_json(obj)
+
+
+def _normalize_graph(graph: dict[str, Any], keep_stack_traces: bool) -> None:
+    """Make the graph JSON a function of the program alone (in place).
+
+    * ``from_node`` metadata embeds ``id()`` of graphs: renumbered by first appearance.
+    * Storage offsets of traced views: torch's deserializer resets them to 0, so
+      they are written as 0 and ``serialize(deserialize(x)) == x`` holds.
+    """
+    ids: dict[str, str] = {}
+
+    for value in graph.get("tensor_values", {}).values():
+        if isinstance(value, dict) and "storage_offset" in value:
+            value["storage_offset"] = {"as_int": 0}
+
+    def renumber(match: re.Match) -> str:
+        return f'"graph_id": {ids.setdefault(match.group(1), str(len(ids)))}'
+
+    for node in graph.get("nodes", []):
+        metadata = node.get("metadata") or {}
+        if "from_node" in metadata:
+            metadata["from_node"] = _GRAPH_ID.sub(renumber, metadata["from_node"])
+        if not keep_stack_traces:
+            metadata.pop("stack_trace", None)
+
+
+def _example_inputs_to_json(example_inputs: Any, add: Callable[[bytes], str]) -> dict | None:
+    """Example inputs as a pytree spec plus leaves (tensor metadata or JSON scalars)."""
+    if example_inputs is None:
+        return None
+    leaves, spec = pytree.tree_flatten(example_inputs)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            meta, data = tensor_to_blob(leaf, name=f"example input leaf {i}")
+            add(data)
+            out.append({"tensor": meta})
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            out.append({"value": leaf})
+        else:
+            raise SerializationError(
+                f"example input leaf {i}: cannot serialize a {type(leaf).__name__}"
+            )
+    return {"treespec": pytree.treespec_dumps(spec), "leaves": out}
+
+
+def _example_inputs_from_json(obj: dict | None, blob: Callable[[str, str], bytes]) -> Any:
+    if obj is None:
+        return None
+    leaves = []
+    for i, leaf in enumerate(obj["leaves"]):
+        if "tensor" in leaf:
+            what = f"example input leaf {i}"
+            leaves.append(tensor_from_blob(leaf["tensor"], blob(leaf["tensor"]["blob"], what), name=what))
+        else:
+            leaves.append(leaf["value"])
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(obj["treespec"]))
