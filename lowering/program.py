@@ -13,20 +13,29 @@ def copy_program(exported_program: ExportedProgram) -> ExportedProgram:
     """A copy whose graph can be rewritten freely; weights are shared, not copied.
 
     Lowering never writes into weight tensors, so sharing them keeps the copy
-    cheap for large models (ExecuTorch deep-copies the whole program).
+    cheap for large models (ExecuTorch deep-copies the whole program).  Mutated
+    buffers are cloned: running the copy must not change the original's state.
     """
     gm = exported_program.graph_module
-    memo = {id(t): t for t in (*exported_program.state_dict.values(), *exported_program.constants.values())}
+    mutated = set(exported_program.graph_signature.buffers_to_mutate.values())
+    state_dict = {
+        k: (v.clone() if k in mutated else v) for k, v in exported_program.state_dict.items()
+    }
+    constants = {
+        k: (v.clone() if k in mutated and isinstance(v, torch.Tensor) else v)
+        for k, v in exported_program.constants.items()
+    }
+    memo = {id(t): t for t in (*state_dict.values(), *constants.values())}
     new_gm = copy.deepcopy(gm, memo)
     return ExportedProgram(
         root=new_gm,
         graph=new_gm.graph,
         graph_signature=copy.deepcopy(exported_program.graph_signature),
-        state_dict=dict(exported_program.state_dict),
+        state_dict=state_dict,
         range_constraints=dict(exported_program.range_constraints),
         module_call_graph=copy.deepcopy(exported_program.module_call_graph),
         example_inputs=exported_program.example_inputs,
-        constants=dict(exported_program.constants),
+        constants=constants,
         verifiers=[exported_program.verifier],
     )
 

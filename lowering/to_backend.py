@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 
 from .adjust import insert_lowered_module
 from .errors import LoweringError, PartitionError
-from .lowered_module import LoweredBackendModule, preprocess
+from .lowered_module import LoweredBackendModule, find_backend, preprocess
 from .partition import (
     CompileSpec,
     Partitioner,
@@ -66,6 +66,8 @@ def _lower_partitions(exported_program: ExportedProgram, partitioner: Partitione
     program = result.tagged_exported_program
     if not result.partition_tags:
         return program
+    for spec in result.partition_tags.values():
+        find_backend(spec.backend_id)  # unknown ids fail before any rewriting
     tag_getitems_with_producer(program.graph)
     duplicate_shared_constants(program)
     calls = create_submodules(program.graph_module, result.partition_tags)
