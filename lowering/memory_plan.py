@@ -35,11 +35,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-import time
+import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+from torch._higher_order_ops.executorch_call_delegate import executorch_call_delegate
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
@@ -48,9 +49,6 @@ from .errors import MemoryPlanError
 #: The arena every planned tensor lives in; 0 is reserved for constants.
 ARENA_MEM_ID = 1
 
-#: Name of the higher-order op that calls a delegated payload (its outputs are
-#: planned here, but it has no out variant: the backend writes them).
-DELEGATE_CALL = "executorch_call_delegate"
 
 
 # ---------------------------------------------------------------------------
@@ -260,11 +258,9 @@ def collect_values(
                         mutated.add(node.name)
         elif node.op == "call_function":
             if _is_getitem(node):
-                source, index = node.args
-                if source in refs and isinstance(source.meta.get("val"), (tuple, list)):
-                    key = f"{source.name}.{index}"
-                    if key in values:
-                        refs[node] = [key]
+                key = value_key(node)
+                if key in values:
+                    refs[node] = [key]
                 continue
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
@@ -280,6 +276,15 @@ def collect_values(
                 if keys:
                     refs[node] = keys
     return values, refs, mutated
+
+
+def value_key(node: torch.fx.Node) -> str:
+    """The value key a node names: ``getitem(src, i)`` names ``"src.i"``."""
+    if _is_getitem(node) and isinstance(node.args[0], torch.fx.Node):
+        source, index = node.args
+        if isinstance(source.meta.get("val"), (tuple, list)):
+            return f"{source.name}.{index}"
+    return node.name
 
 
 def _new_value(key: str, val: torch.Tensor, alignment: int) -> PlannedValue:
@@ -377,121 +382,223 @@ def lower_bound(values: Iterable[PlannedValue]) -> int:
 # Placement algorithms
 # ---------------------------------------------------------------------------
 
-#: A placement algorithm: values (lifetimes set) -> offsets by key.
-Algorithm = Callable[[Sequence[PlannedValue]], dict[str, int]]
+
+@dataclass
+class PlacementProblem:
+    """The values to place, by index: sizes, inclusive lifetimes, conflicts.
+
+    ``conflicts[i]`` lists the values whose lifetimes overlap value ``i``'s;
+    only those may not share bytes with it.
+    """
+
+    sizes: list[int]
+    starts: list[int]
+    ends: list[int]
+    conflicts: list[list[int]]
+    lower_bound: int
+
+    @classmethod
+    def from_values(cls, values: Sequence[PlannedValue]) -> "PlacementProblem":
+        sizes = [v.size for v in values]
+        starts = [v.start for v in values]
+        ends = [v.end for v in values]
+        return cls(sizes, starts, ends, _conflicts(starts, ends), lower_bound(values))
+
+    def __len__(self) -> int:
+        return len(self.sizes)
 
 
-def _overlaps(a: PlannedValue, b: PlannedValue) -> bool:
-    return a.start <= b.end and b.start <= a.end
-
-
-def _conflicts(values: Sequence[PlannedValue]) -> list[list[int]]:
-    """For each value (by index), the indices of values whose lifetimes overlap it.
+def _conflicts(starts: Sequence[int], ends: Sequence[int]) -> list[list[int]]:
+    """For each value, the values whose lifetimes overlap it (sorted indices).
 
     A sweep over start steps: O(n log n + number of overlapping pairs).
     """
-    order = sorted(range(len(values)), key=lambda i: (values[i].start, i))
-    conflicts: list[list[int]] = [[] for _ in values]
+    order = sorted(range(len(starts)), key=lambda i: (starts[i], i))
+    conflicts: list[list[int]] = [[] for _ in starts]
     active: list[int] = []
     for i in order:
-        start = values[i].start
-        active = [j for j in active if values[j].end >= start]
+        start = starts[i]
+        active = [j for j in active if ends[j] >= start]
         for j in active:
             conflicts[i].append(j)
             conflicts[j].append(i)
         active.append(i)
+    for row in conflicts:
+        row.sort()
     return conflicts
 
 
-def _place_in_order(
-    values: Sequence[PlannedValue], order: Sequence[int], conflicts: Sequence[Sequence[int]], *, best_fit: bool
-) -> list[int]:
-    """Place values in ``order``, each at the lowest (or tightest) free gap.
+def place(problem: PlacementProblem, order: Sequence[int], *, best_fit: bool = True) -> list[int]:
+    """Place values in ``order``, each in a free gap among its placed conflicts.
 
-    A gap is free if no already placed, lifetime-overlapping value occupies
-    it.  ``best_fit`` picks the smallest gap that fits (lowest offset on ties);
-    otherwise the lowest offset.
+    ``best_fit`` takes the smallest gap that fits (the lowest on ties), else
+    the lowest gap; with no gap the value goes on top.  O(sum of conflict
+    degrees x log).
     """
-    offsets = [-1] * len(values)
+    sizes, conflicts = problem.sizes, problem.conflicts
+    offsets = [-1] * len(sizes)
     for i in order:
-        size = values[i].size
+        size = sizes[i]
         if size == 0:
             offsets[i] = 0
             continue
         busy = sorted(
-            (offsets[j], offsets[j] + values[j].size)
-            for j in conflicts[i]
-            if offsets[j] >= 0 and values[j].size
+            (offsets[j], offsets[j] + sizes[j]) for j in conflicts[i] if offsets[j] >= 0 and sizes[j]
         )
-        chosen = -1
-        chosen_gap = -1
+        chosen = chosen_gap = -1
         cursor = 0
         for lo, hi in busy:
             gap = lo - cursor
-            if gap >= size:
+            if gap >= size and (chosen < 0 or gap < chosen_gap):
+                chosen, chosen_gap = cursor, gap
                 if not best_fit:
-                    chosen = cursor
                     break
-                if chosen < 0 or gap < chosen_gap:
-                    chosen, chosen_gap = cursor, gap
-            cursor = max(cursor, hi)
-        if chosen < 0:
-            chosen = cursor
-        offsets[i] = chosen
+            if hi > cursor:
+                cursor = hi
+        offsets[i] = chosen if chosen >= 0 else cursor
     return offsets
 
 
-def _arena(values: Sequence[PlannedValue], offsets: Sequence[int]) -> int:
-    return max((o + v.size for v, o in zip(values, offsets)), default=0)
+def arena_size(problem: PlacementProblem, offsets: Sequence[int]) -> int:
+    """Bytes spanned by a placement."""
+    return max((o + s for o, s in zip(offsets, problem.sizes)), default=0)
 
 
-def greedy_by_size(values: Sequence[PlannedValue], conflicts, *, best_fit: bool = True) -> list[int]:
-    """Largest first (ties: longer lifetime, earlier start), best-fit gaps."""
-    order = sorted(
-        range(len(values)),
-        key=lambda i: (-values[i].size, -(values[i].end - values[i].start), values[i].start, i),
-    )
-    return _place_in_order(values, order, conflicts, best_fit=best_fit)
+def size_order(problem: PlacementProblem) -> list[int]:
+    """Largest first; ties: longer lifetime, earlier start, index."""
+    s, b, e = problem.sizes, problem.starts, problem.ends
+    return sorted(range(len(s)), key=lambda i: (-s[i], b[i] - e[i], b[i], i))
 
 
-def greedy_by_lifetime(values: Sequence[PlannedValue], conflicts) -> list[int]:
-    """Longest-lived first (ties: larger, earlier), best-fit gaps."""
-    order = sorted(
-        range(len(values)),
-        key=lambda i: (-(values[i].end - values[i].start), -values[i].size, values[i].start, i),
-    )
-    return _place_in_order(values, order, conflicts, best_fit=True)
+def lifetime_order(problem: PlacementProblem) -> list[int]:
+    """Longest-lived first; ties: larger, earlier start, index."""
+    s, b, e = problem.sizes, problem.starts, problem.ends
+    return sorted(range(len(s)), key=lambda i: (b[i] - e[i], -s[i], b[i], i))
 
 
-def greedy_by_breadth(values: Sequence[PlannedValue], conflicts) -> list[int]:
-    """Steps by decreasing live bytes; at each, its unplaced values largest first.
+def breadth_order(problem: PlacementProblem) -> list[int]:
+    """Steps by decreasing live bytes; at each step its unordered values, largest first.
 
-    The values at the peak step are packed first, so the peak's bytes stack
-    tightly (Pisarchyk & Lee, "Efficient Memory Management for Deep Neural
-    Net Inference", 2020, greedy by breadth).
+    The values live at the peak step come first, so the peak packs tightly
+    (Pisarchyk & Lee 2020, "greedy by breadth").  A value's turn is the
+    best-ranked step of its lifetime: a range-minimum query over step ranks
+    (sparse table), O(n log n + T log T) for T steps.
     """
-    live_at: dict[int, list[int]] = {}
-    load: dict[int, int] = {}
-    for i, v in enumerate(values):
-        for step in range(v.start, v.end + 1):
-            live_at.setdefault(step, []).append(i)
-            load[step] = load.get(step, 0) + v.size
-    order: list[int] = []
-    seen = [False] * len(values)
-    for step in sorted(load, key=lambda s: (-load[s], s)):
-        for i in sorted(live_at[step], key=lambda i: (-values[i].size, values[i].start, i)):
-            if not seen[i]:
-                seen[i] = True
-                order.append(i)
-    return _place_in_order(values, order, conflicts, best_fit=True)
+    s, b, e = problem.sizes, problem.starts, problem.ends
+    if not s:
+        return []
+    steps = max(e) + 2
+    load = [0] * steps
+    for i in range(len(s)):
+        load[b[i]] += s[i]
+        load[e[i] + 1] -= s[i]
+    for t in range(1, steps):
+        load[t] += load[t - 1]
+    rank = [0] * steps
+    for r, t in enumerate(sorted(range(steps), key=lambda t: (-load[t], t))):
+        rank[t] = r
+    table = [rank]
+    width = 1
+    while 2 * width <= steps:
+        prev = table[-1]
+        table.append([min(prev[t], prev[t + width]) for t in range(steps - 2 * width + 1)])
+        width *= 2
+
+    def best_rank(lo: int, hi: int) -> int:
+        level = (hi - lo + 1).bit_length() - 1
+        row = table[level]
+        return min(row[lo], row[hi - (1 << level) + 1])
+
+    return sorted(range(len(s)), key=lambda i: (best_rank(b[i], e[i]), -s[i], b[i], i))
 
 
-#: Placement algorithms in tie-break order (first wins on equal arenas).
-ALGORITHMS: dict[str, Callable[..., list[int]]] = {
-    "greedy_by_size": greedy_by_size,
-    "greedy_by_breadth": greedy_by_breadth,
-    "greedy_by_lifetime": greedy_by_lifetime,
+#: Greedy orders in tie-break order.
+GREEDY_ORDERS: dict[str, Callable[[PlacementProblem], list[int]]] = {
+    "greedy_by_size": size_order,
+    "greedy_by_breadth": breadth_order,
+    "greedy_by_lifetime": lifetime_order,
 }
+
+
+def local_search(
+    problem: PlacementProblem, starts: Sequence[Sequence[int]] = (), *, budget: int = 200_000
+) -> tuple[list[int], list[int]]:
+    """Improve a placement order until the arena meets the lower bound.
+
+    From the best of ``starts`` (default: the greedy orders), repeatedly move
+    a value that reaches the top of the arena earlier in the order and keep
+    the move if the arena does not grow.  The budget counts value placements
+    (not wall time), so the result is the same on every machine; a seeded RNG
+    picks the moves.  Returns ``(order, offsets)``.
+    """
+    n = len(problem)
+    if not starts:
+        starts = [order_fn(problem) for order_fn in GREEDY_ORDERS.values()]
+    best_order: list[int] = []
+    best_offsets: list[int] = []
+    best_arena = -1
+    for order in starts:
+        offsets = place(problem, order)
+        arena = arena_size(problem, offsets)
+        if best_arena < 0 or arena < best_arena:
+            best_order, best_offsets, best_arena = list(order), offsets, arena
+    rng = random.Random(0)
+    order, offsets, arena = best_order, best_offsets, best_arena
+    work = 0
+    while work + n <= budget and best_arena > problem.lower_bound and n > 1:
+        top = [i for i in range(n) if offsets[i] + problem.sizes[i] == arena and problem.sizes[i]]
+        moved = rng.choice(top)
+        position = order.index(moved)
+        candidate = list(order)
+        del candidate[position]
+        candidate.insert(rng.randrange(0, position + 1) if position else 0, moved)
+        if position == 0:  # already first: shake a random pair instead
+            a, b = rng.randrange(n), rng.randrange(n)
+            candidate[a], candidate[b] = candidate[b], candidate[a]
+        new_offsets = place(problem, candidate)
+        new_arena = arena_size(problem, new_offsets)
+        work += n
+        if new_arena <= arena:
+            order, offsets, arena = candidate, new_offsets, new_arena
+            if arena < best_arena:
+                best_order, best_offsets, best_arena = order, offsets, arena
+    return best_order, best_offsets
+
+
+#: Placement algorithms in tie-break order (the first wins on equal arenas).
+#: Each maps a problem to offsets.
+ALGORITHMS: dict[str, Callable[[PlacementProblem], list[int]]] = {
+    **{name: (lambda p, f=order_fn: place(p, f(p))) for name, order_fn in GREEDY_ORDERS.items()},
+    "local_search": lambda p: local_search(p)[1],
+}
+
+
+def choose_placement(problem: PlacementProblem, algorithm: str = "auto") -> tuple[str, list[int], int]:
+    """Run ``algorithm`` (or, for "auto", every algorithm until one meets the
+    lower bound); returns ``(name, offsets, arena)`` of the smallest arena.
+
+    "auto" runs the greedy orders first and the local search only if none of
+    them reaches the lower bound, seeded with their orders.
+    """
+    if algorithm != "auto":
+        offsets = ALGORITHMS[algorithm](problem)
+        return algorithm, offsets, arena_size(problem, offsets)
+    best: tuple[str, list[int], int] | None = None
+    orders = []
+    for name, order_fn in GREEDY_ORDERS.items():
+        order = order_fn(problem)
+        orders.append(order)
+        offsets = place(problem, order)
+        arena = arena_size(problem, offsets)
+        if best is None or arena < best[2]:
+            best = (name, offsets, arena)
+        if arena == problem.lower_bound:
+            return best
+    _, offsets = local_search(problem, orders)
+    arena = arena_size(problem, offsets)
+    if best is None or arena < best[2]:
+        best = ("local_search", offsets, arena)
+    return best
 
 
 # ---------------------------------------------------------------------------
@@ -514,18 +621,9 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
     aliases = find_view_aliases(graph, values, refs)
     alias_lifetimes = compute_lifetimes(graph, values, refs, mutated, aliases)
     planned = [v for k, v in values.items() if k not in aliases]
-    bound = lower_bound(planned)
-    conflicts = _conflicts(planned)
-
-    names = list(ALGORITHMS) if algorithm == "auto" else [algorithm]
-    best_name, best_offsets, best_arena = "", [], -1
-    for name in names:
-        offsets = ALGORITHMS[name](planned, conflicts)
-        arena = _arena(planned, offsets)
-        if best_arena < 0 or arena < best_arena:
-            best_name, best_offsets, best_arena = name, offsets, arena
-        if best_arena == bound:
-            break
+    problem = PlacementProblem.from_values(planned)
+    best_name, best_offsets, best_arena = choose_placement(problem, algorithm)
+    bound = problem.lower_bound
 
     placed = {v.key: (v, o) for v, o in zip(planned, best_offsets)}
     allocations: dict[str, TensorAllocation] = {}
@@ -561,9 +659,9 @@ def _is_getitem(node: torch.fx.Node) -> bool:
 
 
 def _is_delegate_call(node: torch.fx.Node) -> bool:
-    target = node.target
-    name = getattr(target, "__name__", None) or getattr(target, "_name", None)
-    return node.op == "call_function" and name == DELEGATE_CALL
+    """A call of a delegated payload: its outputs are planned, but it has no
+    out variant (the backend writes them)."""
+    return node.op == "call_function" and node.target is executorch_call_delegate
 
 
 def _tensor_vals(node: torch.fx.Node) -> list[torch.Tensor]:
