@@ -28,7 +28,17 @@ from torch.export.graph_signature import OutputKind
 
 from .delegate import executorch_call_delegate, get_lowered_module_name
 from .lowered_module import LoweredBackendModule
+from .program import rebuild_program
 from .subprogram import DelegateIO
+
+
+def adjust_original_program(exported_program: ExportedProgram) -> ExportedProgram:
+    """Finish stage 6 after every :func:`insert_lowered_module`: a new, validated program."""
+    exported_program.graph_module.graph.lint()
+    exported_program.graph_module.recompile()
+    program = rebuild_program(exported_program)
+    program._validate()
+    return program
 
 
 def insert_lowered_module(

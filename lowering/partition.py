@@ -298,6 +298,45 @@ def _first_difference(before: list[tuple], after: list[tuple]) -> str:
     return f"node {before[len(after)][0]!r} was removed"
 
 
+def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> PartitionResult:
+    """Stage 2: run ``partitioner`` on a copy of the program, check and normalise its tags.
+
+    The input program is not modified.  The result's program has every getitem
+    tagged like its producer and every constant shared by several partitions
+    duplicated (:func:`duplicate_shared_constants`); every backend id is known.
+    """
+    from .lowered_module import find_backend  # stage 5's registry; imported late (cycle)
+    from .program import copy_program
+
+    if not isinstance(partitioner, Partitioner):
+        raise PartitionError(f"expected a lowering.Partitioner, got {type(partitioner).__name__}")
+    program = copy_program(exported_program)
+    before = graph_fingerprint(program.graph)
+    result = partitioner.partition(program)
+    check_partition_result(result, before, partitioner)
+    program = result.tagged_exported_program
+    for spec in result.partition_tags.values():
+        find_backend(spec.backend_id)  # unknown ids fail before any rewriting
+    tag_getitems_with_producer(program.graph)
+    duplicate_shared_constants(program)
+    return PartitionResult(program, dict(sorted(result.partition_tags.items())))
+
+
+def partition_tags_of(graph: torch.fx.Graph) -> dict[str, str]:
+    """node name -> tag, for every tagged node: how a tagged program is stored."""
+    return {n.name: n.meta[TAG] for n in graph.nodes if n.meta.get(TAG) is not None}
+
+
+def apply_partition_tags(graph: torch.fx.Graph, tags: Mapping[str, str]) -> None:
+    """Set the tags recorded by :func:`partition_tags_of` on a (reloaded) graph."""
+    nodes = {n.name: n for n in graph.nodes}
+    missing = sorted(set(tags) - set(nodes))
+    if missing:
+        raise PartitionError(f"tagged nodes {missing[:5]} are not in the program")
+    for name, tag in tags.items():
+        nodes[name].meta[TAG] = tag
+
+
 # ---------------------------------------------------------------------------
 # Normalisations the framework applies after the checks.
 # ---------------------------------------------------------------------------

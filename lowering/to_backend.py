@@ -10,18 +10,11 @@ from typing import Sequence, overload
 
 from torch.export import ExportedProgram
 
-from .adjust import insert_lowered_module
+from .adjust import adjust_original_program, insert_lowered_module
 from .errors import LoweringError, PartitionError
-from .lowered_module import LoweredBackendModule, find_backend, preprocess
-from .partition import (
-    CompileSpec,
-    Partitioner,
-    check_partition_result,
-    duplicate_shared_constants,
-    graph_fingerprint,
-    tag_getitems_with_producer,
-)
-from .program import copy_program, rebuild_program
+from .lowered_module import LoweredBackendModule, preprocess
+from .partition import CompileSpec, Partitioner, partition
+from .program import copy_program
 from .submodule import create_submodules
 from .subprogram import create_exported_program_from_submodule
 
@@ -59,26 +52,14 @@ def to_backend(first, second, third=(), /):
 
 
 def _lower_partitions(exported_program: ExportedProgram, partitioner: Partitioner) -> ExportedProgram:
-    program = copy_program(exported_program)
-    before = graph_fingerprint(program.graph)
-    result = partitioner.partition(program)
-    check_partition_result(result, before, partitioner)
+    result = partition(exported_program, partitioner)
     program = result.tagged_exported_program
     if not result.partition_tags:
         return program
-    for spec in result.partition_tags.values():
-        find_backend(spec.backend_id)  # unknown ids fail before any rewriting
-    tag_getitems_with_producer(program.graph)
-    duplicate_shared_constants(program)
     calls = create_submodules(program.graph_module, result.partition_tags)
-    for tag in sorted(calls):
+    for tag, call in calls.items():
         spec = result.partition_tags[tag]
-        call = calls[tag]
         sub_program, io = create_exported_program_from_submodule(program, call, tag)
         lowered = preprocess(sub_program, spec.backend_id, spec.compile_specs, partition=tag)
         insert_lowered_module(program, call, lowered, io)
-    program.graph_module.graph.lint()
-    program.graph_module.recompile()
-    lowered_program = rebuild_program(program)
-    lowered_program._validate()
-    return lowered_program
+    return adjust_original_program(program)
