@@ -1,0 +1,476 @@
+"""Prefect caching for lowering stages: content keys, JSON results, locks.
+
+A stage is a Prefect task made with :func:`stage_task`::
+
+    @stage_task("partition", version="3")
+    def partition(program: ArtifactRef, backend: str, options: dict) -> ArtifactRef:
+        ...
+
+Its cache key (:meth:`StageCachePolicy.key_for`) is the sha256 of canonical JSON of
+
+* the stage name and stage version (bump the version when the stage's code changes),
+* every task parameter, with each :class:`~tasks.store.ArtifactRef` replaced by its
+  sha256 (content, not location) and everything else as canonical JSON,
+* the torch and lowerflow versions.
+
+It is never keyed on torch objects (a parameter that is not JSON or an ArtifactRef
+is an error unless listed in ``ignore``), on run ids or on source code, so the
+same inputs give the same key in every process and flow run.
+
+Results are persisted with a JSON serializer that only knows ArtifactRefs and
+plain JSON (no pickle).  On a cache hit, the ArtifactRefs of the cached result are
+checked in the artifact store first; if one is missing or corrupt the stale
+record is deleted with a warning and the stage recomputes.
+
+Concurrent runs of the same stage on the same inputs compute once: the policy
+uses SERIALIZABLE isolation with a lock manager (by default :class:`FileLockManager`,
+a hardened Prefect ``FileSystemLockManager`` that serializes processes on one
+machine; pass a shared lock manager, e.g. prefect-redis's, for several machines).
+
+Local layout next to the store (``<root>`` a local directory)::
+
+    <root>/prefect/results/<stage>-<sha256>   Prefect result records (JSON)
+    <root>/prefect/locks/<stage>-<sha256>.lock
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import enum
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional
+
+import torch
+from prefect import task
+from prefect.cache_policies import CachePolicy
+from prefect.locking.filesystem import FileSystemLockManager
+from prefect.locking.protocol import LockManager
+from prefect.serializers import JSONSerializer
+
+from .store import ArtifactCorrupt, ArtifactMissing, ArtifactRef, ArtifactStore
+
+logger = logging.getLogger("lowerflow.cache")
+
+#: Bumped when the key document changes shape (invalidates every cached stage).
+KEY_FORMAT = 1
+#: Marker of an ArtifactRef inside a persisted JSON result.
+_REF_TAG = "__lowerflow_artifact__"
+
+Verify = Literal["digest", "exists", "none"]
+
+
+class CacheKeyError(TypeError):
+    """A stage parameter cannot be part of a cache key (names the parameter)."""
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@lru_cache(maxsize=1)
+def environment_versions() -> dict[str, str]:
+    """The versions every key includes: torch and lowerflow."""
+    try:
+        lowerflow = importlib.metadata.version("lowerflow")
+    except importlib.metadata.PackageNotFoundError:
+        lowerflow = "unknown"
+    return {"torch": torch.__version__, "lowerflow": lowerflow}
+
+
+def key_json(value: Any, where: str = "value") -> Any:
+    """``value`` as canonical-JSON-ready data; ArtifactRefs become their digest.
+
+    Accepts None, bool, int, finite float, str, ArtifactRef, Enum, dataclasses,
+    and lists/tuples/dicts (str keys) of those.  Anything else (tensors, modules,
+    programs) raises :class:`CacheKeyError` naming ``where``.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise CacheKeyError(f"{where}: non-finite float {value!r} cannot be a cache key")
+        return value
+    if isinstance(value, ArtifactRef):
+        return {"artifact": value.sha256}
+    if isinstance(value, enum.Enum):
+        return key_json(value.value, where)
+    if isinstance(value, (list, tuple)):
+        return [key_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CacheKeyError(f"{where}: dict key {k!r} is not a string")
+            out[k] = key_json(v, f"{where}[{k!r}]")
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {"dataclass": type(value).__qualname__, "fields": key_json(fields, where)}
+    raise CacheKeyError(
+        f"{where}: cannot key a cache on a {type(value).__module__}.{type(value).__qualname__}; "
+        "pass an ArtifactRef (content digest) or JSON data, or list the parameter in ignore="
+    )
+
+
+def _canonical(obj: Any) -> bytes:
+    """Canonical JSON bytes (sorted keys, no spaces, ASCII): what keys are hashed from."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]+", "_", text) or "stage"
+
+
+# --------------------------------------------------------------------------- policy
+
+
+@dataclass
+class StageCachePolicy(CachePolicy):
+    """Cache key = stage, version, input digests, JSON parameters, torch/lowerflow versions.
+
+    ``ignore`` names task parameters left out of the key (e.g. a live object passed
+    alongside the ArtifactRef it was loaded from).  ``verify`` is how cached
+    ArtifactRefs are checked before a hit is used: ``"digest"`` (read and hash,
+    including every blob of program manifests), ``"exists"`` (objects present)
+    or ``"none"``.  ``store_url``/``storage_options`` name the artifact store.
+    """
+
+    stage: str = ""
+    version: str = "1"
+    ignore: tuple[str, ...] = ()
+    verify: Verify = "digest"
+    store_url: Optional[str] = None
+    storage_options: dict[str, Any] = field(default_factory=dict)
+
+    def key_document(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """What the key hashes: stage, version, parameters (refs as digests), versions."""
+        if not self.stage:
+            raise ValueError("StageCachePolicy needs a stage name")
+        params = {k: v for k, v in inputs.items() if k not in self.ignore}
+        return {
+            "key_format": KEY_FORMAT,
+            "stage": self.stage,
+            "stage_version": str(self.version),
+            "inputs": {k: key_json(v, f"stage {self.stage!r} parameter {k!r}") for k, v in params.items()},
+            **environment_versions(),
+        }
+
+    def key_for(self, inputs: Mapping[str, Any]) -> str:
+        """The cache key for these task parameters: ``<stage>-<sha256 hex>``."""
+        digest = hashlib.sha256(_canonical(self.key_document(inputs))).hexdigest()
+        return f"{_slug(self.stage)}-{digest}"
+
+    def compute_key(
+        self,
+        task_ctx: Any,
+        inputs: dict[str, Any],
+        flow_parameters: dict[str, Any],
+        **kwargs: Any,
+    ) -> Optional[str]:
+        """Prefect hook: the key, after dropping a cached record whose artifacts are gone."""
+        key = self.key_for(inputs)
+        result_store = getattr(task_ctx, "result_store", None)
+        if result_store is not None and self.verify != "none":
+            self._drop_unusable_record(result_store, key)
+        return key
+
+    def store(self) -> ArtifactStore:
+        """The artifact store the stage's ArtifactRefs live in."""
+        return ArtifactStore(self.store_url, **self.storage_options)
+
+    def check_refs(self, result: Any) -> None:
+        """Raise ArtifactMissing/ArtifactCorrupt unless every ref in ``result`` is usable."""
+        store = self.store()
+        for ref in iter_refs(result):
+            if self.verify == "digest":
+                store.verify(ref, deep=True)
+            elif not store.has(ref.sha256) and store._output_name(ref.uri) is None:
+                raise ArtifactMissing(f"{ref.kind} artifact {ref.sha256} is missing from store {store.url}")
+
+    def _drop_unusable_record(self, result_store: Any, key: str) -> None:
+        if not result_store.exists(key):
+            return
+        try:
+            record = result_store.read(key)
+            self.check_refs(record.result)
+        except (ArtifactMissing, ArtifactCorrupt) as exc:
+            _warn(f"stage {self.stage!r}: cached result {key} is unusable ({exc}); recomputing")
+            delete_record(result_store, key)
+
+
+def iter_refs(value: Any) -> Iterator[ArtifactRef]:
+    """Every ArtifactRef in a task result (nested in lists, tuples and dicts)."""
+    if isinstance(value, ArtifactRef):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from iter_refs(v)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from iter_refs(v)
+
+
+def delete_record(result_store: Any, key: str) -> None:
+    """Remove the persisted result record ``key`` (and its in-memory copy) from a ResultStore."""
+    storage = result_store.result_storage
+    path = storage._resolve_path(key)
+    result_store.cache.pop(str(path), None)
+    fs = getattr(storage, "filesystem", None)
+    if fs is not None:  # RemoteFileSystem block: any fsspec URL
+        fs.rm(str(path))
+    else:  # LocalFileSystem block
+        Path(path).unlink(missing_ok=True)
+
+
+def _warn(message: str) -> None:
+    logger.warning(message)
+    try:
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning(message)
+    except Exception:  # no run context
+        pass
+
+
+# --------------------------------------------------------------------------- JSON results
+
+
+def encode_json_object(obj: Any) -> Any:
+    """``json.dumps(default=...)`` hook of the result serializer: ArtifactRefs only."""
+    if isinstance(obj, ArtifactRef):
+        return {_REF_TAG: obj.to_json()}
+    raise TypeError(
+        f"a stage result contains a {type(obj).__qualname__}; stages return ArtifactRefs "
+        "and JSON data (store bytes in the ArtifactStore, not in the result)"
+    )
+
+
+def decode_json_object(obj: dict[str, Any]) -> Any:
+    """``json.loads(object_hook=...)`` hook: rebuilds ArtifactRefs, imports nothing."""
+    if len(obj) == 1 and _REF_TAG in obj:
+        return ArtifactRef.from_json(obj[_REF_TAG])
+    return obj
+
+
+def result_serializer() -> JSONSerializer:
+    """Prefect serializer for stage results: JSON with ArtifactRefs, never pickle."""
+    return JSONSerializer(
+        object_encoder=f"{__name__}.encode_json_object",
+        object_decoder=f"{__name__}.decode_json_object",
+        dumps_kwargs={"sort_keys": True},
+    )
+
+
+# --------------------------------------------------------------------------- locks
+
+
+class FileLockManager(FileSystemLockManager):
+    """Prefect's FileSystemLockManager, made safe for processes that crash or race.
+
+    * A lock file appears complete (written to a temporary name, then hard-linked
+      into place), never empty: Prefect's version creates an empty file and then
+      writes it, and a concurrent reader of the empty file fails.
+    * It records the holder's host and pid; a lock whose process on this host is
+      gone is stale and removed, so a killed worker does not block a stage forever.
+    """
+
+    def acquire_lock(
+        self,
+        key: str,
+        holder: str,
+        acquire_timeout: Optional[float] = None,
+        hold_timeout: Optional[float] = None,
+    ) -> bool:
+        self._ensure_lock_files_directory_exists()
+        deadline = None if acquire_timeout is None else time.monotonic() + acquire_timeout
+        while True:
+            if self.is_locked(key) and not self.is_lock_holder(key, holder):
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                if not self.wait_for_lock(key, remaining):
+                    return False
+            if self._create_lock_file(key, holder, hold_timeout) or self.is_lock_holder(key, holder):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+
+    async def aacquire_lock(
+        self,
+        key: str,
+        holder: str,
+        acquire_timeout: Optional[float] = None,
+        hold_timeout: Optional[float] = None,
+    ) -> bool:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(
+            self.acquire_lock, key, holder, acquire_timeout, hold_timeout
+        )
+
+    def is_locked(self, key: str, use_cache: bool = False) -> bool:
+        try:
+            info = self._get_lock_info(key, use_cache=use_cache)
+        except ValueError:  # a lock file written by another manager, mid-write
+            return True
+        if info is not None and _holder_process_gone(info):
+            logger.warning("removing stale lock %s of dead process %s", info["path"], info.get("pid"))
+            Path(info["path"]).unlink(missing_ok=True)
+            self._locks.pop(key, None)
+            return False
+        return super().is_locked(key, use_cache=use_cache)
+
+    def _create_lock_file(self, key: str, holder: str, hold_timeout: Optional[float]) -> bool:
+        """Atomically create the lock file with its content; False if it exists."""
+        lock_path = self._lock_path_for_key(key)
+        expiration = None
+        if hold_timeout is not None:
+            expiration = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=hold_timeout)
+        content = {
+            "holder": holder,
+            "expiration": str(expiration) if expiration is not None else None,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        tmp = lock_path.with_name(f"{lock_path.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_bytes(json.dumps(content).encode())
+        try:
+            os.link(tmp, lock_path)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._locks[key] = {"holder": holder, "expiration": expiration, "path": lock_path}
+        return True
+
+
+def _holder_process_gone(info: Mapping[str, Any]) -> bool:
+    """Whether the lock's holder process was on this host and no longer runs."""
+    pid = info.get("pid")
+    if info.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where a stage's artifacts, result records and locks live.
+
+    * ``store_url`` / ``storage_options``: the artifact store (default ``$LOWERFLOW_STORE``
+      or ``./.lowerflow``).
+    * ``results``: Prefect result storage.  Default for a local store:
+      ``<root>/prefect/results``.  A remote store needs a saved block slug (see
+      :func:`save_results_block`), as Prefect only accepts local paths or saved blocks.
+    * ``lock_manager``: default :class:`FileLockManager` in ``lock_dir``; ``lock_dir``
+      defaults to ``<root>/prefect/locks`` (local store) or ``~/.cache/lowerflow/locks``.
+    * ``verify``: how cached refs are checked before a hit is used (see StageCachePolicy).
+    """
+
+    store_url: Optional[str] = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    results: Optional[str | Path] = None
+    lock_manager: Optional[LockManager] = None
+    lock_dir: Optional[Path] = None
+    verify: Verify = "digest"
+
+    def artifact_store(self) -> ArtifactStore:
+        return ArtifactStore(self.store_url, **dict(self.storage_options))
+
+    def result_storage(self) -> str | Path:
+        """What ``@task(result_storage=...)`` gets: a local Path or a saved block slug."""
+        if self.results is not None:
+            return self.results
+        store = self.artifact_store()
+        if not store.is_local:
+            raise ValueError(
+                f"store {store.url} is not local: give CacheConfig(results=<block slug>) "
+                "(see tasks.cache.save_results_block)"
+            )
+        return Path(store.root) / "prefect" / "results"
+
+    def locks(self) -> LockManager:
+        """The lock manager that serializes identical concurrent stage runs."""
+        if self.lock_manager is not None:
+            return self.lock_manager
+        lock_dir = self.lock_dir
+        if lock_dir is None:
+            store = self.artifact_store()
+            lock_dir = (
+                Path(store.root) / "prefect" / "locks"
+                if store.is_local
+                else Path("~/.cache/lowerflow/locks").expanduser()
+            )
+        return FileLockManager(lock_files_directory=Path(lock_dir))
+
+    def policy(self, stage: str, version: str, ignore: tuple[str, ...] = ()) -> StageCachePolicy:
+        """The SERIALIZABLE cache policy of one stage."""
+        return StageCachePolicy(
+            stage=stage,
+            version=str(version),
+            ignore=tuple(ignore),
+            verify=self.verify,
+            store_url=self.artifact_store().url,
+            storage_options=dict(self.storage_options),
+            isolation_level="SERIALIZABLE",
+            lock_manager=self.locks(),
+        )
+
+
+def save_results_block(config: CacheConfig, name: str = "lowerflow-results") -> str:
+    """Save a RemoteFileSystem block at ``<store>/prefect/results``; returns its slug.
+
+    Needs the Prefect API.  Use the slug as ``CacheConfig(results=...)`` for remote stores.
+    """
+    from prefect.filesystems import RemoteFileSystem
+
+    store = config.artifact_store()
+    block = RemoteFileSystem(basepath=f"{store.url}/prefect/results", settings=dict(config.storage_options))
+    block.save(name, overwrite=True)
+    return f"remote-file-system/{name}"
+
+
+def stage_task(
+    stage: str,
+    version: str = "1",
+    *,
+    config: CacheConfig | None = None,
+    ignore: tuple[str, ...] = (),
+    **task_kwargs: Any,
+) -> Callable[[Callable[..., Any]], Any]:
+    """Decorator making a function a cached lowering stage (a Prefect task).
+
+    ``task_kwargs`` go to ``prefect.task`` (e.g. ``retries``).
+    """
+    config = config or CacheConfig()
+    options = dict(
+        name=stage,
+        cache_policy=config.policy(stage, version, ignore),
+        result_storage=config.result_storage(),
+        result_serializer=result_serializer(),
+        persist_result=True,
+    )
+    options.update(task_kwargs)
+    return task(**options)
