@@ -1,0 +1,79 @@
+"""Shared fixtures: one Prefect test server per session, a moto S3 server, artifact stores.
+
+The Prefect server (``prefect_test_harness``, ~8 s to start) is started only if a
+test asks for ``prefect_api``.  The S3 server is moto in server mode on
+127.0.0.1 with fake credentials given explicitly (no real AWS is ever contacted).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+#: Fake credentials of the moto server; never real ones.
+S3_KEY = "lowerflow-test"
+S3_SECRET = "lowerflow-test-secret"
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """A temporary Prefect server for the whole session; yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness():
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 (random port); yields its endpoint URL."""
+    pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_options(s3_endpoint):
+    """fsspec storage options for the moto server, with a bucket ``lowerflow`` created."""
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    ).create_bucket(Bucket="lowerflow")
+    return {
+        "key": S3_KEY,
+        "secret": S3_SECRET,
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+    }
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def store(request, tmp_path):
+    """An empty ArtifactStore on each kind of filesystem."""
+    from tasks.store import ArtifactStore
+
+    kind = request.param
+    if kind == "local":
+        yield ArtifactStore(str(tmp_path / "store"))
+    elif kind == "memory":
+        s = ArtifactStore(f"memory://lowerflow-{uuid.uuid4().hex}")
+        yield s
+        if s.fs.exists(s.root):
+            s.fs.rm(s.root, recursive=True)
+    else:
+        options = request.getfixturevalue("s3_options")
+        yield ArtifactStore(f"s3://lowerflow/{uuid.uuid4().hex}", **options)
