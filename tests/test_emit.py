@@ -203,3 +203,93 @@ def test_missing_allocation_names_the_value(programs):
     del data["allocations"]["relu"]
     with pytest.raises(EmitError, match="no allocation for value 'relu'"):
         emit_program(ep, MemoryPlan.from_dict(data))
+
+
+# ---------------------------------------------------------------- delegates
+
+
+@pytest.fixture
+def reference_runtime():
+    """The reference backend's runtime, registered for the duration of one test."""
+    from lowering.backends.reference import BACKEND_ID, ReferenceRuntime
+    from lowering.runtime import register_backend_runtime, unregister_backend_runtime
+
+    register_backend_runtime(BACKEND_ID, ReferenceRuntime())
+    yield BACKEND_ID
+    unregister_backend_runtime(BACKEND_ID)
+
+
+@pytest.fixture(scope="module")
+def delegated():
+    """name -> delegated edge program (reference backend partitions) for a few models."""
+    from lowering.backends.reference import ReferencePartitioner
+    from lowering.to_backend import to_backend
+
+    built = {}
+    for name in ("cnn", "transformer", "buffer_mutation"):
+        model, inputs = model_and_inputs(name)
+        built[name] = to_backend(export(model, inputs), ReferencePartitioner())
+    return built
+
+
+def _lowered_modules(ep):
+    return [getattr(ep.graph_module, n.target) for n in ep.graph.nodes if n.op == "get_attr"]
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer", "buffer_mutation"])
+def test_delegated_program_runs_in_our_executor(delegated, reference_runtime, name):
+    ep = delegated[name]
+    assert _lowered_modules(ep), "the partitioner delegated nothing"
+    pte = emit_program(ep, memory_plan(ep))
+    model, inputs = MODELS[name]()
+    program = load(pte)
+    for expected in _two_eager_calls(model, inputs):
+        assert_all_close(program.run("forward", list(inputs)), expected)
+
+
+def test_delegates_are_read_back_by_executorch(delegated):
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir.schema import Instruction
+
+    ep = delegated["cnn"]
+    program = deserialize_pte_binary(emit_program(ep, memory_plan(ep))).program
+    [method] = program.execution_plan
+    lowered = _lowered_modules(ep)
+    assert [d.id for d in method.delegates] == [m.backend_id for m in lowered]
+    for delegate, module in zip(method.delegates, lowered):
+        assert bytes(program.backend_delegate_data[delegate.processed.index].data) == module.processed_bytes
+        assert [(s.key, bytes(s.value)) for s in delegate.compile_specs] == [
+            (s.key, s.value) for s in module.compile_specs
+        ]
+    calls = [i.instr_args for i in method.chains[0].instructions if type(i.instr_args).__name__ == "DelegateCall"]
+    assert sorted(c.delegate_index for c in calls) == list(range(len(lowered)))
+    # args = inputs then outputs: the last call's last arg is a value the method outputs
+    # or a later instruction reads.
+    assert all(len(c.args) >= 2 for c in calls)
+
+
+def test_identical_delegate_payloads_are_stored_once(delegated):
+    import copy
+
+    ep = copy.deepcopy(delegated["cnn"])
+    first, second, *_ = _lowered_modules(ep)
+    second._processed_bytes = first.processed_bytes
+    pte_bytes = emit_program(ep, memory_plan(ep))
+    data = deserialize(pte_bytes)
+    assert len(data.delegate_data) == len(_lowered_modules(ep)) - 1
+    delegates = data.program.executionPlan[0].delegates
+    assert delegates[0].processed.index == delegates[1].processed.index
+    header_program = schema.ProgramT.InitFromPackedBuf(pte_bytes, 0)
+    assert len(header_program.segments) == 1 + len(data.delegate_data)  # constants + distinct payloads
+
+
+def test_unregistered_backend_is_a_clear_error(delegated):
+    from lowering.runtime import ExecutorError, backend_runtime
+
+    with pytest.raises(ExecutorError):
+        backend_runtime("ReferenceBackend")  # precondition: nothing registered outside the fixture
+    ep = delegated["cnn"]
+    program = load(emit_program(ep, memory_plan(ep)))
+    _, inputs = model_and_inputs("cnn")
+    with pytest.raises(ExecutorError, match="'ReferenceBackend'"):
+        program.run("forward", list(inputs))
