@@ -197,9 +197,13 @@ def _memory_order(t: torch.Tensor) -> list[int] | None:
     """The dim permutation that makes a dense ``t`` contiguous, or None if ``t`` is not dense."""
     if t.is_contiguous():
         return list(range(t.dim()))
-    if not torch._prims_common.is_non_overlapping_and_dense(t):
-        return None
-    return sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    expected = 1
+    for d in reversed(order):  # innermost first: each stride must be the product so far
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    return order
 
 
 def _inverse(order: list[int]) -> list[int]:
