@@ -211,71 +211,77 @@ def _qualified_overload(qualified_name: str, overload: str) -> str:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class PlannedValue:
-    """One tensor value to place: its key, byte sizes and inclusive lifetime."""
+@dataclass(frozen=True)
+class TensorValue:
+    """One tensor value the program computes or receives: its key and byte sizes."""
 
     key: str
     nbytes: int
-    size: int
-    start: int
-    end: int
+    size: int  # nbytes rounded up to the alignment
 
 
-def collect_values(
-    ep: ExportedProgram, alignment: int
-) -> tuple[dict[str, PlannedValue], dict[torch.fx.Node, list[str]], set[str]]:
-    """List the values to plan, in graph order.
+@dataclass
+class ValueTable:
+    """The planned values of a program, in graph order.
 
-    Returns ``(values, refs, mutated)``: ``values`` by key (lifetimes not yet
-    set), ``refs`` mapping each node to the value keys it names (a ``getitem``
-    names one element of its source; a multi-output node names all of its
-    outputs), and the keys of mutated buffers.
+    ``refs`` maps each node to the value keys it names (a ``getitem`` names
+    one element of its source; a multi-output node names all its outputs);
+    ``mutated`` holds the keys of mutated buffers.
     """
-    sig = ep.graph_signature
-    input_kinds = {spec.arg.name: spec.kind for spec in sig.input_specs if hasattr(spec.arg, "name")}
-    mutated_targets = {
-        spec.target for spec in sig.output_specs if spec.kind == OutputKind.BUFFER_MUTATION
-    }
-    buffer_targets = {
-        spec.arg.name: spec.target
-        for spec in sig.input_specs
-        if spec.kind == InputKind.BUFFER and hasattr(spec.arg, "name")
-    }
-    values: dict[str, PlannedValue] = {}
+
+    values: dict[str, TensorValue]
+    refs: dict[torch.fx.Node, list[str]]
+    mutated: set[str]
+
+
+def collect_values(ep: ExportedProgram, alignment: int) -> ValueTable:
+    """User inputs, mutated buffers and every op output; constants are left out.
+
+    Raises :class:`MemoryPlanError` for a symbolic (dynamic) shape.
+    """
+    planned_inputs, mutated_inputs = _planned_inputs(ep)
+    values: dict[str, TensorValue] = {}
     refs: dict[torch.fx.Node, list[str]] = {}
-    mutated: set[str] = set()
     for node in ep.graph.nodes:
-        if node.op == "placeholder":
-            kind = input_kinds.get(node.name)
-            is_mutated_buffer = kind == InputKind.BUFFER and buffer_targets.get(node.name) in mutated_targets
-            if kind == InputKind.USER_INPUT or is_mutated_buffer:
-                val = node.meta.get("val")
-                if isinstance(val, torch.Tensor):
-                    values[node.name] = _new_value(node.name, val, alignment)
-                    refs[node] = [node.name]
-                    if is_mutated_buffer:
-                        mutated.add(node.name)
-        elif node.op == "call_function":
-            if _is_getitem(node):
-                key = value_key(node)
-                if key in values:
-                    refs[node] = [key]
-                continue
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                values[node.name] = _new_value(node.name, val, alignment)
-                refs[node] = [node.name]
-            elif isinstance(val, (tuple, list)):
-                keys = []
-                for i, item in enumerate(val):
-                    if isinstance(item, torch.Tensor):
-                        key = f"{node.name}.{i}"
-                        values[key] = _new_value(key, item, alignment)
-                        keys.append(key)
-                if keys:
-                    refs[node] = keys
-    return values, refs, mutated
+        if node.op == "placeholder" and node.name not in planned_inputs:
+            continue
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        if _is_getitem(node):
+            key = value_key(node)
+            if key in values:
+                refs[node] = [key]
+            continue
+        val = node.meta.get("val")
+        items = {node.name: val} if not isinstance(val, (tuple, list)) else {
+            f"{node.name}.{i}": item for i, item in enumerate(val)
+        }
+        keys = [key for key, item in items.items() if isinstance(item, torch.Tensor)]
+        for key in keys:
+            values[key] = _tensor_value(key, items[key], alignment)
+        if keys:
+            refs[node] = keys
+    return ValueTable(values, refs, mutated_inputs)
+
+
+def _planned_inputs(ep: ExportedProgram) -> tuple[set[str], set[str]]:
+    """Placeholder names that get memory (user inputs, mutated buffers), and the
+    mutated buffers among them.  Parameters, lifted constants and buffers that
+    are never mutated are constants."""
+    sig = ep.graph_signature
+    mutated_fqns = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+    planned: set[str] = set()
+    mutated: set[str] = set()
+    for spec in sig.input_specs:
+        name = getattr(spec.arg, "name", None)
+        if name is None:
+            continue
+        if spec.kind == InputKind.USER_INPUT:
+            planned.add(name)
+        elif spec.kind == InputKind.BUFFER and spec.target in mutated_fqns:
+            planned.add(name)
+            mutated.add(name)
+    return planned, mutated
 
 
 def value_key(node: torch.fx.Node) -> str:
@@ -287,75 +293,69 @@ def value_key(node: torch.fx.Node) -> str:
     return node.name
 
 
-def _new_value(key: str, val: torch.Tensor, alignment: int) -> PlannedValue:
-    """A value of ``val``'s byte size; static shapes only."""
+def _tensor_value(key: str, val: torch.Tensor, alignment: int) -> TensorValue:
+    """``val``'s byte sizes; static shapes only."""
     if any(not isinstance(d, int) for d in val.shape):
         raise MemoryPlanError(
             f"value {key!r} has shape {tuple(val.shape)}: dynamic shapes are not yet supported"
         )
     nbytes = val.numel() * val.element_size()
-    return PlannedValue(key, nbytes, _align(nbytes, alignment), -1, -1)
+    return TensorValue(key, nbytes, _align(nbytes, alignment))
 
 
-def find_view_aliases(
-    graph: torch.fx.Graph, values: Mapping[str, PlannedValue], refs: Mapping[torch.fx.Node, list[str]]
-) -> dict[str, str]:
+def find_view_aliases(graph: torch.fx.Graph, table: ValueTable) -> dict[str, str]:
     """``view_copy`` outputs that share their base's memory: view key -> base key.
 
-    Like ExecuTorch, a view that feeds the graph output keeps its own copy;
-    chains resolve to the root base.  Only planned bases qualify (a view of a
-    constant stays a planned copy).
+    As in ExecuTorch's ``ReplaceViewCopyWithViewPass``, a view that feeds the
+    graph output keeps its own copy; chains resolve to the root base.  Only
+    planned bases qualify (a view of a constant stays a planned copy).
     """
     aliases: dict[str, str] = {}
     for node in graph.nodes:
-        if node.target is not torch.ops.aten.view_copy.default or node.name not in values:
+        if node.target is not torch.ops.aten.view_copy.default or node.name not in table.values:
             continue
         if any(user.op == "output" for user in node.users):
             continue
-        base = node.args[0]
-        base_keys = refs.get(base) if isinstance(base, torch.fx.Node) else None
-        if not base_keys or len(base_keys) != 1:
+        base_keys = table.refs.get(node.args[0], [])
+        if len(base_keys) != 1:
             continue
         root = aliases.get(base_keys[0], base_keys[0])
-        if values[root].nbytes != values[node.name].nbytes:
-            continue
-        aliases[node.name] = root
+        if table.values[root].nbytes == table.values[node.name].nbytes:
+            aliases[node.name] = root
     return aliases
 
 
-def compute_lifetimes(
-    graph: torch.fx.Graph,
-    values: Mapping[str, PlannedValue],
-    refs: Mapping[torch.fx.Node, list[str]],
-    mutated: set[str],
-    aliases: Mapping[str, str],
-) -> dict[str, tuple[int, int]]:
-    """Set each value's inclusive (first, last) step; returns the aliases' own lifetimes.
+def compute_lifetimes(graph: torch.fx.Graph, table: ValueTable) -> dict[str, tuple[int, int]]:
+    """Each value's inclusive (first, last) step; step = node index in graph order.
 
-    Step = node index in graph order.  Placeholders start at 0, graph outputs
-    live to the output node, mutated buffers live throughout; a base's
-    lifetime covers its aliases' uses.
+    A value lives from its defining node to the last node that reads it
+    (uses through ``getitem`` count); placeholders start at 0, graph outputs
+    live to the output node, mutated buffers live throughout.
     """
     nodes = list(graph.nodes)
-    last_step = len(nodes) - 1
-    alias_lifetimes: dict[str, list[int]] = {}
+    spans: dict[str, list[int]] = {}
     for step, node in enumerate(nodes):
-        touched = list(refs.get(node, ()))
+        touched = list(table.refs.get(node, ()))
         for arg in _input_nodes(node):
-            touched.extend(refs.get(arg, ()))
+            touched.extend(table.refs.get(arg, ()))
+        first = 0 if node.op == "placeholder" else step
         for key in touched:
-            if key in aliases:
-                span = alias_lifetimes.setdefault(key, [step, step])
-                span[1] = step
-                key = aliases[key]
-            value = values[key]
-            start = 0 if node.op == "placeholder" else step
-            if value.start < 0 or start < value.start:
-                value.start = start
-            value.end = max(value.end, step)
-    for key in mutated:
-        values[key].start, values[key].end = 0, last_step
-    return {k: (s, e) for k, (s, e) in alias_lifetimes.items()}
+            span = spans.setdefault(key, [first, step])
+            span[1] = step
+    for key in table.mutated:
+        spans[key] = [0, len(nodes) - 1]
+    return {key: tuple(spans[key]) for key in table.values}
+
+
+def extend_base_lifetimes(
+    lifetimes: Mapping[str, tuple[int, int]], aliases: Mapping[str, str]
+) -> dict[str, tuple[int, int]]:
+    """Lifetimes in which each base also covers every use of its aliases."""
+    extended = dict(lifetimes)
+    for alias, base in aliases.items():
+        (b0, b1), (a0, a1) = extended[base], lifetimes[alias]
+        extended[base] = (min(b0, a0), max(b1, a1))
+    return extended
 
 
 def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -363,6 +363,16 @@ def _input_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     found: list[torch.fx.Node] = []
     torch.fx.node.map_arg((node.args, node.kwargs), found.append)
     return found
+
+
+@dataclass(frozen=True)
+class PlannedValue:
+    """A value to place: reserved bytes and inclusive lifetime."""
+
+    key: str
+    size: int
+    start: int
+    end: int
 
 
 def lower_bound(values: Iterable[PlannedValue]) -> int:
@@ -615,32 +625,32 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
         )
     if alignment <= 0 or alignment & (alignment - 1):
         raise MemoryPlanError(f"alignment must be a power of two, got {alignment}")
-    graph = ep.graph
-    out_variants = find_out_variants(graph)
-    values, refs, mutated = collect_values(ep, alignment)
-    aliases = find_view_aliases(graph, values, refs)
-    alias_lifetimes = compute_lifetimes(graph, values, refs, mutated, aliases)
-    planned = [v for k, v in values.items() if k not in aliases]
+    table = collect_values(ep, alignment)
+    out_variants = find_out_variants(ep.graph)
+    aliases = find_view_aliases(ep.graph, table)
+    own = compute_lifetimes(ep.graph, table)
+    lifetimes = extend_base_lifetimes(own, aliases)
+    planned = [
+        PlannedValue(key, value.size, *lifetimes[key])
+        for key, value in table.values.items()
+        if key not in aliases
+    ]
     problem = PlacementProblem.from_values(planned)
-    best_name, best_offsets, best_arena = choose_placement(problem, algorithm)
-    bound = problem.lower_bound
-
-    placed = {v.key: (v, o) for v, o in zip(planned, best_offsets)}
-    allocations: dict[str, TensorAllocation] = {}
-    for key, value in values.items():
-        if key in aliases:
-            base, offset = placed[aliases[key]]
-            allocations[key] = TensorAllocation(ARENA_MEM_ID, offset, value.size, alias_lifetimes[key])
-        else:
-            _, offset = placed[key]
-            allocations[key] = TensorAllocation(ARENA_MEM_ID, offset, value.size, (value.start, value.end))
+    name, offsets, arena = choose_placement(problem, algorithm)
+    offset_of = {v.key: offset for v, offset in zip(planned, offsets)}
+    allocations = {
+        key: TensorAllocation(
+            ARENA_MEM_ID, offset_of[aliases.get(key, key)], value.size, lifetimes[key]
+        )
+        for key, value in table.values.items()
+    }
     return MemoryPlan(
         out_variants=out_variants,
         allocations=allocations,
-        arena_sizes=(0, max(best_arena, 0)),
-        lower_bound=bound,
-        algorithm=best_name,
-        aliases=dict(aliases),
+        arena_sizes=(0, arena),
+        lower_bound=problem.lower_bound,
+        algorithm=name,
+        aliases=aliases,
         alignment=alignment,
     )
 

@@ -298,7 +298,7 @@ def test_plans_are_identical_across_processes(plans):
 
 def _problem(triples):
     return PlacementProblem.from_values(
-        [PlannedValue(str(i), size, size, start, end) for i, (size, start, end) in enumerate(triples)]
+        [PlannedValue(str(i), size, start, end) for i, (size, start, end) in enumerate(triples)]
     )
 
 
@@ -319,3 +319,25 @@ def test_disjoint_lifetimes_share_memory():
     problem = _problem([(64, 0, 1), (64, 2, 3), (64, 4, 5)])
     assert place(problem, [0, 1, 2]) == [0, 0, 0]
     assert problem.lower_bound == 64
+
+
+# --- delegated programs ----------------------------------------------------------------
+
+
+def test_delegate_outputs_are_planned_without_an_out_variant(programs):
+    from lowering import OpSupportPartitioner, to_backend
+    from lowering.backends.reference import BACKEND_ID
+
+    supported = [torch.ops.aten.relu.default, torch.ops.aten.add.Tensor, torch.ops.aten.addmm.default]
+    delegated = to_backend(programs["cnn"], OpSupportPartitioner(BACKEND_ID, supported))
+    plan = memory_plan(delegated)
+    calls = [n for n in delegated.graph.nodes if "executorch_call_delegate" in str(n.target)]
+    assert len(calls) > 1
+    for call in calls:
+        assert call.name not in plan.out_variants
+        outputs = call.meta["val"]
+        assert [f"{call.name}.{i}" in plan.allocations for i in range(len(outputs))] == [True] * len(outputs)
+        for arg in call.args[1:]:  # the inputs stay live through the call
+            assert plan.allocations[value_key(arg)].lifetime[1] >= plan.allocations[f"{call.name}.0"].lifetime[0]
+    _assert_no_live_overlap(plan)
+    assert plan.arena_bytes == plan.lower_bound
