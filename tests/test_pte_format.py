@@ -59,10 +59,9 @@ def test_extended_header_and_segment_alignment():
 def test_constants_survive_round_trip_exactly():
     original = deserialize(executorch_pte("lifted_constant"))
     again = deserialize(serialize(original))
-    # Each constant keeps its bytes; only inter-tensor padding may follow it.
-    for before, after in zip(original.constants, again.constants):
-        assert after[: len(before.rstrip(b"\0"))] == before.rstrip(b"\0")
-    assert len(again.constants) == len(original.constants) > 3
+    # Each constant keeps its bytes (and the same padding to the next 16-byte boundary).
+    assert again.constants == original.constants
+    assert len(original.constants) > 3 and any(len(c) >= 64 for c in original.constants)
 
 
 def _delegate(backend_id: str, payload_index: int) -> schema.BackendDelegateT:

@@ -149,11 +149,11 @@ def _delegates_to_segments(plans, delegate_data: list[bytes], segments: list[byt
             reference = delegate.processed
             if reference is None or reference.location != fb.DataLocation.SEGMENT:
                 raise PteFormatError(
-                    f"delegate {_text(delegate.id)!r}: payload must be given in PteData.delegate_data"
+                    f"delegate {decode_string(delegate.id)!r}: payload must be given in PteData.delegate_data"
                 )
             if reference.index >= len(delegate_data):
                 raise PteFormatError(
-                    f"delegate {_text(delegate.id)!r}: payload index {reference.index} "
+                    f"delegate {decode_string(delegate.id)!r}: payload index {reference.index} "
                     f">= {len(delegate_data)} payloads"
                 )
             payload = bytes(delegate_data[reference.index])
@@ -330,7 +330,7 @@ def _read_constants(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
     table = program.constantSegment
     if table is not None and table.offsets is not None and len(table.offsets) > 0:
         return _split_subsegments(table, segments, "constant")
-    inline = [_as_bytes(buffer.storage) for buffer in program.constantBuffer or []]
+    inline = [vector_bytes(buffer.storage) for buffer in program.constantBuffer or []]
     return inline or [b""]
 
 
@@ -352,15 +352,15 @@ def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list
             if reference.location == fb.DataLocation.SEGMENT:
                 if reference.index >= len(segments):
                     raise PteFormatError(
-                        f"delegate {_text(delegate.id)!r}: segment {reference.index} >= {len(segments)} segments"
+                        f"delegate {decode_string(delegate.id)!r}: segment {reference.index} >= {len(segments)} segments"
                     )
                 payload = segments[reference.index]
             else:
                 if reference.index >= len(inline):
                     raise PteFormatError(
-                        f"delegate {_text(delegate.id)!r}: inline data {reference.index} >= {len(inline)}"
+                        f"delegate {decode_string(delegate.id)!r}: inline data {reference.index} >= {len(inline)}"
                     )
-                payload = _as_bytes(inline[reference.index].data)
+                payload = vector_bytes(inline[reference.index].data)
             if payload not in index_of:
                 index_of[payload] = len(payloads)
                 payloads.append(payload)
@@ -368,8 +368,8 @@ def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list
     return payloads
 
 
-def _as_bytes(vector) -> bytes:
-    """Bytes of a ubyte vector as unpacked by the object API (numpy array, list or None)."""
+def vector_bytes(vector) -> bytes:
+    """Bytes of a ``[ubyte]`` field as the object API unpacks it (numpy array, list or None)."""
     if vector is None:
         return b""
     if hasattr(vector, "tobytes"):
@@ -377,8 +377,8 @@ def _as_bytes(vector) -> bytes:
     return bytes(vector)
 
 
-def _text(value) -> str:
-    """A flatbuffer string (unpacked as bytes) as str."""
+def decode_string(value) -> str:
+    """A flatbuffer ``string`` field (the object API unpacks it as bytes) as str."""
     if value is None:
         return ""
     return value.decode() if isinstance(value, (bytes, bytearray)) else str(value)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from ..pte import PteData, deserialize
-from ..pte.format import _text
+from ..pte.format import decode_string, vector_bytes
 from ..pte.generated import program_generated as fb
 from ..pte.scalar_types import SCALAR_TYPE_TO_DTYPE, dim_order_strides
 from .backends import backend_runtime
@@ -43,7 +43,7 @@ class LoadedProgram:
 
     def __init__(self, pte: PteData) -> None:
         self.pte = pte
-        self._plans = {_text(plan.name): plan for plan in pte.program.executionPlan or []}
+        self._plans = {decode_string(plan.name): plan for plan in pte.program.executionPlan or []}
         self._methods: dict[str, LoadedMethod] = {}
 
     @property
@@ -86,19 +86,19 @@ class LoadedMethod:
     """An execution plan with its arenas allocated, values built and kernels resolved."""
 
     def __init__(self, plan: fb.ExecutionPlanT, pte: PteData) -> None:
-        self.name = _text(plan.name)
+        self.name = decode_string(plan.name)
         self._pte = pte
         self.arenas = [torch.zeros(int(size), dtype=torch.uint8) for size in _ints(plan.nonConstBufferSizes)]
         self._initialized: set[int] = set()
         self.values: list[Any] = [self._build_value(i, ev) for i, ev in enumerate(plan.values or [])]
         self.inputs = _ints(plan.inputs)
         self.outputs = _ints(plan.outputs)
-        self.kernels = [resolve_operator(_text(op.name), _text(op.overload)) for op in plan.operators or []]
+        self.kernels = [resolve_operator(decode_string(op.name), decode_string(op.overload)) for op in plan.operators or []]
         self.delegates = [self._init_delegate(d) for d in plan.delegates or []]
         self.steps = self._compile_steps(plan)
         meta = plan.containerMetaType
-        self.encoded_inp_str = _text(meta.encodedInpStr) if meta else ""
-        self.encoded_out_str = _text(meta.encodedOutStr) if meta else ""
+        self.encoded_inp_str = decode_string(meta.encodedInpStr) if meta else ""
+        self.encoded_out_str = decode_string(meta.encodedOutStr) if meta else ""
 
     # ---------------------------------------------------------------- loading
 
@@ -115,21 +115,21 @@ class LoadedMethod:
         if kind == fb.KernelTypes.Double:
             return float(val.doubleVal)
         if kind == fb.KernelTypes.String:
-            return _text(val.stringVal)
+            return decode_string(val.stringVal)
         if kind == fb.KernelTypes.DoubleList:
-            return [float(x) for x in _ints_or_empty(val.items)]
+            return [float(x) for x in _ints(val.items)]
         if kind == fb.KernelTypes.BoolList:
-            return [bool(x) for x in _ints_or_empty(val.items)]
+            return [bool(x) for x in _ints(val.items)]
         if kind in (fb.KernelTypes.IntList, fb.KernelTypes.TensorList, fb.KernelTypes.OptionalTensorList):
-            return _ListRef(_ints_or_empty(val.items))
+            return _ListRef(_ints(val.items))
         raise ExecutorError(f"method {self.name!r}: value {index} has unknown type {kind}")
 
     def _build_tensor(self, index: int, table: fb.TensorT) -> torch.Tensor:
         if table.scalarType not in SCALAR_TYPE_TO_DTYPE:
             raise ExecutorError(f"method {self.name!r}: value {index} has unknown scalar type {table.scalarType}")
         dtype = SCALAR_TYPE_TO_DTYPE[table.scalarType]
-        sizes = [int(s) for s in _ints_or_empty(table.sizes)]
-        dim_order = _ints_or_empty(table.dimOrder) or list(range(len(sizes)))
+        sizes = [int(s) for s in _ints(table.sizes)]
+        dim_order = _ints(table.dimOrder) or list(range(len(sizes)))
         strides = dim_order_strides(sizes, dim_order)
         nbytes = _numel(sizes) * _element_size(dtype)
         allocation = table.allocationInfo
@@ -172,10 +172,10 @@ class LoadedMethod:
     def _init_delegate(self, delegate: fb.BackendDelegateT) -> tuple[Any, Any]:
         from ..partition import CompileSpec
 
-        backend_id = _text(delegate.id)
+        backend_id = decode_string(delegate.id)
         runtime = backend_runtime(backend_id)
         payload = self._pte.delegate_data[delegate.processed.index]
-        specs = [CompileSpec(_text(s.key), _bytes(s.value)) for s in delegate.compileSpecs or []]
+        specs = [CompileSpec(decode_string(s.key), vector_bytes(s.value)) for s in delegate.compileSpecs or []]
         return runtime, runtime.init(payload, specs)
 
     def _compile_steps(self, plan: fb.ExecutionPlanT) -> list[_Step]:
@@ -184,9 +184,17 @@ class LoadedMethod:
         for chain in plan.chains or []:
             for instruction in chain.instructions or []:
                 step = self._compile_instruction(instruction, defined)
-                defined.update(step.args)
+                defined.update(self._with_list_items(step.args))
                 steps.append(step)
         return steps
+
+    def _with_list_items(self, ids: Sequence[int]) -> set[int]:
+        """``ids`` plus the items of the tensor/int lists among them."""
+        found = set(ids)
+        for i in ids:
+            if 0 <= i < len(self.values) and type(self.values[i]) is _ListRef:
+                found.update(self.values[i].items)
+        return found
 
     def _initially_defined(self) -> set[int]:
         """Values holding data before any instruction runs: inputs, constants, non-tensors."""
@@ -200,7 +208,7 @@ class LoadedMethod:
         kind, args = instruction.instrArgsType, instruction.instrArgs
         if kind == fb.InstructionArguments.KernelCall:
             kernel = self.kernels[args.opIndex]
-            arg_ids = tuple(_ints_or_empty(args.args))
+            arg_ids = tuple(_ints(args.args))
             if len(arg_ids) != kernel.num_args + kernel.num_results:
                 raise ExecutorError(
                     f"method {self.name!r}: {kernel.qualified_name} takes {kernel.num_args} args and "
@@ -208,7 +216,11 @@ class LoadedMethod:
                 )
             return _Step("kernel", kernel, arg_ids)
         if kind == fb.InstructionArguments.DelegateCall:
-            arg_ids = tuple(_ints_or_empty(args.args))
+            # The args are the delegate's inputs followed by its outputs; the
+            # format does not say where the outputs start.  They are the
+            # longest tail of values nothing has written yet (not inputs,
+            # constants, initialized state or earlier instructions' values).
+            arg_ids = tuple(_ints(args.args))
             split = len(arg_ids)
             while split > 0 and arg_ids[split - 1] not in defined:
                 split -= 1
@@ -314,15 +326,6 @@ def _location(allocation: fb.AllocationDetailsT) -> tuple[int, int]:
 
 def _ints(vector) -> list[int]:
     return [] if vector is None else [int(x) for x in vector]
-
-
-_ints_or_empty = _ints
-
-
-def _bytes(vector) -> bytes:
-    if vector is None:
-        return b""
-    return vector.tobytes() if hasattr(vector, "tobytes") else bytes(vector)
 
 
 def _bytes_tensor(blob: bytes, nbytes: int) -> torch.Tensor:
