@@ -293,3 +293,49 @@ def test_unregistered_backend_is_a_clear_error(delegated):
     _, inputs = model_and_inputs("cnn")
     with pytest.raises(ExecutorError, match="'ReferenceBackend'"):
         program.run("forward", list(inputs))
+
+
+# ------------------------------------------------------------ argument kinds
+
+
+class _KitchenSink(torch.nn.Module):
+    """Exercises every kind of kernel argument the emitter writes."""
+
+    def forward(self, x, idx, n):
+        a = torch.nn.functional.gelu(x, approximate="tanh")  # String
+        b = torch.div(x, 3.0, rounding_mode="floor")  # String + number in a Tensor position
+        c = torch.cat([a, b], dim=1)  # TensorList
+        d = torch.clamp(c, min=-0.5)  # None for an optional Scalar
+        e = d[idx]  # OptionalTensorList (index.Tensor)
+        f = e.mean(dim=[0], keepdim=True)  # IntList, Bool
+        g = torch.where(f > 0, f, 0.25)  # Double
+        h = torch.full((2, 3), 1.5) + g[:, :3]  # dtype as Int
+        i = torch.nn.functional.layer_norm(c, (8,), eps=1e-3)  # None optional tensors, 3 outputs
+        j = (n * 3 + 1).to(torch.float32)  # int32 arithmetic, dtype conversion
+        return h, i, j, torch.split(c, [3, 5], dim=1)  # TensorList out argument
+
+
+@pytest.fixture(scope="module")
+def kitchen_sink():
+    inputs = (torch.randn(4, 4), torch.tensor([2, 0, 3]), torch.tensor([1, 2, 3], dtype=torch.int32))
+    ep = export(_KitchenSink(), inputs)
+    with torch.no_grad():
+        expected = torch.utils._pytree.tree_leaves(_KitchenSink()(*inputs))
+    return emit_program(ep, memory_plan(ep)), inputs, expected
+
+
+def test_every_argument_kind_runs_in_executorch(kitchen_sink):
+    pte, inputs, expected = kitchen_sink
+    assert_all_close(run_in_executorch(pte, inputs)[0], expected)
+
+
+def test_every_argument_kind_runs_in_our_executor(kitchen_sink):
+    pte, inputs, expected = kitchen_sink
+    assert_all_close(load(pte).run("forward", list(inputs)), expected)
+
+
+def test_every_argument_kind_is_emitted(kitchen_sink):
+    pte, _, _ = kitchen_sink
+    kinds = {value.valType for value in deserialize(pte).program.executionPlan[0].values}
+    K = schema.KernelTypes
+    assert {K.Null, K.Int, K.Bool, K.Double, K.Tensor, K.String, K.IntList, K.TensorList, K.OptionalTensorList} <= kinds
