@@ -438,22 +438,33 @@ def _conflicts(starts: Sequence[int], ends: Sequence[int]) -> list[list[int]]:
     return conflicts
 
 
-def place(problem: PlacementProblem, order: Sequence[int], *, best_fit: bool = True) -> list[int]:
+def place(
+    problem: PlacementProblem,
+    order: Sequence[int],
+    *,
+    best_fit: bool = True,
+    start: int = 0,
+    offsets: Sequence[int] | None = None,
+) -> list[int]:
     """Place values in ``order``, each in a free gap among its placed conflicts.
 
     ``best_fit`` takes the smallest gap that fits (the lowest on ties), else
-    the lowest gap; with no gap the value goes on top.  O(sum of conflict
-    degrees x log).
+    the lowest gap; with no gap the value goes on top.  To re-place only a
+    suffix, pass ``start`` and the ``offsets`` of ``order[:start]``.
+    O(sum of conflict degrees x log).
     """
     sizes, conflicts = problem.sizes, problem.conflicts
-    offsets = [-1] * len(sizes)
-    for i in order:
+    placed = [-1] * len(sizes)
+    if start:
+        for i in order[:start]:
+            placed[i] = offsets[i]
+    for i in order[start:]:
         size = sizes[i]
         if size == 0:
-            offsets[i] = 0
+            placed[i] = 0
             continue
         busy = sorted(
-            (offsets[j], offsets[j] + sizes[j]) for j in conflicts[i] if offsets[j] >= 0 and sizes[j]
+            (placed[j], placed[j] + sizes[j]) for j in conflicts[i] if placed[j] >= 0 and sizes[j]
         )
         chosen = chosen_gap = -1
         cursor = 0
@@ -465,8 +476,8 @@ def place(problem: PlacementProblem, order: Sequence[int], *, best_fit: bool = T
                     break
             if hi > cursor:
                 cursor = hi
-        offsets[i] = chosen if chosen >= 0 else cursor
-    return offsets
+        placed[i] = chosen if chosen >= 0 else cursor
+    return placed
 
 
 def arena_size(problem: PlacementProblem, offsets: Sequence[int]) -> int:
@@ -531,43 +542,53 @@ GREEDY_ORDERS: dict[str, Callable[[PlacementProblem], list[int]]] = {
 
 
 def local_search(
-    problem: PlacementProblem, starts: Sequence[Sequence[int]] = (), *, budget: int = 200_000
+    problem: PlacementProblem,
+    order: Sequence[int] | None = None,
+    offsets: Sequence[int] | None = None,
+    *,
+    max_evaluations: int = 2_000,
+    max_work: int = 1_000_000,
 ) -> tuple[list[int], list[int]]:
     """Improve a placement order until the arena meets the lower bound.
 
-    From the best of ``starts`` (default: the greedy orders), repeatedly move
-    a value that reaches the top of the arena earlier in the order and keep
-    the move if the arena does not grow.  The budget counts value placements
-    (not wall time), so the result is the same on every machine; a seeded RNG
-    picks the moves.  Returns ``(order, offsets)``.
+    From ``order`` (default: the best greedy order; pass its ``offsets`` if
+    already placed), repeatedly move a value that reaches the top of the
+    arena to a random earlier position (or, if it is first, swap a random
+    pair) and keep the move unless the arena grows; only the changed suffix
+    of the order is re-placed.
+
+    The budget is counted in work, not wall time, so the result is the same
+    on every machine: at most ``max_evaluations`` re-placements and
+    ``max_work`` conflict-list entries scanned; a seeded RNG picks the moves.
+    Returns ``(order, offsets)`` of the best placement seen.
     """
     n = len(problem)
-    if not starts:
-        starts = [order_fn(problem) for order_fn in GREEDY_ORDERS.values()]
-    best_order: list[int] = []
-    best_offsets: list[int] = []
-    best_arena = -1
-    for order in starts:
-        offsets = place(problem, order)
-        arena = arena_size(problem, offsets)
-        if best_arena < 0 or arena < best_arena:
-            best_order, best_offsets, best_arena = list(order), offsets, arena
+    if order is None:
+        _, order, offsets = best_greedy(problem)
+    order = list(order)
+    offsets = list(offsets) if offsets is not None else place(problem, order)
+    arena = arena_size(problem, offsets)
+    best_order, best_offsets, best_arena = order, offsets, arena
+    cost = [len(row) + 1 for row in problem.conflicts]
     rng = random.Random(0)
-    order, offsets, arena = best_order, best_offsets, best_arena
-    work = 0
-    while work + n <= budget and best_arena > problem.lower_bound and n > 1:
-        top = [i for i in range(n) if offsets[i] + problem.sizes[i] == arena and problem.sizes[i]]
+    evaluations = work = 0
+    while evaluations < max_evaluations and work < max_work and best_arena > problem.lower_bound and n > 1:
+        top = [i for i in range(n) if problem.sizes[i] and offsets[i] + problem.sizes[i] == arena]
         moved = rng.choice(top)
         position = order.index(moved)
         candidate = list(order)
-        del candidate[position]
-        candidate.insert(rng.randrange(0, position + 1) if position else 0, moved)
-        if position == 0:  # already first: shake a random pair instead
+        if position:
+            first = rng.randrange(position)
+            del candidate[position]
+            candidate.insert(first, moved)
+        else:
             a, b = rng.randrange(n), rng.randrange(n)
             candidate[a], candidate[b] = candidate[b], candidate[a]
-        new_offsets = place(problem, candidate)
+            first = min(a, b)
+        new_offsets = place(problem, candidate, start=first, offsets=offsets)
         new_arena = arena_size(problem, new_offsets)
-        work += n
+        evaluations += 1
+        work += sum(cost[i] for i in candidate[first:])
         if new_arena <= arena:
             order, offsets, arena = candidate, new_offsets, new_arena
             if arena < best_arena:
@@ -575,8 +596,24 @@ def local_search(
     return best_order, best_offsets
 
 
-#: Placement algorithms in tie-break order (the first wins on equal arenas).
-#: Each maps a problem to offsets.
+def best_greedy(problem: PlacementProblem) -> tuple[str, list[int], list[int]]:
+    """``(name, order, offsets)`` of the greedy order with the smallest arena
+    (the first in :data:`GREEDY_ORDERS` on ties; stops at the lower bound)."""
+    best: tuple[str, list[int], list[int]] | None = None
+    best_arena = -1
+    for name, order_fn in GREEDY_ORDERS.items():
+        order = order_fn(problem)
+        offsets = place(problem, order)
+        arena = arena_size(problem, offsets)
+        if best is None or arena < best_arena:
+            best, best_arena = (name, order, offsets), arena
+        if arena == problem.lower_bound:
+            break
+    assert best is not None
+    return best
+
+
+#: Placement algorithms in tie-break order; each maps a problem to offsets.
 ALGORITHMS: dict[str, Callable[[PlacementProblem], list[int]]] = {
     **{name: (lambda p, f=order_fn: place(p, f(p))) for name, order_fn in GREEDY_ORDERS.items()},
     "local_search": lambda p: local_search(p)[1],
@@ -584,31 +621,21 @@ ALGORITHMS: dict[str, Callable[[PlacementProblem], list[int]]] = {
 
 
 def choose_placement(problem: PlacementProblem, algorithm: str = "auto") -> tuple[str, list[int], int]:
-    """Run ``algorithm`` (or, for "auto", every algorithm until one meets the
-    lower bound); returns ``(name, offsets, arena)`` of the smallest arena.
+    """``(name, offsets, arena)`` of ``algorithm``'s placement.
 
-    "auto" runs the greedy orders first and the local search only if none of
-    them reaches the lower bound, seeded with their orders.
+    "auto" takes the best greedy order and, only if it misses the lower
+    bound, improves it with :func:`local_search`.
     """
     if algorithm != "auto":
         offsets = ALGORITHMS[algorithm](problem)
         return algorithm, offsets, arena_size(problem, offsets)
-    best: tuple[str, list[int], int] | None = None
-    orders = []
-    for name, order_fn in GREEDY_ORDERS.items():
-        order = order_fn(problem)
-        orders.append(order)
-        offsets = place(problem, order)
-        arena = arena_size(problem, offsets)
-        if best is None or arena < best[2]:
-            best = (name, offsets, arena)
-        if arena == problem.lower_bound:
-            return best
-    _, offsets = local_search(problem, orders)
+    name, order, offsets = best_greedy(problem)
     arena = arena_size(problem, offsets)
-    if best is None or arena < best[2]:
-        best = ("local_search", offsets, arena)
-    return best
+    if arena > problem.lower_bound:
+        _, searched = local_search(problem, order, offsets)
+        if arena_size(problem, searched) < arena:
+            name, offsets, arena = "local_search", searched, arena_size(problem, searched)
+    return name, offsets, arena
 
 
 # ---------------------------------------------------------------------------

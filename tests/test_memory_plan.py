@@ -27,6 +27,7 @@ from lowering.memory_plan import (
     PlannedValue,
     TensorAllocation,
     arena_size,
+    choose_placement,
     local_search,
     memory_plan,
     place,
@@ -341,3 +342,20 @@ def test_delegate_outputs_are_planned_without_an_out_variant(programs):
             assert plan.allocations[value_key(arg)].lifetime[1] >= plan.allocations[f"{call.name}.0"].lifetime[0]
     _assert_no_live_overlap(plan)
     assert plan.arena_bytes == plan.lower_bound
+
+
+def test_placement_scales_to_thousands_of_values():
+    """A synthetic 3000-value graph (some long-lived values) plans in well under a second."""
+    import random
+    import time
+
+    rng = random.Random(1)
+    triples = []
+    for i in range(3000):
+        end = i + (rng.randrange(3000 - i) if rng.random() < 0.05 else int(rng.expovariate(1 / 3)))
+        triples.append((16 * rng.choice([1, 2, 3, 4, 8, 16, 64]), i, end))
+    start = time.perf_counter()
+    problem = _problem(triples)
+    name, offsets, arena = choose_placement(problem)
+    assert time.perf_counter() - start < 5.0  # ~0.3 s here; generous for a shared machine
+    assert arena <= 1.01 * problem.lower_bound
