@@ -161,12 +161,12 @@ class _MethodEmitter:
         if kind == InputKind.USER_INPUT:
             self._emit_user_input(node)
         elif kind == InputKind.BUFFER and spec.target in self.mutated_targets:
-            initial = self._state_tensor(spec.target, node)
+            initial = self._state_tensor(spec.target)
             value = self._planned_tensor(node.name, node.meta["val"])
             self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
             self.node_values[node] = value
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            self.node_values[node] = self._constant_tensor(self._state_tensor(spec.target, node))
+            self.node_values[node] = self._constant_tensor(self._state_tensor(spec.target))
         else:
             raise self._error(f"{kind.name} inputs are not supported")
 
@@ -181,7 +181,7 @@ class _MethodEmitter:
         self.node_values[node] = value
         self.inputs.append(value)
 
-    def _state_tensor(self, target: str, node: torch.fx.Node) -> torch.Tensor:
+    def _state_tensor(self, target: str) -> torch.Tensor:
         if target in self.ep.constants:
             tensor = self.ep.constants[target]
         elif target in self.ep.state_dict:
@@ -223,7 +223,7 @@ class _MethodEmitter:
         args = self._functional_arguments(node)
         arg_ids: list[int] = []
         out_ids: list[int] = []
-        for position, argument in enumerate(out_op._schema.arguments):
+        for argument in out_op._schema.arguments:
             if argument.is_out:
                 value = self._out_argument(argument, out_args, result_list)
                 out_ids.append(value)

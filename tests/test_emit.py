@@ -249,7 +249,6 @@ def test_delegated_program_runs_in_our_executor(delegated, reference_runtime, na
 
 def test_delegates_are_read_back_by_executorch(delegated):
     from executorch.exir._serialize._program import deserialize_pte_binary
-    from executorch.exir.schema import Instruction
 
     ep = delegated["cnn"]
     program = deserialize_pte_binary(emit_program(ep, memory_plan(ep))).program
