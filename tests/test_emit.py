@@ -90,6 +90,10 @@ def test_mutated_buffer_starts_from_its_initial_value():
     x = torch.tensor([2.0, 3.0, 0.5, -1.0])
     ep = export(_NonZeroState(), (x,))
     pte = emit_program(ep, memory_plan(ep))
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    initial = deserialize_pte_binary(pte).mutable_data
+    assert [bytes(b.storage) for b in initial] == [b"", (torch.arange(4, dtype=torch.float32) + 10).numpy().tobytes()]
     eager = _NonZeroState()
     expected = _two_eager_calls(eager, (x,))
     assert_all_close(run_in_executorch(pte, (x,), calls=2)[1], expected[1])

@@ -38,6 +38,8 @@ FILE_IDENTIFIER = b"ET12"
 EXTENDED_HEADER_MAGIC = b"eh00"
 #: Bytes of header content: magic, length, program size, segment base, segment size.
 EXTENDED_HEADER_LENGTH = 4 + 4 + 8 + 8 + 8
+#: Header without the segment data size field (written by older ExecuTorch).
+_MINIMUM_HEADER_LENGTH = 4 + 4 + 8 + 8
 #: Largest ``force_align`` in program.fbs; the inserted header is padded to it
 #: so that every aligned flatbuffer vector stays aligned after the insertion.
 SCHEMA_MAX_ALIGNMENT = 16
@@ -257,17 +259,21 @@ class ExtendedHeader:
 
 
 def read_extended_header(data: bytes) -> ExtendedHeader | None:
-    """The extended header of ``data``, or None if the file has none."""
-    if len(data) < 8 + EXTENDED_HEADER_LENGTH - 8 or data[8:12] != EXTENDED_HEADER_MAGIC:
+    """The extended header of ``data``, or None if the file has none.
+
+    Older writers omit the last field (segment data size): the header is then
+    24 bytes long, which its length field says.
+    """
+    if len(data) < 8 + _MINIMUM_HEADER_LENGTH or data[8:12] != EXTENDED_HEADER_MAGIC:
         return None
     length = int.from_bytes(data[12:16], "little")
-    if length < EXTENDED_HEADER_LENGTH - 8:
-        raise PteFormatError(f"extended header length {length} is too small")
-    segment_data_size = int.from_bytes(data[32:40], "little") if length >= EXTENDED_HEADER_LENGTH else 0
+    if length < _MINIMUM_HEADER_LENGTH:
+        raise PteFormatError(f"extended header length {length} < {_MINIMUM_HEADER_LENGTH}")
+    has_data_size = length >= EXTENDED_HEADER_LENGTH and len(data) >= 8 + EXTENDED_HEADER_LENGTH
     return ExtendedHeader(
         program_size=int.from_bytes(data[16:24], "little"),
         segment_base_offset=int.from_bytes(data[24:32], "little"),
-        segment_data_size=segment_data_size,
+        segment_data_size=int.from_bytes(data[32:40], "little") if has_data_size else 0,
     )
 
 
