@@ -15,19 +15,28 @@ The stage is a pure function of the exported program::
 
 How it works, one function each:
 
-1. :func:`find_out_variants` maps every ATen call to the ``.out`` overload the
+1. :func:`collect_values` lists the planned tensor values (user inputs,
+   mutated buffers, every op output) with their sizes.  A value is keyed by
+   its node's name, output ``i`` of a multi-output node by ``"<name>.<i>"``
+   (:func:`value_key`: a ``getitem`` node names that value).
+2. :func:`find_out_variants` maps every ATen call to the ``.out`` overload the
    portable kernels implement (the kernel writes into planned memory).
-2. :func:`collect_values` lists the planned tensor values with their sizes;
-   :func:`find_view_aliases` lets a ``view_copy`` share its base's memory, as
+3. :func:`find_view_aliases` lets a ``view_copy`` share its base's memory, as
    ExecuTorch's ``ReplaceViewCopyWithViewPass`` does (a contiguous view of
-   contiguous memory is the same bytes; only graph outputs keep a copy).
-3. :func:`compute_lifetimes` gives each value the inclusive range of graph
-   steps (node indices) from its definition to its last use.
-4. Several placement algorithms (:data:`ALGORITHMS`) assign offsets; the
-   smallest arena wins, ties broken by the fixed order of :data:`ALGORITHMS`.
+   contiguous memory is the same bytes; views feeding the graph output keep
+   a copy).  An aliased view needs no instruction: its tensor is described
+   at the base's offset with the view's shape.
+4. :func:`compute_lifetimes` gives each value the inclusive range of graph
+   steps (node indices) from its definition to its last use;
+   :func:`extend_base_lifetimes` stretches a base over its aliases' uses.
+5. :func:`choose_placement` assigns offsets: three greedy orders placed
+   best-fit (:data:`GREEDY_ORDERS`), the smallest arena winning (ties: the
+   first in that order), then, only if it misses the lower bound, a
+   deterministic :func:`local_search` from it.
 
 Two values may share bytes only if their lifetimes are disjoint; inclusive
-ranges mean an op's inputs and outputs never share memory.
+ranges mean an op's inputs and outputs never share memory.  The lower bound
+(the most bytes live at one step) is what no placement can beat.
 """
 
 from __future__ import annotations
@@ -48,7 +57,6 @@ from .errors import MemoryPlanError
 
 #: The arena every planned tensor lives in; 0 is reserved for constants.
 ARENA_MEM_ID = 1
-
 
 
 # ---------------------------------------------------------------------------
@@ -80,7 +88,8 @@ class TensorAllocation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TensorAllocation":
-        return cls(int(d["mem_id"]), int(d["offset"]), int(d["size"]), tuple(d["lifetime"]))
+        first, last = d["lifetime"]
+        return cls(int(d["mem_id"]), int(d["offset"]), int(d["size"]), (int(first), int(last)))
 
 
 @dataclass(frozen=True)
