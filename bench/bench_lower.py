@@ -38,6 +38,7 @@ class Run:
     arena: int
     lower_bound: int | None
     pte_bytes: int | None
+    export_seconds: float | None = None  # lowerflow only: the export stage alone
 
 
 def run_executorch(name: str) -> Run:
@@ -61,17 +62,24 @@ def run_lowerflow(name: str) -> Run:
             from lowering.lower import lower
 
             result = lower(model, inputs)
-            plan, pte_bytes = result.memory_plan, len(result.pte)
+            plan, pte_bytes, export_seconds = result.memory_plan, len(result.pte), result.timings["export"]
         else:
-            plan, pte_bytes = memory_plan(export(model, inputs)), None
+            program = export(model, inputs)
+            export_seconds = time.perf_counter() - start
+            plan, pte_bytes = memory_plan(program), None
     seconds = time.perf_counter() - start
-    return Run(seconds, plan.arena_bytes, plan.lower_bound, pte_bytes)
+    return Run(seconds, plan.arena_bytes, plan.lower_bound, pte_bytes, export_seconds)
 
 
 def median_run(fn, name: str, reps: int) -> Run:
     runs = [fn(name) for _ in range(reps)]
     last = runs[-1]
-    return Run(statistics.median(r.seconds for r in runs), last.arena, last.lower_bound, last.pte_bytes)
+    export_seconds = (
+        statistics.median(r.export_seconds for r in runs) if last.export_seconds is not None else None
+    )
+    return Run(
+        statistics.median(r.seconds for r in runs), last.arena, last.lower_bound, last.pte_bytes, export_seconds
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,9 +90,9 @@ def main(argv: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore")
 
     mode = "lower()" if HAS_EMIT else "export + memory_plan (no emitter yet)"
-    print(f"lowerflow = {mode}; median of {args.reps} runs\n")
+    print(f"lowerflow = {mode}; median of {args.reps} runs; 'export' = share of LF time in stage 1\n")
     header = (
-        f"{'model':16} {'ET s':>7} {'LF s':>7} {'time':>6}   {'ET arena':>9} {'LF arena':>9} "
+        f"{'model':16} {'ET s':>7} {'LF s':>7} {'time':>6} {'export':>7}   {'ET arena':>9} {'LF arena':>9} "
         f"{'arena':>6}   {'LF LB':>9} {'arena/LB':>8}   {'ET .pte':>8} {'LF .pte':>8} {'.pte':>6}"
     )
     print(header)
@@ -101,12 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         lb_ratios.append(lb)
         pte = f"{lf.pte_bytes:>8} {lf.pte_bytes / et.pte_bytes:>6.3f}" if lf.pte_bytes else f"{'-':>8} {'-':>6}"
         print(
-            f"{name:16} {et.seconds:7.3f} {lf.seconds:7.3f} {t:6.3f}   {et.arena:9} {lf.arena:9} "
+            f"{name:16} {et.seconds:7.3f} {lf.seconds:7.3f} {t:6.3f} {lf.export_seconds / lf.seconds:7.1%}   {et.arena:9} {lf.arena:9} "
             f"{a:6.3f}   {lf.lower_bound:9} {lb:8.3f}   {et.pte_bytes:8} {pte}"
         )
     print("-" * len(header))
     print(
-        f"{'geomean':16} {'':7} {'':7} {_geomean(time_ratios):6.3f}   {'':9} {'':9} "
+        f"{'geomean':16} {'':7} {'':7} {_geomean(time_ratios):6.3f} {'':7}   {'':9} {'':9} "
         f"{_geomean(arena_ratios):6.3f}   {'':9} {_geomean(lb_ratios):8.3f}"
     )
 
