@@ -165,3 +165,13 @@ def test_unknown_backend_id_is_a_clear_error_naming_it():
     program = load(_delegate_program("NoSuchBackend", b"\x01"))
     with pytest.raises(ExecutorError, match="'NoSuchBackend'"):
         program.run("forward", [torch.zeros(2, 3)])
+
+
+def test_kernel_output_shape_differing_from_the_plan_is_a_clear_error():
+    """A kernel must write its planned tensor in place, never reallocate it."""
+    pte = deserialize(executorch_pte("mlp"))
+    plan = pte.program.executionPlan[0]
+    output = plan.values[int(plan.outputs[0])].val
+    output.sizes = [4, 5]  # the addmm computes [4, 10]
+    with pytest.raises(ExecutorError, match="aten::addmm.out resized its output"):
+        load(serialize(pte)).run("forward", list(model_and_inputs("mlp")[1]))

@@ -284,7 +284,7 @@ class LoadedMethod:
 
     def _run_kernel(self, kernel: Kernel, arg_ids: tuple) -> None:
         values = [self._resolve(i) for i in arg_ids[: kernel.num_args]]
-        before = [_data_ptrs(values[i]) for i in kernel.written]
+        before = [_layout(values[i]) for i in kernel.written]
         try:
             kernel.call(values)
         except ExecutorError:
@@ -292,7 +292,7 @@ class LoadedMethod:
         except Exception as exc:
             raise ExecutorError(f"method {self.name!r}: kernel {kernel.qualified_name} failed: "
                                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-        after = [_data_ptrs(values[i]) for i in kernel.written]
+        after = [_layout(values[i]) for i in kernel.written]
         if before != after:
             raise ExecutorError(f"method {self.name!r}: kernel {kernel.qualified_name} resized its output "
                                 f"(planned shape does not match the result)")
@@ -350,9 +350,10 @@ def _is_arena_view(tensor: torch.Tensor, arenas: list[torch.Tensor]) -> bool:
     return any(arena.numel() and storage == arena.untyped_storage().data_ptr() for arena in arenas)
 
 
-def _data_ptrs(value: Any):
+def _layout(value: Any):
+    """Address, shape and strides of a tensor (or of each tensor of a list)."""
     if isinstance(value, torch.Tensor):
-        return value.data_ptr()
+        return value.data_ptr(), tuple(value.shape), value.stride()
     if isinstance(value, list):
-        return [_data_ptrs(v) for v in value]
+        return [_layout(v) for v in value]
     return None
