@@ -107,7 +107,8 @@ class OpSupportPartitioner(Partitioner):
     predicate on nodes.  Each maximal cycle-free group of supported nodes
     becomes one partition tagged ``f"{tag_prefix}{i}"``; constants used only by
     one partition (and mutated buffers, if ``take_mutated_buffers``) are tagged
-    with it.
+    with it; constants shared by partitions are duplicated into each if
+    ``duplicate_shared_constants``, else passed to them from the top level.
     """
 
     def __init__(
@@ -119,12 +120,14 @@ class OpSupportPartitioner(Partitioner):
         tag_prefix: str | None = None,
         take_constants: bool = True,
         take_mutated_buffers: bool = True,
+        duplicate_shared_constants: bool = False,
         allows_single_node_partition: bool = True,
     ) -> None:
         self.delegation_spec = DelegationSpec(backend_id, tuple(compile_specs))
         self.tag_prefix = tag_prefix if tag_prefix is not None else f"{backend_id}_"
         self.take_constants = take_constants
         self.take_mutated_buffers = take_mutated_buffers
+        self.duplicate_shared_constants = duplicate_shared_constants
         self.allows_single_node_partition = allows_single_node_partition
         if callable(supported):
             self._is_supported = supported
@@ -151,20 +154,25 @@ class OpSupportPartitioner(Partitioner):
             for node in part.nodes:
                 node.meta[TAG] = tag
         if self.take_constants:
-            tag_constant_data(exported_program)
+            tag_constant_data(exported_program, duplicate_shared=self.duplicate_shared_constants)
         if self.take_mutated_buffers:
             tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags)
 
 
-def tag_constant_data(exported_program: ExportedProgram) -> list[torch.fx.Node]:
-    """Tag each parameter, buffer and lifted constant whose users are all tagged.
+def tag_constant_data(
+    exported_program: ExportedProgram, *, duplicate_shared: bool = False
+) -> list[torch.fx.Node]:
+    """Tag each parameter, buffer and lifted constant used only by one partition.
 
-    A constant used by several partitions is tagged with the first of them (in
-    sorted order); ``to_backend`` then gives every other partition its own copy
-    (see :func:`duplicate_shared_constants`) unless it is marked ``no_copy``.
-    A constant with an untagged user stays in the top-level program.
-    Mutated buffers are left to :func:`tag_mutated_buffer`.  Returns the nodes tagged.
+    A constant used by several partitions (and nothing else) stays in the
+    top-level program and is passed to each delegate as an input, stored once.
+    With ``duplicate_shared=True`` it is tagged with the first of them (sorted)
+    instead, and ``to_backend`` gives every other partition its own copy (see
+    :func:`duplicate_shared_constants`) unless it is marked ``no_copy``: each
+    delegate then owns its data, at the price of one copy per partition.
+    A constant with an untagged user always stays top-level.  Mutated buffers
+    are left to :func:`tag_mutated_buffer`.  Returns the nodes tagged.
     """
     sig = exported_program.graph_signature
     mutated = set(sig.buffers_to_mutate.values())
@@ -176,7 +184,7 @@ def tag_constant_data(exported_program: ExportedProgram) -> list[torch.fx.Node]:
         if spec.kind not in _CONSTANT_KINDS or spec.target in mutated:
             continue
         user_tags = {u.meta.get(TAG) for u in node.users}
-        if None in user_tags:
+        if None in user_tags or (len(user_tags) > 1 and not duplicate_shared):
             continue
         node.meta[TAG] = sorted(user_tags)[0]
         tagged.append(node)

@@ -13,9 +13,10 @@ from lowering.delegate import executorch_call_delegate
 class TagBy(Partitioner):
     """Tags each node with ``rule(node)`` (a tag or None) for the reference backend."""
 
-    def __init__(self, rule, *, constants: bool = True, backend_id: str = BACKEND_ID):
+    def __init__(self, rule, *, constants: bool = True, duplicate: bool = True, backend_id: str = BACKEND_ID):
         self.rule = rule
         self.constants = constants
+        self.duplicate = duplicate
         self.backend_id = backend_id
 
     def partition(self, exported_program):
@@ -26,7 +27,7 @@ class TagBy(Partitioner):
                 node.meta["delegation_tag"] = tag
                 tags[tag] = DelegationSpec(self.backend_id)
         if self.constants:
-            tag_constant_data(exported_program)
+            tag_constant_data(exported_program, duplicate_shared=self.duplicate)
             tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags)
 

@@ -202,6 +202,17 @@ def test_constant_shared_by_two_partitions_is_duplicated():
     torch.testing.assert_close(run_with_payloads(lowered)(x), model(x))
 
 
+def test_shared_constant_stays_top_level_by_default():
+    """Without duplication a shared weight is stored once and passed to both delegates."""
+    torch.manual_seed(0)
+    model, x = SharedWeight(), torch.randn(2, 4)
+    lowered = to_backend(export(model, (x,)), TagBy(_shared_weight_tags, duplicate=False))
+    assert list(lowered.state_dict) == ["w"]
+    for module in lowered_modules(lowered):
+        assert module.original_module.state_dict == {}
+    torch.testing.assert_close(run_with_payloads(lowered)(x), model(x))
+
+
 def test_no_copy_constant_shared_by_two_partitions_is_an_error():
     class NoCopy(TagBy):
         def partition(self, program):
