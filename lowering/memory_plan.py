@@ -605,6 +605,83 @@ def local_search(
     return best_order, best_offsets
 
 
+#: Problems up to this many (non-empty) values get the exact search in "auto".
+EXACT_MAX_VALUES = 16
+
+#: Beyond this many values :func:`exact_search` does not start (recursion depth).
+EXACT_MAX_DEPTH = 500
+
+
+def exact_search(
+    problem: PlacementProblem, offsets: Sequence[int] | None = None, *, max_work: int = 80_000
+) -> tuple[list[int], bool]:
+    """Branch and bound over placements, for small problems.
+
+    Any placement can be compacted (every value pushed down until it rests on
+    0 or on the top of a value whose lifetime overlaps), so it suffices to
+    place values in offset order, each at 0 or at the top of a placed
+    conflicting value, no lower than the previous one.  Branches that cannot
+    beat the incumbent (``offsets``, default: the best greedy placement) are
+    cut, and so are those whose unplaced bytes live at one step cannot fit
+    under it.  The search stops at the lower bound or after ``max_work``
+    candidate positions (a work count, so the result is the same on every
+    machine); above :data:`EXACT_MAX_DEPTH` values it does not start.
+
+    Returns ``(offsets, proven)``: ``proven`` if the search was exhaustive,
+    i.e. the placement is optimal.
+    """
+    sizes, conflicts = problem.sizes, problem.conflicts
+    if offsets is None:
+        offsets = best_greedy(problem)[2]
+    best = list(offsets)
+    best_arena = arena_size(problem, best)
+    items = [i for i in range(len(sizes)) if sizes[i]]
+    if best_arena == problem.lower_bound or len(items) > EXACT_MAX_DEPTH:
+        return best, best_arena == problem.lower_bound
+    current = [0 if not sizes[i] else -1 for i in range(len(sizes))]
+    # Bytes still to place that are live at each value's start step: they
+    # stack above the floor, which bounds the final arena from below.
+    starts, ends = problem.starts, problem.ends
+    covers = {i: [k for k in items if starts[i] <= starts[k] <= ends[i]] for i in items}
+    pending = {k: sum(sizes[i] for i in items if starts[i] <= starts[k] <= ends[i]) for k in items}
+    work = 0
+
+    def fits(i: int, at: int) -> bool:
+        end = at + sizes[i]
+        return all(
+            current[j] < 0 or current[j] + sizes[j] <= at or end <= current[j] for j in conflicts[i]
+        )
+
+    def branch(left: list[int], floor: int, last: int, top: int) -> None:
+        nonlocal best, best_arena, work
+        if not left:
+            if top < best_arena:
+                best, best_arena = list(current), top
+            return
+        if floor + max(pending[k] for k in left) >= best_arena:
+            return
+        choices = []
+        for i in left:
+            spots = {0, *(current[j] + sizes[j] for j in conflicts[i] if current[j] >= 0)}
+            for at in spots:
+                if (at > floor or (at == floor and i > last)) and at + sizes[i] < best_arena and fits(i, at):
+                    choices.append((at, -sizes[i], i))
+        work += len(left) + len(choices)
+        for at, _, i in sorted(choices):
+            if best_arena == problem.lower_bound or work >= max_work or at + sizes[i] >= best_arena:
+                return
+            current[i] = at
+            for k in covers[i]:
+                pending[k] -= sizes[i]
+            branch([j for j in left if j != i], at, i, max(top, at + sizes[i]))
+            for k in covers[i]:
+                pending[k] += sizes[i]
+            current[i] = -1
+
+    branch(items, 0, -1, 0)
+    return best, best_arena == problem.lower_bound or work < max_work
+
+
 def best_greedy(problem: PlacementProblem) -> tuple[str, list[int], list[int]]:
     """``(name, order, offsets)`` of the greedy order with the smallest arena
     (the first in :data:`GREEDY_ORDERS` on ties; stops at the lower bound)."""
@@ -626,14 +703,16 @@ def best_greedy(problem: PlacementProblem) -> tuple[str, list[int], list[int]]:
 ALGORITHMS: dict[str, Callable[[PlacementProblem], list[int]]] = {
     **{name: (lambda p, f=order_fn: place(p, f(p))) for name, order_fn in GREEDY_ORDERS.items()},
     "local_search": lambda p: local_search(p)[1],
+    "exact": lambda p: exact_search(p)[0],
 }
 
 
 def choose_placement(problem: PlacementProblem, algorithm: str = "auto") -> tuple[str, list[int], int]:
     """``(name, offsets, arena)`` of ``algorithm``'s placement.
 
-    "auto" takes the best greedy order and, only if it misses the lower
-    bound, improves it with :func:`local_search`.
+    "auto" takes the best greedy order and, only while the arena misses the
+    lower bound, improves it with :func:`local_search` and then, for at most
+    :data:`EXACT_MAX_VALUES` values, :func:`exact_search`.
     """
     if algorithm != "auto":
         offsets = ALGORITHMS[algorithm](problem)
@@ -644,6 +723,10 @@ def choose_placement(problem: PlacementProblem, algorithm: str = "auto") -> tupl
         _, searched = local_search(problem, order, offsets)
         if arena_size(problem, searched) < arena:
             name, offsets, arena = "local_search", searched, arena_size(problem, searched)
+    if arena > problem.lower_bound and sum(1 for s in problem.sizes if s) <= EXACT_MAX_VALUES:
+        exact, _ = exact_search(problem, offsets)
+        if arena_size(problem, exact) < arena:
+            name, offsets, arena = "exact", exact, arena_size(problem, exact)
     return name, offsets, arena
 
 

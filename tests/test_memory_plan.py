@@ -28,6 +28,7 @@ from lowering.memory_plan import (
     TensorAllocation,
     arena_size,
     choose_placement,
+    exact_search,
     local_search,
     memory_plan,
     place,
@@ -314,6 +315,54 @@ def test_local_search_reaches_the_lower_bound_where_greedy_does_not():
     assert greedy > problem.lower_bound == 1216
     assert arena_size(problem, offsets) == problem.lower_bound
     assert local_search(problem) == (order, offsets)  # deterministic
+
+
+#: A 10-value instance where greedy and local search stop at 976 bytes; 832 is optimal.
+_HARDER = [
+    (192, 0, 8), (192, 1, 1), (320, 2, 5), (112, 3, 23), (128, 4, 9),
+    (80, 5, 9), (112, 6, 6), (32, 7, 12), (112, 8, 34), (320, 9, 33),
+]
+
+
+def _assert_valid(problem, offsets):
+    for i, row in enumerate(problem.conflicts):
+        for j in row:
+            a, b = (offsets[i], offsets[i] + problem.sizes[i]), (offsets[j], offsets[j] + problem.sizes[j])
+            assert a[1] <= b[0] or b[1] <= a[0] or not problem.sizes[i] or not problem.sizes[j]
+
+
+def test_exact_search_finds_what_local_search_misses():
+    problem = _problem(_HARDER)
+    _, searched = local_search(problem)
+    offsets, proven = exact_search(problem)
+    assert arena_size(problem, searched) == 976
+    assert (arena_size(problem, offsets), proven) == (832, True)
+    _assert_valid(problem, offsets)
+    assert choose_placement(problem) == ("exact", offsets, 832)
+
+
+def test_exact_search_matches_brute_force_on_tiny_problems():
+    import random
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        triples = []
+        for _ in range(4):
+            start = rng.randrange(4)
+            triples.append((16 * rng.choice([1, 2, 3]), start, start + rng.randrange(3)))
+        problem = _problem(triples)
+        units = [s // 16 for s in problem.sizes]
+        best = sum(units)
+        for offsets in itertools.product(*[range(sum(units) - u + 1) for u in units]):
+            top = max(o + u for o, u in zip(offsets, units))
+            if top < best and all(
+                offsets[i] + units[i] <= offsets[j] or offsets[j] + units[j] <= offsets[i]
+                for i, row in enumerate(problem.conflicts)
+                for j in row
+            ):
+                best = top
+        offsets, proven = exact_search(problem)
+        assert proven and arena_size(problem, offsets) == 16 * best
 
 
 def test_disjoint_lifetimes_share_memory():
