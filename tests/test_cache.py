@@ -30,7 +30,7 @@ from tasks.cache import (
     save_results_block,
     stage_task,
 )
-from tasks.store import ArtifactRef, ArtifactStore
+from tasks.store import ArtifactRef
 
 REPO = Path(__file__).resolve().parents[1]
 REF = ArtifactRef("file:///a/objects/ab/cd", "ab" * 32, 3, "program")
