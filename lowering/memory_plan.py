@@ -451,14 +451,13 @@ def place(
     problem: PlacementProblem,
     order: Sequence[int],
     *,
-    best_fit: bool = True,
     start: int = 0,
     offsets: Sequence[int] | None = None,
 ) -> list[int]:
     """Place values in ``order``, each in a free gap among its placed conflicts.
 
-    ``best_fit`` takes the smallest gap that fits (the lowest on ties), else
-    the lowest gap; with no gap the value goes on top.  To re-place only a
+    Best fit: the smallest gap that fits (the lowest on ties); with no gap
+    the value goes on top of its placed conflicts.  To re-place only a
     suffix, pass ``start`` and the ``offsets`` of ``order[:start]``.
     O(sum of conflict degrees x log).
     """
@@ -481,8 +480,6 @@ def place(
             gap = lo - cursor
             if gap >= size and (chosen < 0 or gap < chosen_gap):
                 chosen, chosen_gap = cursor, gap
-                if not best_fit:
-                    break
             if hi > cursor:
                 cursor = hi
         placed[i] = chosen if chosen >= 0 else cursor
