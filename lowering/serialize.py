@@ -33,8 +33,9 @@ Guarantees:
   ``torch.frombuffer``; every blob is checked against its digest.
 * Extensible: a later format (e.g. a program holding lowered modules) is another
   manifest ``format`` whose fields name further blobs (processed bytes, nested
-  program manifests, ...) and whose ``"blobs"`` list names them all, so stores can
-  verify, copy and garbage-collect any manifest with :func:`manifest_blobs`.
+  program manifests added with :func:`embed`, ...) and whose ``"blobs"`` list names
+  them all, so stores can verify, copy and garbage-collect any manifest with
+  :func:`manifest_blobs`.
 
 Limits: tensors are stored dense; a tensor whose strides overlap or leave gaps
 (e.g. an ``expand``) is stored contiguous.  Tensors that shared storage (tied
@@ -296,8 +297,40 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
         ) from exc
 
 
+def embed(blobs: dict[str, bytes], child: Serialized) -> str:
+    """Add ``child`` (a manifest and its blobs) to ``blobs``; returns the child manifest's digest.
+
+    The building block of formats that hold other programs, e.g. a delegated
+    program whose lowered modules keep their original program::
+
+        blobs = {}
+        top = embed(blobs, serialize_program(top_level_program))
+        original = embed(blobs, serialize_program(lowered.original_module))
+        processed = blob_digest(payload); blobs[processed] = payload
+        manifest = canonical_json({"format": "lowerflow.delegated_program", "version": 1,
+            "program": top, "delegates": [{"name": "lowered_module_0", "backend_id": ...,
+            "compile_specs": [...], "processed": processed, "original_program": original}],
+            "blobs": sorted(blobs)})
+
+    A manifest's ``"blobs"`` lists every blob it needs, transitively, so stores
+    verify and copy any format the same way; a child loads with
+    ``deserialize_program(get_blob(digest), get_blob)``.
+    """
+    blobs.update(child.blobs)
+    digest = blob_digest(child.manifest)
+    blobs[digest] = child.manifest
+    return digest
+
+
 def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool) -> bytes:
     """torch's JSON serde of the graph alone (no tensors), normalized to be deterministic."""
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and "executorch_call_delegate" in str(node.target):
+            raise SerializationError(
+                f"node {node.name!r} calls a lowered module: serialize_program stores plain "
+                "programs; programs holding lowered modules need a delegated-program format "
+                "built with embed()"
+            )
     try:
         artifact = _serde.serialize(
             ep,

@@ -22,7 +22,9 @@ from lowering.serialize import (
     SerializationError,
     Serialized,
     blob_digest,
+    canonical_json,
     deserialize_program,
+    embed,
     manifest_blobs,
     read_manifest,
     serialize_program,
@@ -185,3 +187,35 @@ def test_tensor_blob_details():
         tensor_to_blob(torch.eye(2).to_sparse())
     with pytest.raises(SerializationError, match="do not hold"):
         tensor_from_blob(meta, data[:-4])
+
+
+def test_embed_builds_formats_that_hold_programs():
+    """How a delegated-program format composes programs and payloads (see embed())."""
+    top, _ = edge_program("mlp")
+    original, inputs = edge_program("lifted_constant")
+    blobs: dict[str, bytes] = {}
+    top_digest = embed(blobs, serialize_program(top))
+    original_digest = embed(blobs, serialize_program(original))
+    payload = b"backend bytes"
+    blobs[blob_digest(payload)] = payload
+    manifest = canonical_json(
+        {
+            "format": "lowerflow.delegated_program",
+            "version": 1,
+            "program": top_digest,
+            "delegates": [{"backend_id": "reference", "processed": blob_digest(payload), "original_program": original_digest}],
+            "blobs": sorted(blobs),
+        }
+    )
+    assert set(manifest_blobs(manifest)) == set(blobs)
+    loaded = deserialize_program(blobs[original_digest], blobs.__getitem__)
+    torch.testing.assert_close(_outputs(loaded, inputs), _outputs(original, inputs), rtol=0, atol=0)
+
+
+def test_a_program_holding_lowered_modules_is_refused_clearly():
+    from lowering import to_backend
+    from lowering.backends.reference import ReferencePartitioner
+
+    delegated = to_backend(copy.deepcopy(edge_program("mlp")[0]), ReferencePartitioner())
+    with pytest.raises(SerializationError, match="calls a lowered module"):
+        serialize_program(delegated)
