@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -460,8 +461,10 @@ def stage_task(
     ignore: tuple[str, ...] = (),
     **task_kwargs: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
-    """Decorator making a function a cached lowering stage (a Prefect task).
+    """Decorator making a (synchronous) function a cached lowering stage (a Prefect task).
 
+    The function must return ArtifactRefs and JSON data: anything else raises
+    TypeError naming the stage (Prefect would only warn and never cache it).
     ``task_kwargs`` go to ``prefect.task`` (e.g. ``retries``).
     """
     config = config or CacheConfig()
@@ -473,4 +476,22 @@ def stage_task(
         persist_result=True,
     )
     options.update(task_kwargs)
-    return task(**options)
+
+    def decorate(fn: Callable[..., Any]) -> Any:
+        @functools.wraps(fn)
+        def run_stage(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            check_result(stage, result)
+            return result
+
+        return task(**options)(run_stage)
+
+    return decorate
+
+
+def check_result(stage: str, result: Any) -> None:
+    """Raise TypeError unless ``result`` persists as JSON (ArtifactRefs and JSON data)."""
+    try:
+        json.dumps(result, default=encode_json_object, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"stage {stage!r} returned a result that cannot be cached: {exc}") from exc

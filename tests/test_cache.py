@@ -211,6 +211,39 @@ def test_corrupt_or_missing_artifacts_make_a_miss_with_a_warning(prefect_api, tm
     torch.testing.assert_close(store.get_program(ref).module()(*inputs), model(*inputs))
 
 
+def test_failed_stage_releases_its_lock_and_bad_results_are_refused(prefect_api, tmp_path):
+    from prefect import flow
+
+    config = _config(tmp_path)
+    calls = []
+
+    @stage_task("flaky", "1", config=config)
+    def flaky(x: int) -> dict:
+        calls.append(x)
+        if len(calls) == 1:
+            raise RuntimeError("first attempt fails")
+        return {"x": x}
+
+    @stage_task("tensor", "1", config=config)
+    def returns_tensor(x: int):
+        return torch.ones(2)
+
+    @flow
+    def pipeline(x: int):
+        return flaky(x)
+
+    @flow
+    def bad(x: int):
+        return returns_tensor(x)
+
+    with pytest.raises(RuntimeError, match="first attempt"):
+        pipeline(1)
+    assert list((tmp_path / "store" / "prefect" / "locks").iterdir()) == []
+    assert pipeline(1) == {"x": 1} and pipeline(1) == {"x": 1} and calls == [1, 1]
+    with pytest.raises(TypeError, match="stage 'tensor' returned a result that cannot be cached.*Tensor"):
+        bad(1)
+
+
 _WORKER = """
 import os, sys, time
 from pathlib import Path
