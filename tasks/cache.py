@@ -207,10 +207,16 @@ class StageCachePolicy(CachePolicy):
             return
         try:
             record = result_store.read(key)
-            self.check_refs(record.result)
-        except (ArtifactMissing, ArtifactCorrupt) as exc:
-            _warn(f"stage {self.stage!r}: cached result {key} is unusable ({exc}); recomputing")
-            delete_record(result_store, key)
+        except Exception as exc:  # unreadable record: it would never be replaced otherwise
+            problem = f"unreadable record: {type(exc).__name__}: {exc}"
+        else:
+            try:
+                self.check_refs(record.result)
+                return
+            except (ArtifactMissing, ArtifactCorrupt) as exc:
+                problem = str(exc)
+        _warn(f"stage {self.stage!r}: cached result {key} is unusable ({problem}); recomputing")
+        delete_record(result_store, key)
 
 
 def iter_refs(value: Any) -> Iterator[ArtifactRef]:

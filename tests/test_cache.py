@@ -207,6 +207,11 @@ def test_corrupt_or_missing_artifacts_make_a_miss_with_a_warning(prefect_api, tm
     with caplog.at_level(logging.WARNING, logger="lowerflow.cache"):
         assert pipeline("lifted_constant") == ref
     assert len(calls) == 3 and "missing" in caplog.text
+    # A garbled result record is not a hit either; the recompute rewrites it.
+    (record,) = (tmp_path / "store" / "prefect" / "results").iterdir()
+    record.write_bytes(b"garbage")
+    assert pipeline("lifted_constant") == ref and len(calls) == 4
+    assert pipeline("lifted_constant") == ref and len(calls) == 4
     model, inputs = MODELS["lifted_constant"]()
     torch.testing.assert_close(store.get_program(ref).module()(*inputs), model(*inputs))
 
