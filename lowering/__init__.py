@@ -15,6 +15,7 @@ from .errors import (
     SubmoduleError,
 )
 from .export import export
+from .lower import LowerResult, lower
 from .lowered_module import BackendDetails, LoweredBackendModule, PreprocessResult
 from .partition import (
     CompileSpec,
@@ -34,6 +35,7 @@ __all__ = [
     "DelegationSpec",
     "EmitError",
     "ExportError",
+    "LowerResult",
     "LoweredBackendModule",
     "LoweringError",
     "MemoryPlanError",
@@ -45,6 +47,7 @@ __all__ = [
     "SubmoduleError",
     "executorch_call_delegate",
     "export",
+    "lower",
     "tag_constant_data",
     "tag_mutated_buffer",
     "to_backend",

@@ -13,6 +13,7 @@ import torch
 from torch.utils._pytree import tree_structure, tree_unflatten, treespec_loads
 
 from examples.models import MODELS
+from lowering import BackendDetails, PreprocessResult
 from lowering.emit import build_pte, emit_program
 from lowering.errors import EmitError
 from lowering.export import export
@@ -286,15 +287,36 @@ def test_identical_delegate_payloads_are_stored_once(delegated):
     assert len(header_program.segments) == 1 + len(data.delegate_data)  # constants + distinct payloads
 
 
-def test_unregistered_backend_is_a_clear_error(delegated):
-    from lowering.runtime import ExecutorError, backend_runtime
+def test_reference_runtime_is_found_by_entry_point(delegated):
+    """No registration by hand: the executor finds ReferenceBackend's runtime by entry point."""
+    from lowering.runtime import backend_runtime, unregister_backend_runtime
 
-    with pytest.raises(ExecutorError):
-        backend_runtime("ReferenceBackend")  # precondition: nothing registered outside the fixture
+    unregister_backend_runtime("ReferenceBackend")
     ep = delegated["cnn"]
     program = load(emit_program(ep, memory_plan(ep)))
-    _, inputs = model_and_inputs("cnn")
-    with pytest.raises(ExecutorError, match="'ReferenceBackend'"):
+    model, inputs = model_and_inputs("cnn")
+    (out,) = program.run("forward", list(inputs))
+    torch.testing.assert_close(out, model(*inputs), atol=1e-5, rtol=1e-4)
+    assert type(backend_runtime("ReferenceBackend")).__name__ == "ReferenceRuntime"
+
+
+class NoRuntimeBackend(BackendDetails):
+    """A backend with an ahead-of-time half only: programs using it cannot run here."""
+
+    @staticmethod
+    def preprocess(edge_program, compile_specs):
+        return PreprocessResult(b"opaque")
+
+
+def test_unregistered_backend_is_a_clear_error():
+    from lowering import OpSupportPartitioner, to_backend
+    from lowering.runtime import ExecutorError
+
+    model, inputs = model_and_inputs("mlp")
+    partitioner = OpSupportPartitioner("NoRuntimeBackend", {torch.ops.aten.relu.default})
+    ep = to_backend(export(model, inputs), partitioner)
+    program = load(emit_program(ep, memory_plan(ep)))
+    with pytest.raises(ExecutorError, match="no backend runtime registered for backend id 'NoRuntimeBackend'"):
         program.run("forward", list(inputs))
 
 

@@ -8,13 +8,19 @@ A backend runtime is any object with::
 ``init`` runs once per delegate when a method is loaded; ``execute`` runs on
 every DelegateCall with the delegate's input values and returns its outputs,
 which the executor copies into the planned output tensors.
+
+Runtimes are registered explicitly, or found by backend id in the
+``lowerflow.backend_runtimes`` entry-point group (a class, instantiated once).
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Any, Protocol
 
 from .errors import ExecutorError
+
+ENTRY_POINT_GROUP = "lowerflow.backend_runtimes"
 
 _RUNTIMES: dict[str, Any] = {}
 
@@ -47,6 +53,15 @@ def unregister_backend_runtime(backend_id: str) -> None:
 
 def backend_runtime(backend_id: str) -> BackendRuntime:
     """The runtime registered for ``backend_id``; a clear error naming it otherwise."""
+    if backend_id not in _RUNTIMES:
+        for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            if entry.name == backend_id:
+                try:
+                    register_backend_runtime(backend_id, entry.load()())
+                except Exception as exc:
+                    raise ExecutorError(
+                        f"backend runtime {backend_id!r}: entry point {entry.value!r} failed: {exc}"
+                    ) from exc
     try:
         return _RUNTIMES[backend_id]
     except KeyError:

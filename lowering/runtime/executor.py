@@ -235,8 +235,12 @@ class LoadedMethod:
 
     # -------------------------------------------------------------- executing
 
+    @torch.no_grad()
     def execute(self, inputs: Sequence[Any]) -> list[Any]:
-        """Run the method once on the flat ``inputs``; returns the flat outputs (copies)."""
+        """Run the method once on the flat ``inputs``; returns the flat outputs (copies).
+
+        Inference only: kernels run without autograd, whatever the inputs require.
+        """
         self._set_inputs(inputs)
         pc = 0
         while pc < len(self.steps):

@@ -1,9 +1,11 @@
 """The ``reference`` backend: an op-allowlist partitioner and a self-contained payload.
 
 ``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops;
-``ReferenceBackend.preprocess`` serializes the partition's program into a
-deterministic payload (see :mod:`.payload`), and :class:`.runtime.ReferenceRuntime`
-executes that payload on tensors without the original Python objects.
+``ReferenceBackend.preprocess`` memory-plans the partition's program and emits
+it as a nested ``.pte`` (stages 7 and 8 applied to the partition), and
+:class:`.runtime.ReferenceRuntime` executes that payload with lowerflow's own
+executor, without the original Python objects.  The runtime is found by the
+executor through the ``lowerflow.backend_runtimes`` entry point.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from typing import Iterable
 
 import torch
 
+from ...emit import emit_program
 from ...lowered_module import BackendDetails, PreprocessResult
+from ...memory_plan import memory_plan
 from ...partition import CompileSpec, OpSupportPartitioner
-from .payload import serialize_program
 from .runtime import ReferenceRuntime
 
 BACKEND_ID = "ReferenceBackend"
@@ -60,7 +63,7 @@ class ReferencePartitioner(OpSupportPartitioner):
 class ReferenceBackend(BackendDetails):
     @staticmethod
     def preprocess(edge_program, compile_specs) -> PreprocessResult:
-        return PreprocessResult(serialize_program(edge_program))
+        return PreprocessResult(emit_program(edge_program, memory_plan(edge_program)))
 
 
 __all__ = [
