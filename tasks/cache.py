@@ -199,7 +199,7 @@ class StageCachePolicy(CachePolicy):
         for ref in iter_refs(result):
             if self.verify == "digest":
                 store.verify(ref, deep=True)
-            elif not store.has(ref.sha256) and store._output_name(ref.uri) is None:
+            elif not store.exists(ref):
                 raise ArtifactMissing(f"{ref.kind} artifact {ref.sha256} is missing from store {store.url}")
 
     def _drop_unusable_record(self, result_store: Any, key: str) -> None:

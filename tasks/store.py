@@ -160,6 +160,12 @@ class ArtifactStore:
         """Whether an object named ``sha256`` is present (without checking its bytes)."""
         return self._size(self.object_path(sha256)) is not None
 
+    def exists(self, ref: ArtifactRef) -> bool:
+        """Whether ``ref`` (an object or a named output) is present with its size."""
+        name = self._output_name(ref.uri)
+        path = self.named_path(name) if name is not None else self.object_path(ref.sha256)
+        return self._size(path) == ref.size
+
     def verify(self, ref: ArtifactRef, *, deep: bool = True) -> None:
         """Raise ArtifactMissing/ArtifactCorrupt unless ``ref`` (and, for manifests with
         ``deep``, every object the manifest names) is present and intact."""

@@ -107,6 +107,25 @@ def test_results_are_json_with_artifact_refs_only():
         json.dumps({"t": torch.ones(1)}, default=encode_json_object)
 
 
+def test_verify_modes_of_cached_refs(tmp_path):
+    from tasks.store import ArtifactCorrupt, ArtifactMissing, ArtifactStore
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = store.put_bytes(b"abc", "text")
+    named = store.put_named("m/t.pte", b"pte")
+    result = {"out": ref, "published": [named], "n": 1}
+    digest = StageCachePolicy(stage="s", store_url=store.url, verify="digest")
+    exists = StageCachePolicy(stage="s", store_url=store.url, verify="exists")
+    digest.check_refs(result)
+    exists.check_refs(result)
+    store.fs.pipe_file(store.object_path(ref.sha256), b"abd")  # same size, other bytes
+    exists.check_refs(result)  # cheap mode: presence and size only
+    with pytest.raises(ArtifactCorrupt):
+        digest.check_refs(result)
+    with pytest.raises(ArtifactMissing):  # the failed check quarantined it
+        exists.check_refs(result)
+
+
 # --------------------------------------------------------------------------- locks
 
 

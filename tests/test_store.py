@@ -34,7 +34,8 @@ def test_put_get_roundtrip_is_content_addressed(store):
     assert ref.uri.endswith(f"/objects/{digest[:2]}/{digest[2:]}")
     assert ref.uri.startswith(store.url)
     assert store.get_bytes(ref) == data
-    assert store.has(digest)
+    assert store.has(digest) and store.exists(ref)
+    assert not store.exists(ArtifactRef(ref.uri, digest, len(data) + 1, "pte"))
 
 
 def test_put_is_idempotent_and_does_not_rewrite(store):
@@ -80,7 +81,7 @@ def test_named_outputs_are_atomic_predictable_and_checked(store):
     ref = store.put_named("mlp/reference.pte", b"PTE1")
     assert ref.uri == f"{store.url}/outputs/mlp/reference.pte"
     assert store.get_named("mlp/reference.pte") == b"PTE1"
-    assert store.get_bytes(ref) == b"PTE1"
+    assert store.get_bytes(ref) == b"PTE1" and store.exists(ref)
     store.put_named("mlp/reference.pte", b"PTE2")  # overwrites
     assert store.get_named("mlp/reference.pte") == b"PTE2"
     with pytest.raises(ArtifactCorrupt, match="named output 'mlp/reference.pte'"):
