@@ -217,7 +217,9 @@ def _inverse(order: list[int]) -> list[int]:
 # --------------------------------------------------------------------------- programs
 
 
-def serialize_program(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
+def serialize_program(
+    ep: ExportedProgram, *, keep_stack_traces: bool = True, _allow_delegates: bool = False
+) -> Serialized:
     """``ep`` as a manifest plus blobs (graph JSON and one blob per distinct tensor).
 
     ``keep_stack_traces=False`` drops the source stack traces from node metadata,
@@ -246,7 +248,9 @@ def serialize_program(ep: ExportedProgram, *, keep_stack_traces: bool = True) ->
     manifest = {
         "format": PROGRAM_FORMAT,
         "version": PROGRAM_FORMAT_VERSION,
-        "graph": add(_graph_json(ep, keep_stack_traces=keep_stack_traces)),
+        "graph": add(
+            _graph_json(ep, keep_stack_traces=keep_stack_traces, allow_delegates=_allow_delegates)
+        ),
         "state_dict": tensors(ep.state_dict, "state_dict entry"),
         "constants": tensors(ep.constants, "constant"),
         "example_inputs": _example_inputs_to_json(ep.example_inputs, add),
@@ -322,9 +326,11 @@ def embed(blobs: dict[str, bytes], child: Serialized) -> str:
     return digest
 
 
-def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool) -> bytes:
+def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool, allow_delegates: bool = False) -> bytes:
     """torch's JSON serde of the graph alone (no tensors), normalized to be deterministic."""
     for node in ep.graph.nodes:
+        if allow_delegates:
+            break
         if node.op == "call_function" and "executorch_call_delegate" in str(node.target):
             raise SerializationError(
                 f"node {node.name!r} calls a lowered module: serialize_program stores plain "
@@ -402,3 +408,99 @@ def _example_inputs_from_json(obj: dict | None, blob: Callable[[str, str], bytes
         else:
             leaves.append(leaf["value"])
     return pytree.tree_unflatten(leaves, pytree.treespec_loads(obj["treespec"]))
+
+
+# --------------------------------------------------------------------------- delegated programs
+
+#: ``"format"`` of the manifest written by :func:`serialize_delegated_program`.
+DELEGATED_FORMAT = "lowerflow.delegated_program"
+DELEGATED_FORMAT_VERSION = 1
+
+
+def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
+    """A program holding lowered modules, as a manifest plus blobs::
+
+        {"format": "lowerflow.delegated_program", "version": 1,
+         "program": <top-level program manifest>,        # delegate calls name their module
+         "delegates": [{"name": "lowered_module_0", "backend_id": "ReferenceBackend",
+                        "compile_specs": [{"key": "k", "value": "<hex>"}],
+                        "processed": <blob>, "original_program": <program manifest>}, ...],
+         "blobs": [...every blob, transitively...]}
+
+    torch's serde writes a delegate call's module argument as the string
+    ``"<name>-<backend id>"``; :func:`deserialize_delegated_program` links it back.
+    A program without lowered modules is stored the same way with no delegates.
+    """
+    from .delegate import is_lowered_module
+
+    blobs: dict[str, bytes] = {}
+    delegates = []
+    gm = ep.graph_module
+    for node in ep.graph.nodes:
+        if node.op != "get_attr" or not is_lowered_module(getattr(gm, node.target, None)):
+            continue
+        lowered = getattr(gm, node.target)
+        lowered.module_name = node.target  # what torch's serde writes for the call's argument
+        processed = blob_digest(lowered.processed_bytes)
+        blobs[processed] = lowered.processed_bytes
+        delegates.append(
+            {
+                "name": node.target,
+                "backend_id": lowered.backend_id,
+                "compile_specs": [{"key": c.key, "value": c.value.hex()} for c in lowered.compile_specs],
+                "processed": processed,
+                "original_program": embed(
+                    blobs, serialize_program(lowered.original_module, keep_stack_traces=keep_stack_traces)
+                ),
+            }
+        )
+    top = embed(blobs, serialize_program(ep, keep_stack_traces=keep_stack_traces, _allow_delegates=True))
+    manifest = {
+        "format": DELEGATED_FORMAT,
+        "version": DELEGATED_FORMAT_VERSION,
+        "program": top,
+        "delegates": delegates,
+        "blobs": sorted(blobs),
+    }
+    return Serialized(canonical_json(manifest), blobs)
+
+
+def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
+    """Rebuild a :func:`serialize_delegated_program` program with its lowered modules."""
+    from .lowered_module import LoweredBackendModule
+    from .partition import CompileSpec
+    from .program import rebuild_program
+
+    obj = read_manifest(manifest, expected_format=DELEGATED_FORMAT)
+    if obj.get("version") != DELEGATED_FORMAT_VERSION:
+        raise SerializationError(f"manifest version {obj.get('version')!r} is not {DELEGATED_FORMAT_VERSION}")
+
+    def blob(digest: str, what: str) -> bytes:
+        data = get_blob(digest)
+        if blob_digest(data) != digest:
+            raise SerializationError(f"{what}: blob {digest} does not match its digest")
+        return data
+
+    program = deserialize_program(blob(obj["program"], "top-level program"), get_blob)
+    modules = {}
+    for entry in obj["delegates"]:
+        name = entry["name"]
+        original = deserialize_program(blob(entry["original_program"], f"{name} program"), get_blob)
+        specs = [CompileSpec(c["key"], bytes.fromhex(c["value"])) for c in entry["compile_specs"]]
+        modules[name] = LoweredBackendModule(
+            original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs
+        )
+    gm = program.graph_module
+    for node in list(program.graph.nodes):
+        if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
+            continue
+        reference = node.args[0]
+        name = reference.split("-", 1)[0] if isinstance(reference, str) else None
+        if name not in modules:
+            raise SerializationError(f"delegate call {node.name!r} names unknown lowered module {reference!r}")
+        gm.add_submodule(name, modules[name])
+        with program.graph.inserting_before(node):
+            attr = program.graph.get_attr(name)
+        node.args = (attr, *node.args[1:])
+    gm.recompile()
+    return rebuild_program(program)

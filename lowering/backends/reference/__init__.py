@@ -55,12 +55,30 @@ class ReferencePartitioner(OpSupportPartitioner):
         supported_ops: Iterable[object] = SUPPORTED_OPS,
         *,
         compile_specs: Iterable[CompileSpec] = (),
+        backend_id: str = BACKEND_ID,
         **options,
     ) -> None:
-        super().__init__(BACKEND_ID, supported_ops, compile_specs=compile_specs, **options)
+        if all(isinstance(op, str) for op in supported_ops):  # e.g. ["aten.add.Tensor"] from a manifest
+            supported_ops = [_op_from_name(op) for op in supported_ops]
+        super().__init__(backend_id, supported_ops, compile_specs=compile_specs, **options)
+
+
+def _op_from_name(name: str):
+    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``."""
+    namespace, op, overload = (name.split(".") + ["default"])[:3]
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except AttributeError as exc:
+        raise ValueError(f"unknown operator {name!r}") from exc
 
 
 class ReferenceBackend(BackendDetails):
+    @classmethod
+    def partitioner(cls, **options) -> ReferencePartitioner:
+        """The target's partitioner; ``options`` go to :class:`ReferencePartitioner`."""
+        options.setdefault("backend_id", cls.__name__)  # subclasses partition for themselves
+        return ReferencePartitioner(**options)
+
     @staticmethod
     def preprocess(edge_program, compile_specs) -> PreprocessResult:
         return PreprocessResult(emit_program(edge_program, memory_plan(edge_program)))

@@ -1,0 +1,105 @@
+"""The verify stage: run a ``.pte`` and compare it with eager PyTorch.
+
+lowerflow's own executor always runs the program.  When the ExecuTorch runtime
+happens to be installed (it is the test oracle, never a dependency), it runs the
+program too; it is looked up by name at call time so nothing here depends on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .runtime import load
+
+
+@dataclasses.dataclass
+class RuntimeCheck:
+    runtime: str
+    ok: bool
+    max_abs_diff: float | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    checks: list[RuntimeCheck]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checks": [dataclasses.asdict(c) for c in self.checks]}
+
+
+def verify(
+    pte: bytes,
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    calls: int = 2,
+) -> VerifyReport:
+    """Run ``pte`` ``calls`` times in each available runtime against a fresh eager model each time.
+
+    Two calls on the same loaded method check that state (mutated buffers)
+    carries over the way it does in eager.  ``model`` is mutated by the eager
+    calls (its buffers advance), so pass a fresh one.
+    """
+    import copy
+
+    flat_inputs = pytree.tree_leaves(tuple(example_inputs))
+    expected = []
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for _ in range(calls):
+            expected.append(pytree.tree_leaves(reference(*example_inputs)))
+    checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls), expected, atol, rtol)]
+    runner = _executorch_runner()
+    if runner is not None:
+        checks.append(_check("executorch", lambda: runner(pte, flat_inputs, calls), expected, atol, rtol))
+    return VerifyReport(checks)
+
+
+def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
+    try:
+        actual = run()
+    except Exception as exc:
+        return RuntimeCheck(name, False, error=f"{type(exc).__name__}: {exc}")
+    worst = 0.0
+    for got_call, want_call in zip(actual, expected):
+        if len(got_call) != len(want_call):
+            return RuntimeCheck(name, False, error=f"{len(got_call)} outputs, expected {len(want_call)}")
+        for got, want in zip(got_call, want_call):
+            if got.shape != want.shape or got.dtype != want.dtype:
+                return RuntimeCheck(name, False, error=f"output {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}")
+            if want.numel():
+                worst = max(worst, (got.double() - want.double()).abs().max().item())
+            if not torch.allclose(got, want, atol=atol, rtol=rtol):
+                return RuntimeCheck(name, False, worst, error="outputs differ from eager")
+    return RuntimeCheck(name, True, worst)
+
+
+def _run_lowerflow(pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
+    method = load(pte).method("forward")
+    return [method.execute(inputs) for _ in range(calls)]
+
+
+def _executorch_runner():
+    try:
+        runtime_module = importlib.import_module("executorch.runtime")
+    except ImportError:
+        return None
+
+    def run(pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
+        program = runtime_module.Runtime.get().load_program(pte)
+        method = program.load_method("forward")
+        return [list(method.execute(list(inputs))) for _ in range(calls)]
+
+    return run
