@@ -504,3 +504,19 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         node.args = (attr, *node.args[1:])
     gm.recompile()
     return rebuild_program(program)
+
+
+def serialize_any(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
+    """A plain program in the program format, one holding lowered modules in the delegated one."""
+    from .delegate import executorch_call_delegate
+
+    if any(n.target is executorch_call_delegate for n in ep.graph.nodes):
+        return serialize_delegated_program(ep, keep_stack_traces=keep_stack_traces)
+    return serialize_program(ep, keep_stack_traces=keep_stack_traces)
+
+
+def deserialize_any(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
+    """Load a manifest written by :func:`serialize_any`, whichever format it has."""
+    if read_manifest(manifest)["format"] == DELEGATED_FORMAT:
+        return deserialize_delegated_program(manifest, get_blob)
+    return deserialize_program(manifest, get_blob)

@@ -1,0 +1,169 @@
+"""Fleet manifests: which models to lower, for which targets, into which store.
+
+    store: ./.lowerflow                      # any fsspec URL (default: $LOWERFLOW_STORE or ./.lowerflow)
+    defaults: {targets: [portable, reference], verify: true}
+    models:
+      - name: mlp                            # optional: defaults to the factory / file name
+        model: examples/models.py:mlp        # a model spec (tasks.model_spec)
+        targets: [portable, reference]       # optional: defaults.targets
+        options: {reference: {...}}          # optional: partitioner options per target
+        version: "1"                         # optional: bump to force a re-export
+        verify: true                         # optional: run the verify stage
+
+The whole manifest is validated before any work starts; every error names the
+entry (``models[2] ('cnn')``) and the field.  Relative ``.py`` paths and a relative
+local store are resolved against the manifest file's directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from lowering.targets import PORTABLE
+from tasks.model_spec import ModelSpec, ModelSpecError
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify"}
+_TOP_KEYS = {"store", "defaults", "models"}
+
+
+class ManifestError(ValueError):
+    """A fleet manifest that cannot be used; the message names the bad entry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    model: str
+    targets: tuple[str, ...]
+    options: Mapping[str, Mapping[str, Any]]
+    version: str | None
+    verify: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetManifest:
+    store: str | None
+    models: tuple[ModelEntry, ...]
+
+
+def load_manifest(source: str | os.PathLike | Mapping[str, Any]) -> FleetManifest:
+    """Parse and validate a manifest (a YAML/JSON file path or an already-parsed dict)."""
+    base = Path.cwd()
+    if isinstance(source, Mapping):
+        doc = source
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ManifestError(f"manifest {str(path)!r} does not exist")
+        try:
+            text = path.read_text()
+            doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"manifest {str(path)!r} is not valid YAML/JSON: {exc}") from exc
+        base = path.resolve().parent
+    return _validate(doc, base)
+
+
+def _validate(doc: Any, base: Path) -> FleetManifest:
+    if not isinstance(doc, Mapping):
+        raise ManifestError("manifest must be a mapping with a 'models' list")
+    unknown = set(doc) - _TOP_KEYS
+    if unknown:
+        raise ManifestError(f"manifest has unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    store = doc.get("store")
+    if store is not None and (not isinstance(store, str) or not store):
+        raise ManifestError(f"manifest 'store' must be a URL string, got {store!r}")
+    if store is not None and "://" not in store and not os.path.isabs(store):
+        store = str((base / store).resolve())
+    defaults = doc.get("defaults") or {}
+    if not isinstance(defaults, Mapping):
+        raise ManifestError("manifest 'defaults' must be a mapping")
+    models = doc.get("models")
+    if not isinstance(models, list) or not models:
+        raise ManifestError("manifest 'models' must be a non-empty list")
+    entries = [_entry(i, m, defaults, base) for i, m in enumerate(models)]
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        if entry.name in seen:
+            raise ManifestError(f"models[{i}] ({entry.name!r}): name already used by models[{seen[entry.name]}]")
+        seen[entry.name] = i
+    return FleetManifest(store, tuple(entries))
+
+
+def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEntry:
+    where = f"models[{i}]"
+    if isinstance(raw, str):
+        raw = {"model": raw}
+    if not isinstance(raw, Mapping):
+        raise ManifestError(f"{where}: expected a mapping or a model spec string, got {type(raw).__name__}")
+    if "name" in raw:
+        where = f"models[{i}] ({raw['name']!r})"
+    unknown = set(raw) - _MODEL_KEYS
+    if unknown:
+        raise ManifestError(f"{where}: unknown keys {sorted(unknown)}; allowed: {sorted(_MODEL_KEYS)}")
+    if "model" not in raw:
+        raise ManifestError(f"{where}: missing 'model' (a spec like 'path/file.py:factory')")
+    try:
+        spec = ModelSpec.parse(raw["model"])
+    except ModelSpecError as exc:
+        raise ManifestError(f"{where}: {exc}") from exc
+    model = raw["model"]
+    if spec.kind == "file":
+        path = Path(spec.location)
+        if not path.is_absolute():
+            path = base / path
+        if not path.is_file():
+            raise ManifestError(f"{where}: model file {spec.location!r} does not exist")
+        model = f"{path}:{spec.factory}"
+    name = raw.get("name", spec.name)
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ManifestError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-'")
+    targets = raw.get("targets", defaults.get("targets", [PORTABLE]))
+    if isinstance(targets, str):
+        targets = [targets]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ManifestError(f"{where}: 'targets' must be a non-empty list of target names")
+    if len(set(targets)) != len(targets):
+        raise ManifestError(f"{where}: 'targets' lists a target twice: {targets}")
+    for target in targets:
+        _check_target(where, target)
+    options = raw.get("options", {})
+    if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
+        raise ManifestError(f"{where}: 'options' must map target names to option mappings")
+    stray = set(options) - set(targets)
+    if stray:
+        raise ManifestError(f"{where}: 'options' for targets not lowered: {sorted(stray)}")
+    version = raw.get("version")
+    if version is not None and not isinstance(version, (str, int)):
+        raise ManifestError(f"{where}: 'version' must be a string")
+    verify = raw.get("verify", defaults.get("verify", True))
+    if not isinstance(verify, bool):
+        raise ManifestError(f"{where}: 'verify' must be true or false")
+    return ModelEntry(
+        name=name,
+        model=model,
+        targets=tuple(targets),
+        options={k: dict(v) for k, v in options.items()},
+        version=None if version is None else str(version),
+        verify=verify,
+    )
+
+
+def _check_target(where: str, target: str) -> None:
+    from lowering.errors import BackendError
+    from lowering.lowered_module import find_backend
+
+    if target == PORTABLE:
+        return
+    try:
+        find_backend(target)
+    except BackendError as exc:
+        raise ManifestError(f"{where}: target {target!r}: {exc}") from exc

@@ -1,0 +1,406 @@
+"""One Prefect task per lowering stage, over the content-addressed artifact store.
+
+Each stage is a thin wrapper: load its input artifacts, call one ``lowering``
+function, store the output, return small JSON (ArtifactRefs + plain data) that
+Prefect persists.  Cache keys are the stage, its version, the input digests and
+the parameters (see :mod:`tasks.cache`), so a stage whose inputs did not change
+is never recomputed, in any run or process.
+
+    export ─► partition ─► create_submodule ─► build_programs ─► preprocess (per partition)
+           ─► adjust ─► memory_plan ─► emit ─► verify          (portable: export ─► memory_plan ─► …)
+
+Inside one process the objects a stage stored are kept live (:data:`LIVE`), so
+the next stage does not read back what was just written; a stage reads the
+store only when its input came from a cache hit or another process.
+
+Graph surgery that is cheap and deterministic (fusing a partition's nodes takes
+milliseconds) is redone from the stored tagged program by the stages that need
+the fused graph, rather than stored: ``create_submodule`` stores the plan of
+which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from lowering.export import export as export_module, load as load_pt2
+from lowering.adjust import adjust_original_program, insert_lowered_module
+from lowering.delegate import executorch_call_delegate
+from lowering.emit import emit_program
+from lowering.lowered_module import LoweredBackendModule, preprocess
+from lowering.memory_plan import MemoryPlan, memory_plan
+from lowering.partition import (
+    CompileSpec,
+    apply_partition_tags,
+    partition,
+    partition_tags_of,
+)
+from lowering.program import copy_program
+from lowering.serialize import canonical_json, deserialize_any, serialize_any
+from lowering.submodule import create_submodules, nodes_by_tag
+from lowering.subprogram import create_exported_program_from_submodule
+from lowering.targets import partitioner_for
+from lowering.verify import verify as verify_pte
+
+from .cache import CacheConfig, stage_task
+from .model_spec import ModelSpec, load_factory_model, read_pt2
+from .store import ArtifactRef, ArtifactStore
+
+#: Bump a stage's version when its code changes what it produces.
+STAGE_VERSIONS = {
+    "export": "1",
+    "partition": "1",
+    "create_submodule": "1",
+    "build_programs": "1",
+    "preprocess": "1",
+    "adjust": "1",
+    "memory_plan": "1",
+    "emit": "1",
+    "verify": "1",
+}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a stage named in :data:`FAULTS` (tests and the resume benchmark)."""
+
+
+#: Stage names that fail on purpose, e.g. ``FAULTS.add("emit")``.
+FAULTS: set[str] = set()
+#: How many times each stage body ran in this process (cache hits do not count).
+EXECUTIONS: collections.Counter[str] = collections.Counter()
+_lock = threading.Lock()
+_EXPORT_LOCK = threading.Lock()
+
+
+class LiveObjects:
+    """Objects this process stored, by artifact sha256 (bounded, least recently used out)."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, ref: ArtifactRef, obj: Any) -> None:
+        with self._lock:
+            self._items[ref.sha256] = obj
+            self._items.move_to_end(ref.sha256)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def get(self, ref: ArtifactRef, load: Callable[[], Any]) -> Any:
+        with self._lock:
+            if ref.sha256 in self._items:
+                self._items.move_to_end(ref.sha256)
+                return self._items[ref.sha256]
+        obj = load()
+        self.put(ref, obj)
+        return obj
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+
+LIVE = LiveObjects()
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> ArtifactRef:
+    """Store a program (plain or holding lowered modules): blobs once by content, then its manifest.
+
+    Stack traces are left out so the bytes (and every downstream cache key) do
+    not depend on where the model's source lives.
+    """
+    serialized = serialize_any(program, keep_stack_traces=False)
+    store.put_blobs(serialized.blobs.values())
+    ref = store.put_bytes(serialized.manifest, "program")
+    LIVE.put(ref, program)
+    return ref
+
+
+def get_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.ExportedProgram:
+    what = f"blob of program {ref.sha256[:12]}"
+    return LIVE.get(
+        ref, lambda: deserialize_any(store.get_bytes(ref), lambda d: store.read_object(d, what=what))
+    )
+
+
+def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:
+    """Store a small JSON document (canonical bytes, so equal documents share one object)."""
+    ref = store.put_bytes(canonical_json(_jsonable(doc)), kind)
+    LIVE.put(ref, doc)
+    return ref
+
+
+def get_doc(store: ArtifactStore, ref: ArtifactRef) -> Any:
+    import json
+
+    return LIVE.get(ref, lambda: _from_jsonable(json.loads(store.get_bytes(ref))))
+
+
+def _jsonable(doc: Any) -> Any:
+    if isinstance(doc, ArtifactRef):
+        return {"$ref": doc.to_json()}
+    if isinstance(doc, dict):
+        return {k: _jsonable(v) for k, v in doc.items()}
+    if isinstance(doc, (list, tuple)):
+        return [_jsonable(v) for v in doc]
+    return doc
+
+
+def _from_jsonable(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        if set(doc) == {"$ref"}:
+            return ArtifactRef.from_json(doc["$ref"])
+        return {k: _from_jsonable(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_from_jsonable(v) for v in doc]
+    return doc
+
+
+def _specs_json(specs) -> list[dict[str, str]]:
+    return [{"key": s.key, "value": s.value.hex()} for s in specs]
+
+
+def _specs(doc: list[dict[str, str]]) -> list[CompileSpec]:
+    return [CompileSpec(s["key"], bytes.fromhex(s["value"])) for s in doc]
+
+
+def _begin(stage: str) -> None:
+    with _lock:
+        EXECUTIONS[stage] += 1
+    if stage in FAULTS:
+        raise InjectedFault(f"stage {stage!r} failed on purpose (lowerflow fault injection)")
+
+
+# --------------------------------------------------------------------------- stage bodies
+
+
+def run_export(store: ArtifactStore, model: str, source: str, options: dict) -> dict:
+    """Stage 1.  ``source`` (the model file's digest) is only there for the cache key."""
+    _begin("export")
+    spec = ModelSpec.parse(model)
+    if spec.kind == "pt2":
+        program = load_pt2(read_pt2(spec, options.get("storage_options")), name=model)
+    else:
+        module, inputs = load_factory_model(spec)
+        with _EXPORT_LOCK:  # torch.export keeps global tracing state: one export at a time
+            program = export_module(module, inputs, name=model)
+    return {"program": put_program(store, program)}
+
+
+def run_partition(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:
+    """Stage 2: the tagged program and its tags (node name -> tag), stored apart."""
+    _begin("partition")
+    result = partition(get_program(store, program), partitioner_for(target, options))
+    tagged = result.tagged_exported_program
+    doc = {
+        "tags": partition_tags_of(tagged.graph),
+        "partitions": {
+            tag: {"backend_id": spec.backend_id, "compile_specs": _specs_json(spec.compile_specs)}
+            for tag, spec in result.partition_tags.items()
+        },
+    }
+    tagged_ref = put_program(store, tagged)
+    return {
+        "program": tagged_ref,
+        "tagged": {"program": tagged_ref, "tags": put_doc(store, doc, "partition_tags")},
+        "partitions": sorted(doc["partitions"]),
+        "total_nodes": count_call_nodes(tagged),
+    }
+
+
+def _tagged_program(store: ArtifactStore, tagged: dict):
+    """A private copy of the stage-2 program with its tags applied (safe to fuse)."""
+    program = copy_program(get_program(store, tagged["program"]))
+    doc = get_doc(store, tagged["tags"])
+    apply_partition_tags(program.graph, doc["tags"])
+    return program, doc
+
+
+def run_create_submodule(store: ArtifactStore, tagged: dict) -> dict:
+    """Stage 3: fuse each tag into a submodule (checks cycles) and store the plan."""
+    _begin("create_submodule")
+    program, doc = _tagged_program(store, tagged)
+    members = nodes_by_tag(program.graph, sorted(doc["partitions"]))
+    calls = create_submodules(program.graph_module, doc["partitions"])
+    plan = {
+        tag: {
+            "module": call.target,
+            "nodes": [n.name for n in members[tag]],
+            "inputs": [a.name for a in call.args],
+            "outputs": len(call.meta["val"]),
+        }
+        for tag, call in calls.items()
+    }
+    return {"plan": put_doc(store, plan, "submodule_plan")}
+
+
+def _fused(store: ArtifactStore, tagged: dict, plan_ref: ArtifactRef):
+    """Re-apply the stage-3 plan to the tagged program: (program, {tag: call node}, tag doc)."""
+    program, doc = _tagged_program(store, tagged)
+    plan = get_doc(store, plan_ref)
+    calls = create_submodules(program.graph_module, doc["partitions"])
+    for tag, call in calls.items():
+        if call.target != plan[tag]["module"] or [a.name for a in call.args] != plan[tag]["inputs"]:
+            raise RuntimeError(f"partition {tag!r}: fusing again does not reproduce the stored plan")
+    return program, calls, doc
+
+
+def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) -> dict:
+    """Stage 4: each partition's own ExportedProgram."""
+    _begin("build_programs")
+    program, calls, doc = _fused(store, tagged, plan)
+    partitions = []
+    for tag, call in calls.items():
+        sub_program, _ = create_exported_program_from_submodule(program, call, tag)
+        spec = doc["partitions"][tag]
+        partitions.append({"tag": tag, "program": put_program(store, sub_program), **spec})
+    return {"partitions": partitions}
+
+
+def run_preprocess(
+    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str
+) -> dict:
+    """Stage 5, one partition.  ``label`` names it in errors and is not in the cache key,
+    so identical partitions of different models share one cache entry."""
+    _begin("preprocess")
+    lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
+    processed = store.put_bytes(lowered.processed_bytes, "processed")
+    return {"processed": processed, "backend_id": lowered.backend_id}
+
+
+def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions: list) -> dict:
+    """Stage 6: swap each submodule for its lowered module; the delegated program."""
+    _begin("adjust")
+    program, calls, _ = _fused(store, tagged, plan)
+    by_tag = {p["tag"]: p for p in partitions}
+    delegated_nodes = 0
+    for tag, call in calls.items():
+        part = by_tag[tag]
+        _, io = create_exported_program_from_submodule(program, call, tag)
+        original = get_program(store, part["program"])
+        delegated_nodes += sum(1 for n in original.graph.nodes if n.op == "call_function")
+        lowered = LoweredBackendModule(
+            original, part["backend_id"], store.get_bytes(part["processed"]), _specs(part["compile_specs"])
+        )
+        insert_lowered_module(program, call, lowered, io)
+    delegated = adjust_original_program(program)
+    return {"program": put_program(store, delegated), "delegated_nodes": delegated_nodes}
+
+
+def run_memory_plan(store: ArtifactStore, program: ArtifactRef) -> dict:
+    """Stage 7."""
+    _begin("memory_plan")
+    plan = memory_plan(get_program(store, program))
+    ref = store.put_bytes(canonical_json(plan.to_dict()), "memory_plan")
+    LIVE.put(ref, plan)
+    return {
+        "plan": ref,
+        "arena_bytes": int(sum(plan.arena_sizes)),
+        "lower_bound": int(plan.lower_bound),
+        "algorithm": plan.algorithm,
+    }
+
+
+def get_memory_plan(store: ArtifactStore, ref: ArtifactRef) -> MemoryPlan:
+    import json
+
+    return LIVE.get(ref, lambda: MemoryPlan.from_dict(json.loads(store.get_bytes(ref))))
+
+
+def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef) -> dict:
+    """Stage 8: the .pte bytes."""
+    _begin("emit")
+    pte = emit_program(get_program(store, program), get_memory_plan(store, plan))
+    return {"pte": store.put_bytes(pte, "pte")}
+
+
+def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, source: str) -> dict:
+    """Run the .pte (our executor; ExecuTorch's runtime too when installed) against eager."""
+    _begin("verify")
+    spec = ModelSpec.parse(model)
+    if spec.kind == "pt2":
+        return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
+    module, inputs = load_factory_model(spec)
+    return verify_pte(store.get_bytes(pte), module, inputs).to_dict()
+
+
+# --------------------------------------------------------------------------- Prefect tasks
+
+
+class StageTasks:
+    """The stage tasks bound to one cache configuration (store, result storage, locks)."""
+
+    def __init__(self, config: CacheConfig) -> None:
+        self.config = config
+        self.store = config.artifact_store()
+        store = self.store
+
+        def make(stage: str, body: Callable[..., dict], ignore: tuple[str, ...] = ()):
+            def run(**kwargs: Any) -> dict:
+                return body(store, **kwargs)
+
+            run.__name__ = f"{stage}_stage"
+            run.__qualname__ = run.__name__
+            return stage_task(stage, STAGE_VERSIONS[stage], config=config, ignore=ignore)(run)
+
+        self.export = make("export", run_export)
+        self.partition = make("partition", run_partition)
+        self.create_submodule = make("create_submodule", run_create_submodule)
+        self.build_programs = make("build_programs", run_build_programs)
+        self.preprocess = make("preprocess", run_preprocess, ignore=("label",))
+        self.adjust = make("adjust", run_adjust)
+        self.memory_plan = make("memory_plan", run_memory_plan)
+        self.emit = make("emit", run_emit)
+        self.verify = make("verify", run_verify)
+
+
+def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
+    """Run one stage task; append its record (stage, cached?, seconds, state); return its result.
+
+    A failed stage re-raises its error after recording it.
+    """
+    start = time.perf_counter()
+    state = task(**kwargs, return_state=True)
+    record = {
+        "stage": task.name,
+        "state": state.name,
+        "cached": state.name == "Cached",
+        "seconds": round(time.perf_counter() - start, 4),
+        "bytes": None,
+    }
+    records.append(record)
+    result = state.result()  # raises the stage's exception if it failed
+    record["bytes"] = _result_bytes(result)
+    return result
+
+
+def _result_bytes(result: Any) -> int | None:
+    refs = []
+
+    def walk(value):
+        if isinstance(value, ArtifactRef):
+            refs.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+
+    walk(result)
+    return sum(r.size for r in refs) if refs else None
+
+
+def count_call_nodes(program: torch.export.ExportedProgram) -> int:
+    return sum(
+        1 for n in program.graph.nodes if n.op == "call_function" and n.target is not executorch_call_delegate
+    )
