@@ -1,0 +1,449 @@
+"""Reports of lowering runs: markdown tables, text tables and memory-plan pictures.
+
+Everything here is a pure function of the manifests the flows return (see
+``flows.lower_model``), except the two ``publish_*`` functions, which create
+Prefect markdown artifacts and write memory-plan PNGs into the artifact store::
+
+    model_report_markdown(model_manifest)   # per target: stages, delegation, memory, verify
+    fleet_report_markdown(fleet_summary)    # one row per model x target
+    fleet_rows(fleet_summary)               # the same rows as dicts (the CLI prints them)
+    memory_plan_png(plan, title="mlp")      # PNG bytes, identical for identical plans
+
+A model manifest is ``{"model", "name", "targets": {target: {"ok", "pte", "error",
+"stages", "memory_plan", "delegation", "verify"}}}``; a fleet summary is
+``{"store", "models": {name: model manifest}, "ok", "failed"}``.
+
+The manifest's ``memory_plan`` entry is a summary (arena bytes, lower bound,
+algorithm).  The picture needs the placements: :func:`publish_model_report`
+takes them from its ``plans`` argument, or from the entry itself when it holds
+the whole plan (``"allocations"``) or a ref to the plan's JSON (``"ref"``).
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from typing import Any, Iterable, Mapping, Sequence
+
+from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
+
+#: The stages of a target, in pipeline order (rows of unknown stages keep their order after these).
+STAGE_ORDER = (
+    "export",
+    "partition",
+    "create_submodule",
+    "build_programs",
+    "preprocess",
+    "adjust",
+    "memory_plan",
+    "emit",
+    "verify",
+)
+
+#: Columns of :func:`fleet_rows` / the fleet tables.
+FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "error")
+
+#: Key prefix of the Prefect artifacts this module creates.
+ARTIFACT_PREFIX = "lowerflow"
+
+
+# --------------------------------------------------------------------------- formatting
+
+
+def format_bytes(n: int | None) -> str:
+    """``123456`` -> ``"123,456"``; None -> ``"—"``."""
+    return "—" if n is None else f"{int(n):,}"
+
+
+def format_seconds(s: float | None) -> str:
+    """Seconds with two decimals; None -> ``"—"``."""
+    return "—" if s is None else f"{float(s):.2f}"
+
+
+def first_line(text: str | None, limit: int = 160) -> str:
+    """The first non-empty line of ``text``, cut to ``limit`` characters ("" for None)."""
+    if not text:
+        return ""
+    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
+    """A GitHub markdown table; cells are escaped (``|``, newlines), ``right`` columns right-aligned."""
+    head = "| " + " | ".join(_md_cell(h) for h in headers) + " |"
+    rule = "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"
+    body = ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join([head, rule, *body])
+
+
+def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
+    """A fixed-width plain-text table for terminals (``right`` columns right-aligned)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
+
+
+def _md_cell(value: Any) -> str:
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+# --------------------------------------------------------------------------- model report
+
+
+def ordered_stages(stages: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Stage records in pipeline order (a stable sort: repeated stages keep their order)."""
+    rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+    return sorted(stages, key=lambda r: rank.get(r.get("stage"), len(STAGE_ORDER)))
+
+
+def stage_table(stages: Iterable[Mapping[str, Any]]) -> str:
+    """Markdown table stage | cached? | seconds | bytes, with a total row."""
+    records = ordered_stages(stages)
+    rows = [
+        (r.get("stage", "?"), _cached_cell(r), format_seconds(r.get("seconds")), format_bytes(r.get("bytes")))
+        for r in records
+    ]
+    cached, total = count_cached(records), len(records)
+    seconds = sum(float(r.get("seconds") or 0.0) for r in records)
+    rows.append(("**total**", f"{cached}/{total} cached", format_seconds(seconds), ""))
+    return markdown_table(("stage", "cached?", "seconds", "bytes"), rows, right=(2, 3))
+
+
+def _cached_cell(record: Mapping[str, Any]) -> str:
+    if record.get("state") == "Failed":
+        return "failed"
+    return "yes" if record.get("cached") else "no"
+
+
+def count_cached(stages: Iterable[Mapping[str, Any]]) -> int:
+    """How many stage records were cache hits."""
+    return sum(1 for r in stages if r.get("cached"))
+
+
+def delegation_line(delegation: Mapping[str, Any] | None) -> str:
+    """``"12/20 nodes delegated (60.0%) in 2 partitions"``; None -> nothing delegated."""
+    if not delegation:
+        return "nothing delegated"
+    done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
+    parts = int(delegation.get("partitions", 0))
+    share = f" ({100.0 * done / total:.1f}%)" if total else ""
+    return f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+
+
+def memory_line(summary: Mapping[str, Any] | None) -> str:
+    """``"arena 131,072 B, lower bound 131,072 B (ratio 1.000, greedy_by_breadth)"``."""
+    if not summary:
+        return "no memory plan"
+    arena, bound = arena_bytes(summary), summary.get("lower_bound")
+    ratio = plan_ratio(arena, bound)
+    algorithm = summary.get("algorithm")
+    details = ", ".join(x for x in (f"ratio {ratio:.3f}" if ratio is not None else "", algorithm or "") if x)
+    return f"arena {format_bytes(arena)} B, lower bound {format_bytes(bound)} B" + (f" ({details})" if details else "")
+
+
+def arena_bytes(summary: Mapping[str, Any] | None) -> int | None:
+    """Arena bytes of a plan summary (``arena_bytes``) or a whole plan dict (``arena_sizes``)."""
+    if not summary:
+        return None
+    if summary.get("arena_bytes") is not None:
+        return int(summary["arena_bytes"])
+    sizes = summary.get("arena_sizes")
+    if sizes is None:
+        return None
+    return int(sizes[ARENA_MEM_ID]) if len(sizes) > ARENA_MEM_ID else 0
+
+
+def plan_ratio(arena: int | None, bound: int | None) -> float | None:
+    """arena / lower bound (1.0 is optimal); None when unknown, 1.0 for an empty arena."""
+    if arena is None or bound is None:
+        return None
+    if bound == 0:
+        return 1.0 if arena == 0 else None
+    return arena / bound
+
+
+def verify_table(verify: Mapping[str, Any] | None) -> str:
+    """Markdown table runtime | ok | max abs diff | error, from ``VerifyReport.to_dict()``."""
+    if not verify:
+        return "not verified"
+    checks = verify.get("checks") or []
+    if not checks:
+        return "verified: " + ("ok" if verify.get("ok") else "FAILED")
+    rows = [
+        (
+            c.get("runtime", "?"),
+            "ok" if c.get("ok") else "FAILED",
+            "—" if c.get("max_abs_diff") is None else f"{float(c['max_abs_diff']):.3g}",
+            first_line(c.get("error")),
+        )
+        for c in checks
+    ]
+    return markdown_table(("runtime", "ok", "max abs diff", "error"), rows, right=(2,))
+
+
+def target_section(target: str, entry: Mapping[str, Any], image: str | None = None) -> str:
+    """The markdown of one target: status, .pte, stages, delegation, memory, verify."""
+    status = "ok" if entry.get("ok") else "FAILED"
+    lines = [f"## {target} — {status}", ""]
+    if entry.get("error"):
+        lines += [f"**error:** `{first_line(entry['error'], 400)}`", ""]
+    pte = entry.get("pte")
+    if pte:
+        lines += [f"**.pte:** {format_bytes(pte.get('size'))} B, sha256 `{str(pte.get('sha256', ''))[:16]}`, `{pte.get('uri')}`", ""]
+    lines += [stage_table(entry.get("stages") or []), ""]
+    lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
+    lines += [f"**memory plan:** {memory_line(entry.get('memory_plan'))}", ""]
+    if image:
+        lines += [f"![memory plan of {target}]({image})", ""]
+    lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
+    return "\n".join(lines)
+
+
+def model_report_markdown(model_manifest: Mapping[str, Any], *, images: Mapping[str, str] | None = None) -> str:
+    """The report of one model: a section per target (see :func:`target_section`).
+
+    ``images`` maps a target to the URL of its memory-plan picture, shown in its section.
+    """
+    name = model_manifest.get("name") or "?"
+    targets = model_manifest.get("targets") or {}
+    spec = model_manifest.get("model")
+    lines = [f"# lowerflow: {name}", ""]
+    if spec:
+        lines += [f"model `{spec}`", ""]
+    if not targets:
+        lines += ["no targets", ""]
+    for target, entry in targets.items():
+        lines.append(target_section(target, entry, (images or {}).get(target)))
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --------------------------------------------------------------------------- fleet report
+
+
+def fleet_rows(fleet_summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One row per model x target (keys :data:`FLEET_COLUMNS`, display strings).
+
+    A failed model without a manifest (it failed before any target ran) gets one
+    row with target ``—``.
+    """
+    rows = []
+    models = fleet_summary.get("models") or {}
+    for name, manifest in models.items():
+        targets = (manifest or {}).get("targets") or {}
+        if not targets:
+            rows.append(_missing_row(name, (manifest or {}).get("error") or "no targets ran"))
+        for target, entry in targets.items():
+            rows.append(_target_row(name, target, entry))
+    for name in fleet_summary.get("failed") or []:
+        if name not in models:
+            rows.append(_missing_row(name, "failed before producing a manifest"))
+    return rows
+
+
+def _target_row(name: str, target: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+    stages = entry.get("stages") or []
+    plan = entry.get("memory_plan") or {}
+    pte = entry.get("pte") or {}
+    return {
+        "model": name,
+        "target": target,
+        "ok": "ok" if entry.get("ok") else "FAILED",
+        "pte bytes": format_bytes(pte.get("size")),
+        "arena bytes": format_bytes(arena_bytes(plan)),
+        "cached": f"{count_cached(stages)}/{len(stages)}",
+        "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
+        "error": first_line(entry.get("error"), 100),
+    }
+
+
+def _missing_row(name: str, error: str) -> dict[str, Any]:
+    return {"model": name, "target": "—", "ok": "FAILED", "pte bytes": "—", "arena bytes": "—",
+            "cached": "0/0", "seconds": "—", "error": first_line(error, 100)}
+
+
+#: Right-aligned columns of the fleet tables (indices into FLEET_COLUMNS).
+_FLEET_RIGHT = (3, 4, 5, 6)
+
+
+def fleet_text_table(fleet_summary: Mapping[str, Any]) -> str:
+    """The fleet rows as a plain-text table (what the CLI and the demo print)."""
+    rows = [[r[c] for c in FLEET_COLUMNS] for r in fleet_rows(fleet_summary)]
+    return text_table(FLEET_COLUMNS, rows, right=_FLEET_RIGHT)
+
+
+def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
+    """The fleet report: a status line and one table row per model x target."""
+    rows = fleet_rows(fleet_summary)
+    failed = list(fleet_summary.get("failed") or [])
+    status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(failed) or '?'}"
+    lines = [
+        "# lowerflow fleet",
+        "",
+        f"store `{fleet_summary.get('store', '?')}` · {len(fleet_summary.get('models') or {})} models · {status}",
+        "",
+        markdown_table(FLEET_COLUMNS, [[r[c] for c in FLEET_COLUMNS] for r in rows], right=_FLEET_RIGHT),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- memory plan picture
+
+
+def as_memory_plan(plan: MemoryPlan | Mapping[str, Any]) -> MemoryPlan:
+    """A MemoryPlan from itself or its ``to_dict()``; a clear error for a summary dict."""
+    if isinstance(plan, MemoryPlan):
+        return plan
+    if isinstance(plan, Mapping) and "allocations" in plan:
+        return MemoryPlan.from_dict(plan)
+    keys = sorted(plan) if isinstance(plan, Mapping) else type(plan).__name__
+    raise ValueError(f"not a memory plan (expected MemoryPlan or MemoryPlan.to_dict(), got {keys})")
+
+
+def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> bytes:
+    """A PNG of the arena: x = execution step, y = offset, one rectangle per tensor.
+
+    Each planned tensor of the arena (``mem_id`` 1) with a non-zero size is a
+    rectangle spanning its inclusive lifetime and its bytes; views sharing a
+    base's memory are not drawn again.  Dashed lines mark the lower bound and
+    the arena size.  The same plan and title give the same bytes.
+    """
+    plan = as_memory_plan(plan)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import StrMethodFormatter
+    import matplotlib.style
+
+    with matplotlib.style.context("default"):
+        fig = Figure(figsize=(8, 4.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        tensors = planned_tensors(plan)
+        colors = matplotlib.colormaps["tab20"]
+        arena = plan.arena_bytes
+        steps = max((a.lifetime[1] + 1 for _, a in tensors), default=1)
+        top = max(arena, plan.lower_bound, 1) * 1.08
+        for i, (key, alloc) in enumerate(tensors):
+            first, last = alloc.lifetime
+            box = ax.add_patch(Rectangle((first, alloc.offset), last + 1 - first, alloc.size,
+                                         facecolor=colors(i % 20), edgecolor="black", linewidth=0.5))
+            if (last + 1 - first) >= 0.08 * steps and alloc.size >= 0.06 * top:
+                label = ax.text(first + 0.2, alloc.offset + alloc.size / 2, key, fontsize=7, va="center", clip_on=True)
+                label.set_clip_path(box)  # names longer than their box are cut at its edge
+        ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1,
+                   label=f"lower bound {plan.lower_bound:,} B")
+        ax.axhline(arena, color="black", linestyle=":", linewidth=1, label=f"arena {arena:,} B")
+        ax.set_xlim(0, steps)
+        ax.set_ylim(0, top)
+        ax.yaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+        ax.set_xlabel("execution step")
+        ax.set_ylabel("arena offset (bytes)")
+        ratio = plan_ratio(arena, plan.lower_bound)
+        ratio_text = f", ratio {ratio:.3f}" if ratio is not None else ""
+        ax.set_title(f"{title}: {len(tensors)} tensors, {plan.algorithm}{ratio_text}", fontsize=10)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+        fig.tight_layout()
+        out = io.BytesIO()
+        fig.savefig(out, format="png", metadata={"Software": None})
+    return out.getvalue()
+
+
+def planned_tensors(plan: MemoryPlan) -> list[tuple[str, Any]]:
+    """The (key, allocation) pairs a picture draws: arena tensors with bytes, no aliases."""
+    return [
+        (key, alloc)
+        for key, alloc in plan.allocations.items()
+        if alloc.mem_id == ARENA_MEM_ID and alloc.size > 0 and key not in plan.aliases
+    ]
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of PNG bytes, read from the IHDR chunk; ValueError if not a PNG."""
+    import struct
+
+    if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+        raise ValueError("not a PNG (bad signature or missing IHDR chunk)")
+    return struct.unpack(">II", data[16:24])
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def artifact_key(*parts: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits, dashes) from ``parts``.
+
+    ``artifact_key("model", "buffer_mutation")`` -> ``"lowerflow-model-buffer-mutation"``.
+    """
+    text = "-".join((ARTIFACT_PREFIX, *parts)).lower()
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]", "-", text)).strip("-")
+
+
+def plan_image_name(name: str, target: str) -> str:
+    """The named output of a target's memory-plan picture: ``<name>/<target>.memory_plan.png``."""
+    return f"{name}/{target}.memory_plan.png"
+
+
+def find_plan(entry: Mapping[str, Any], store: Any) -> MemoryPlan | None:
+    """The full memory plan of a target's manifest entry, if it carries one.
+
+    The entry's ``memory_plan`` may hold the whole plan (``"allocations"``), or a
+    ref to the plan's JSON in ``store`` (``"ref": {"uri", "sha256", "size"}``).
+    """
+    summary = entry.get("memory_plan") or {}
+    if "allocations" in summary:
+        return MemoryPlan.from_dict(summary)
+    ref = summary.get("ref")
+    if not ref:
+        return None
+    import json
+
+    from tasks.store import ArtifactRef
+
+    data = store.get_bytes(ArtifactRef(str(ref["uri"]), str(ref["sha256"]), int(ref["size"]), str(ref.get("kind", "memory_plan"))))
+    return as_memory_plan(json.loads(data))
+
+
+def publish_model_report(
+    model_manifest: Mapping[str, Any],
+    store: Any = None,
+    *,
+    plans: Mapping[str, MemoryPlan | Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Write each target's memory-plan PNG to ``store`` and create the model's markdown artifact.
+
+    ``store`` is an :class:`~tasks.store.ArtifactStore` or a URL (None: the default
+    store).  ``plans`` maps targets to their plans; otherwise :func:`find_plan`
+    looks in the manifest.  Returns ``{"key", "markdown", "images": {target: uri}}``.
+    """
+    from prefect.artifacts import create_markdown_artifact
+
+    from tasks.store import ArtifactStore
+
+    store = store if isinstance(store, ArtifactStore) else ArtifactStore(store)
+    name = str(model_manifest.get("name") or "model")
+    images: dict[str, str] = {}
+    for target, entry in (model_manifest.get("targets") or {}).items():
+        plan = (plans or {}).get(target) or find_plan(entry, store)
+        if plan is None:
+            continue
+        png = memory_plan_png(plan, title=f"{name} / {target}")
+        images[target] = store.put_named(plan_image_name(name, target), png, "png").uri
+    markdown = model_report_markdown(model_manifest, images=images)
+    key = artifact_key("model", name)
+    create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
+    return {"key": key, "markdown": markdown, "images": images}
+
+
+def publish_fleet_report(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """Create the fleet's markdown artifact (key ``lowerflow-fleet``); returns ``{"key", "markdown"}``."""
+    from prefect.artifacts import create_markdown_artifact
+
+    markdown = fleet_report_markdown(summary)
+    key = artifact_key("fleet")
+    create_markdown_artifact(markdown=markdown, key=key, description="lowerflow fleet report")
+    return {"key": key, "markdown": markdown}

@@ -1,0 +1,292 @@
+"""Run reports: markdown tables from manifests, memory-plan PNGs, Prefect artifacts."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import uuid
+import zlib
+
+import pytest
+
+from examples.models import MODELS
+from flows.reports import (
+    artifact_key,
+    fleet_report_markdown,
+    fleet_rows,
+    fleet_text_table,
+    memory_plan_png,
+    model_report_markdown,
+    plan_image_name,
+    png_size,
+    publish_fleet_report,
+    publish_model_report,
+)
+from lowering.export import export
+from lowering.memory_plan import memory_plan
+
+
+@pytest.fixture(scope="module")
+def cnn_plan():
+    return memory_plan(export(*MODELS["cnn"]()))
+
+
+def stage(name, cached, seconds, nbytes=None, state=None):
+    return {"stage": name, "cached": cached, "seconds": seconds,
+            "state": state or ("Cached" if cached else "Completed"), "bytes": nbytes}
+
+
+def cnn_manifest(plan):
+    """A model manifest in the shape lower_model returns: one delegated target, one failed."""
+    return {
+        "model": "examples/models.py:cnn",
+        "name": "cnn",
+        "targets": {
+            "reference": {
+                "ok": True,
+                "pte": {"uri": "memory://s/outputs/cnn/reference.pte", "sha256": "ab" * 32, "size": 123456},
+                "error": None,
+                "stages": [
+                    stage("export", True, 0.25, 40000),
+                    stage("partition", True, 0.5, 41000),
+                    stage("create_submodule", False, 0.125),
+                    stage("build_programs", False, 0.125),
+                    stage("preprocess", False, 1.0, 90000),
+                    stage("adjust", False, 0.25, 42000),
+                    stage("memory_plan", False, 0.5, 2000),
+                    stage("emit", False, 0.25, 123456),
+                    stage("verify", False, 1.5),
+                ],
+                "memory_plan": {"arena_bytes": 98304, "lower_bound": 65536, "algorithm": "greedy_by_size"},
+                "delegation": {"delegated_nodes": 15, "total_nodes": 20, "partitions": 2},
+                "verify": {"ok": True, "checks": [
+                    {"runtime": "lowerflow", "ok": True, "max_abs_diff": 2.5e-07, "error": None},
+                    {"runtime": "executorch", "ok": True, "max_abs_diff": 0.0, "error": None},
+                ]},
+            },
+            "portable": {
+                "ok": False,
+                "pte": None,
+                "error": "MemoryPlanError: op foo has no out variant\n  more detail",
+                "stages": [stage("export", True, 0.25, 40000), stage("memory_plan", False, 0.5, None, "Failed")],
+                "memory_plan": plan.to_dict(),
+                "delegation": None,
+                "verify": None,
+            },
+        },
+    }
+
+
+def table_rows(markdown, header):
+    """The body rows (as cell lists) of the markdown table starting with ``header``."""
+    lines = markdown.splitlines()
+    start = lines.index(header)
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split(" | ")])
+    return rows
+
+
+# --------------------------------------------------------------------------- model report
+
+
+def test_model_report_stage_table_in_pipeline_order_with_totals(cnn_plan):
+    md = model_report_markdown(cnn_manifest(cnn_plan))
+    assert md.startswith("# lowerflow: cnn\n")
+    assert "## reference — ok" in md and "## portable — FAILED" in md
+    reference = md[md.index("## reference"):md.index("## portable")]
+    rows = table_rows(reference, "| stage | cached? | seconds | bytes |")
+    assert [r[0] for r in rows] == [
+        "export", "partition", "create_submodule", "build_programs", "preprocess",
+        "adjust", "memory_plan", "emit", "verify", "**total**",
+    ]
+    assert rows[0] == ["export", "yes", "0.25", "40,000"]
+    assert rows[2] == ["create_submodule", "no", "0.12", "—"]
+    assert rows[-1][:3] == ["**total**", "2/9 cached", "4.50"]
+
+
+def test_model_report_delegation_memory_and_verify(cnn_plan):
+    md = model_report_markdown(cnn_manifest(cnn_plan))
+    assert "**delegation:** 15/20 nodes delegated (75.0%) in 2 partitions" in md
+    assert "**memory plan:** arena 98,304 B, lower bound 65,536 B (ratio 1.500, greedy_by_size)" in md
+    reference = md[md.index("## reference"):md.index("## portable")]
+    assert table_rows(reference, "| runtime | ok | max abs diff | error |") == [
+        ["lowerflow", "ok", "2.5e-07", ""],
+        ["executorch", "ok", "0", ""],
+    ]
+    assert "**.pte:** 123,456 B" in reference
+
+
+def test_model_report_failed_target_shows_first_error_line_and_failed_stage(cnn_plan):
+    md = model_report_markdown(cnn_manifest(cnn_plan))
+    portable = md[md.index("## portable"):]
+    assert "**error:** `MemoryPlanError: op foo has no out variant`" in portable
+    assert "more detail" not in portable
+    rows = table_rows(portable, "| stage | cached? | seconds | bytes |")
+    assert rows[1] == ["memory_plan", "failed", "0.50", "—"]
+    assert "**delegation:** nothing delegated" in portable
+    ratio = cnn_plan.arena_bytes / cnn_plan.lower_bound
+    assert f"(ratio {ratio:.3f}, {cnn_plan.algorithm})" in portable
+    assert "not verified" in portable
+
+
+def test_model_report_links_images():
+    manifest = {"name": "m", "model": "x.py:m", "targets": {"portable": {"ok": True, "stages": []}}}
+    md = model_report_markdown(manifest, images={"portable": "file:///s/outputs/m/portable.memory_plan.png"})
+    assert "![memory plan of portable](file:///s/outputs/m/portable.memory_plan.png)" in md
+
+
+def test_markdown_cells_are_escaped():
+    manifest = {"name": "m", "targets": {"t": {"ok": False, "error": "a | b", "stages": []}}}
+    summary = {"store": "memory://s", "models": {"m": manifest}, "ok": False, "failed": ["m"]}
+    md = fleet_report_markdown(summary)
+    assert "a \\| b" in md
+
+
+# --------------------------------------------------------------------------- fleet report
+
+
+def fleet_summary(plan):
+    mlp = {
+        "model": "examples/models.py:mlp", "name": "mlp",
+        "targets": {"portable": {
+            "ok": True, "pte": {"uri": "u", "sha256": "cd" * 32, "size": 70000}, "error": None,
+            "stages": [stage("export", True, 0.5), stage("memory_plan", True, 0.25), stage("emit", False, 1.0)],
+            "memory_plan": {"arena_bytes": 8192, "lower_bound": 8192, "algorithm": "greedy_by_size"},
+            "delegation": None, "verify": None,
+        }},
+    }
+    return {"store": "memory://fleet", "models": {"mlp": mlp, "cnn": cnn_manifest(plan)},
+            "ok": False, "failed": ["cnn", "broken"]}
+
+
+def test_fleet_rows_one_per_model_and_target(cnn_plan):
+    rows = fleet_rows(fleet_summary(cnn_plan))
+    assert [(r["model"], r["target"]) for r in rows] == [
+        ("mlp", "portable"), ("cnn", "reference"), ("cnn", "portable"), ("broken", "—"),
+    ]
+    assert rows[0] == {"model": "mlp", "target": "portable", "ok": "ok", "pte bytes": "70,000",
+                       "arena bytes": "8,192", "cached": "2/3", "seconds": "1.75", "error": ""}
+    assert rows[1]["cached"] == "2/9" and rows[1]["pte bytes"] == "123,456"
+    assert rows[2]["ok"] == "FAILED" and rows[2]["error"] == "MemoryPlanError: op foo has no out variant"
+    assert rows[2]["arena bytes"] == f"{cnn_plan.arena_bytes:,}"
+    assert rows[3]["ok"] == "FAILED"
+
+
+def test_fleet_markdown_and_text_tables(cnn_plan):
+    summary = fleet_summary(cnn_plan)
+    md = fleet_report_markdown(summary)
+    assert "store `memory://fleet` · 2 models · FAILED: cnn, broken" in md
+    header = "| model | target | ok | pte bytes | arena bytes | cached | seconds | error |"
+    rows = table_rows(md, header)
+    assert rows[0] == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", ""]
+    assert len(rows) == 4
+    text = fleet_text_table(summary).splitlines()
+    assert text[0].split() == ["model", "target", "ok", "pte", "bytes", "arena", "bytes", "cached", "seconds", "error"]
+    assert text[2].split() == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75"]
+    assert len(text) == 2 + 4
+
+
+def test_fleet_all_ok_status():
+    summary = {"store": "s", "models": {}, "ok": True, "failed": []}
+    assert "0 models · all models lowered" in fleet_report_markdown(summary)
+
+
+# --------------------------------------------------------------------------- PNG
+
+
+def png_chunks(data):
+    """(type, body) of every chunk, checking each CRC."""
+    chunks, pos = [], 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert zlib.crc32(kind + body) == crc, kind
+        chunks.append((kind, body))
+        pos += 12 + length
+    return chunks
+
+
+def test_memory_plan_png_is_a_valid_deterministic_png(cnn_plan):
+    data = memory_plan_png(cnn_plan, title="cnn / portable")
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == png_size(data) == (800, 450)
+    chunks = png_chunks(data)
+    assert chunks[0][0] == b"IHDR" and chunks[-1][0] == b"IEND"
+    assert not any(body.startswith(b"Software") for kind, body in chunks if kind == b"tEXt")
+    # Same plan (object or dict) and title: same bytes; another title: other bytes.
+    assert memory_plan_png(cnn_plan.to_dict(), title="cnn / portable") == data
+    assert memory_plan_png(cnn_plan, title="cnn / reference") != data
+
+
+def test_memory_plan_png_refuses_a_summary():
+    with pytest.raises(ValueError, match="not a memory plan"):
+        memory_plan_png({"arena_bytes": 1, "lower_bound": 1, "algorithm": "x"}, title="t")
+
+
+def test_png_size_refuses_other_bytes():
+    with pytest.raises(ValueError, match="not a PNG"):
+        png_size(b"GIF89a" + bytes(30))
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def test_artifact_keys_are_valid_prefect_keys():
+    assert artifact_key("model", "buffer_mutation") == "lowerflow-model-buffer-mutation"
+    assert artifact_key("model", "My Model.v2") == "lowerflow-model-my-model-v2"
+    assert artifact_key("fleet") == "lowerflow-fleet"
+
+
+def read_markdown_artifact(key):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+
+    return asyncio.run(read())
+
+
+def in_flow(fn, *args, **kwargs):
+    """Call ``fn`` inside a Prefect flow run, as the lowering flows do."""
+    from prefect import flow
+
+    @flow(name="publish-report-test")
+    def publish():
+        return fn(*args, **kwargs)
+
+    return publish()
+
+
+def test_publish_model_report_writes_pngs_and_a_markdown_artifact(prefect_api, cnn_plan):
+    from tasks.store import ArtifactStore
+
+    store = ArtifactStore(f"memory://reports-{uuid.uuid4().hex}")
+    manifest = cnn_manifest(cnn_plan)
+    name = f"cnn_{uuid.uuid4().hex[:8]}"
+    manifest["name"] = name
+    published = in_flow(publish_model_report, manifest, store, plans={"reference": cnn_plan})
+    assert published["key"] == artifact_key("model", name)
+    # reference from `plans`, portable from its manifest entry (the whole plan).
+    assert sorted(published["images"]) == ["portable", "reference"]
+    for target, uri in published["images"].items():
+        png = store.get_named(plan_image_name(name, target))
+        assert png_size(png) == (800, 450)
+        assert uri == store.uri(store.named_path(f"{name}/{target}.memory_plan.png"))
+        assert f"![memory plan of {target}]({uri})" in published["markdown"]
+    artifacts = read_markdown_artifact(published["key"])
+    assert [a.data for a in artifacts] == [published["markdown"]]
+    assert artifacts[0].type == "markdown"
+
+
+def test_publish_fleet_report(prefect_api, cnn_plan):
+    published = in_flow(publish_fleet_report, fleet_summary(cnn_plan))
+    assert published["key"] == "lowerflow-fleet"
+    artifacts = read_markdown_artifact("lowerflow-fleet")
+    assert published["markdown"] in [a.data for a in artifacts]
