@@ -168,22 +168,33 @@ def plan_ratio(arena: int | None, bound: int | None) -> float | None:
 
 
 def verify_table(verify: Mapping[str, Any] | None) -> str:
-    """Markdown table runtime | ok | max abs diff | error, from ``VerifyReport.to_dict()``."""
+    """Markdown table runtime | ok | max abs diff | error, from ``VerifyReport.to_dict()``.
+
+    A skipped runtime (``ok`` None) shows ``skipped`` and its reason; a report
+    skipped as a whole (``{"ok": None, "skipped": reason}``) is one line.
+    """
     if not verify:
         return "not verified"
     checks = verify.get("checks") or []
     if not checks:
+        if verify.get("ok") is None:
+            return f"skipped: {first_line(verify.get('skipped')) or 'no runtime ran'}"
         return "verified: " + ("ok" if verify.get("ok") else "FAILED")
     rows = [
         (
             c.get("runtime", "?"),
-            "ok" if c.get("ok") else "FAILED",
+            check_status(c.get("ok")),
             "—" if c.get("max_abs_diff") is None else f"{float(c['max_abs_diff']):.3g}",
-            first_line(c.get("error")),
+            first_line(c.get("error") or c.get("skipped")),
         )
         for c in checks
     ]
     return markdown_table(("runtime", "ok", "max abs diff", "error"), rows, right=(2,))
+
+
+def check_status(ok: bool | None) -> str:
+    """``ok`` / ``FAILED`` / ``skipped`` (None) for a verify check."""
+    return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
 def target_section(target: str, entry: Mapping[str, Any], image: str | None = None) -> str:

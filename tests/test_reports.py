@@ -12,6 +12,7 @@ import pytest
 from examples.models import MODELS
 from flows.reports import (
     artifact_key,
+    find_plan,
     fleet_report_markdown,
     fleet_rows,
     fleet_text_table,
@@ -62,6 +63,8 @@ def cnn_manifest(plan):
                 "verify": {"ok": True, "checks": [
                     {"runtime": "lowerflow", "ok": True, "max_abs_diff": 2.5e-07, "error": None},
                     {"runtime": "executorch", "ok": True, "max_abs_diff": 0.0, "error": None},
+                    {"runtime": "other", "ok": None, "max_abs_diff": None, "error": None,
+                     "skipped": "backends not in this runtime: ['ReferenceBackend']"},
                 ]},
             },
             "portable": {
@@ -115,6 +118,7 @@ def test_model_report_delegation_memory_and_verify(cnn_plan):
     assert table_rows(reference, "| runtime | ok | max abs diff | error |") == [
         ["lowerflow", "ok", "2.5e-07", ""],
         ["executorch", "ok", "0", ""],
+        ["other", "skipped", "—", "backends not in this runtime: ['ReferenceBackend']"],
     ]
     assert "**.pte:** 123,456 B" in reference
 
@@ -130,6 +134,12 @@ def test_model_report_failed_target_shows_first_error_line_and_failed_stage(cnn_
     ratio = cnn_plan.arena_bytes / cnn_plan.lower_bound
     assert f"(ratio {ratio:.3f}, {cnn_plan.algorithm})" in portable
     assert "not verified" in portable
+
+
+def test_model_report_verify_skipped_as_a_whole():
+    manifest = {"name": "m", "targets": {"portable": {"ok": True, "stages": [], "verify": {
+        "ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}}}}
+    assert "skipped: a .pt2 model has no eager module to compare with" in model_report_markdown(manifest)
 
 
 def test_model_report_links_images():
@@ -240,6 +250,20 @@ def test_artifact_keys_are_valid_prefect_keys():
     assert artifact_key("model", "buffer_mutation") == "lowerflow-model-buffer-mutation"
     assert artifact_key("model", "My Model.v2") == "lowerflow-model-my-model-v2"
     assert artifact_key("fleet") == "lowerflow-fleet"
+
+
+def test_find_plan_inline_or_by_ref(cnn_plan):
+    import json
+
+    from tasks.store import ArtifactStore
+
+    store = ArtifactStore(f"memory://plans-{uuid.uuid4().hex}")
+    summary = {"arena_bytes": cnn_plan.arena_bytes, "lower_bound": cnn_plan.lower_bound, "algorithm": cnn_plan.algorithm}
+    assert find_plan({"memory_plan": summary}, store) is None
+    assert find_plan({"memory_plan": None}, store) is None
+    assert find_plan({"memory_plan": cnn_plan.to_dict()}, store) == cnn_plan
+    ref = store.put_bytes(json.dumps(cnn_plan.to_dict()).encode(), "memory_plan")
+    assert find_plan({"memory_plan": {**summary, "ref": ref.to_json()}}, store) == cnn_plan
 
 
 def read_markdown_artifact(key):
