@@ -1,0 +1,400 @@
+"""``lowerflow``: the command line of the lowering flows.
+
+    lowerflow lower SPEC --target T [--target T2] [-o OUT] [--store URL]
+    lowerflow fleet MANIFEST
+    lowerflow plan MANIFEST
+    lowerflow verify FILE.pte --model SPEC
+
+With no configuration the flows use Prefect's ephemeral server (nothing to
+start) and the store ``$LOWERFLOW_STORE`` or ``./.lowerflow``.  Prefect's own
+console logging is quieted to warnings unless ``--verbose``; its logs still go
+to the Prefect API.  A failure prints one line ``lowerflow: error: <reason>`` on
+stderr (the traceback too with ``--debug``) and exits non-zero: 1 for a failed
+lowering or verification, 2 for bad usage or a bad manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+PROG = "lowerflow"
+#: Exit codes.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: Default ``-o`` of ``lower``: one file per target in the current directory.
+DEFAULT_OUTPUT = "{name}.{target}.pte"
+
+
+class CLIError(Exception):
+    """A failure to report as one line; ``code`` is the exit status."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is the one-line ``lowerflow: error: ...`` (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CLIError(f"{message} (see '{self.prog} --help')", EXIT_USAGE)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``lowerflow`` argument parser with its four subcommands."""
+    parser = _Parser(prog=PROG, description="Lower PyTorch models to ExecuTorch .pte files with cached Prefect flows.",
+                     parents=[_common_options(False)])
+    # Accepted after the subcommand too; SUPPRESS keeps a value given before it.
+    common = _common_options(argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
+
+    lower = sub.add_parser("lower", parents=[common], help="lower one model for one or more targets",
+                           description="Run the lower-model flow and write the .pte file(s).")
+    lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory or a .pt2 URL")
+    lower.add_argument("--target", "-t", action="append", dest="targets", metavar="T",
+                       help="target (portable, reference, ...); repeat for several (default: portable)")
+    lower.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT",
+                       help="output .pte path; may use {name} and {target}; a directory for several targets "
+                            f"(default: {DEFAULT_OUTPUT})")
+    lower.add_argument("--store", metavar="URL", help="artifact store URL (default: $LOWERFLOW_STORE or ./.lowerflow)")
+    lower.set_defaults(run=cmd_lower)
+
+    fleet = sub.add_parser("fleet", parents=[common], help="lower every model of a fleet manifest",
+                           description="Run the lower-fleet flow; exit 1 if any model failed.")
+    fleet.add_argument("manifest", metavar="MANIFEST", help="fleet manifest (YAML or JSON)")
+    fleet.set_defaults(run=cmd_fleet)
+
+    plan = sub.add_parser("plan", parents=[common], help="show which stages of a fleet would run or hit the cache",
+                          description="Dry run of a fleet manifest: nothing is lowered.")
+    plan.add_argument("manifest", metavar="MANIFEST", help="fleet manifest (YAML or JSON)")
+    plan.set_defaults(run=cmd_plan)
+
+    verify = sub.add_parser("verify", parents=[common], help="run a .pte and compare it with the eager model",
+                            description="Run FILE.pte in every available runtime against the model's eager outputs.")
+    verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
+    verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
+    verify.set_defaults(run=cmd_verify)
+    return parser
+
+
+def _common_options(default: Any) -> argparse.ArgumentParser:
+    """``--verbose`` and ``--debug`` (a parent parser)."""
+    common = _Parser(add_help=False)
+    common.add_argument("--verbose", action="store_true", default=default, help="show Prefect's own log lines")
+    common.add_argument("--debug", action="store_true", default=default, help="print a traceback on errors")
+    return common
+
+
+def parse_spec(text: str):
+    """The ModelSpec of ``text`` with its defining file readable; a bad spec is exit status 2."""
+    from tasks.model_spec import ModelSpec, ModelSpecError, source_digest
+
+    try:
+        spec = ModelSpec.parse(text)
+        if spec.kind != "pt2":
+            source_digest(spec)
+        return spec
+    except ModelSpecError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from exc
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def configure_environment(verbose: bool, store: str | None = None) -> None:
+    """Settings read when Prefect and the stage tasks are imported, so set first.
+
+    * no Prefect analytics (SQLite locks up under fan-out otherwise);
+    * Prefect's console handler at WARNING unless ``verbose`` (its API logs are kept),
+      and no Future/DeprecationWarnings;
+    * ``--store`` becomes ``$LOWERFLOW_STORE``, so result records and locks follow it.
+
+    Values the user already set in the environment win.
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        # Deprecation notices of torch/Prefect internals say nothing about the user's run.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+    if store:
+        os.environ["LOWERFLOW_STORE"] = store
+
+
+def say(line: str = "") -> None:
+    """One line of our output on stdout (flushed: Prefect writes to stderr meanwhile)."""
+    print(line, flush=True)
+
+
+# --------------------------------------------------------------------------- lower
+
+
+def cmd_lower(args: argparse.Namespace) -> int:
+    """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
+    targets = args.targets or ["portable"]
+    if len(set(targets)) != len(targets):
+        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    name = parse_spec(args.spec).name
+    outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
+    from flows.lower_model import ModelLoweringFailed, lower_model
+
+    try:
+        manifest = lower_model(model=args.spec, targets=targets, store=args.store)
+    except ModelLoweringFailed as exc:
+        manifest = exc.manifest
+    failed = []
+    for target, entry in manifest["targets"].items():
+        for line in stage_lines(target, entry.get("stages") or []):
+            say(line)
+        if entry.get("ok") and entry.get("pte"):
+            path = outputs[target]
+            size = write_pte(entry["pte"], manifest.get("store"), path)
+            say(f"{target}: wrote {path} ({size:,} bytes)")
+        else:
+            failed.append(f"{target}: {entry.get('error') or 'failed'}")
+    if failed:
+        raise CLIError("; ".join(failed))
+    return EXIT_OK
+
+
+def output_path(template: str, name: str, target: str, *, several: bool) -> Path:
+    """Where ``lower`` writes a target's .pte.
+
+    ``template`` may use ``{name}`` and ``{target}``.  An existing directory (or a
+    path ending in ``/``) gets ``<name>.<target>.pte`` inside; with several targets
+    a template without ``{target}`` is taken as a directory.
+    """
+    is_dir = template.endswith(("/", os.sep)) or Path(template).is_dir()
+    if several and "{target}" not in template and not is_dir:
+        if template.endswith(".pte"):
+            raise CLIError(f"-o {template!r}: several targets need a directory or '{{target}}' in the name", EXIT_USAGE)
+        is_dir = True
+    if is_dir:
+        return Path(template) / DEFAULT_OUTPUT.format(name=name, target=target)
+    try:
+        return Path(template.format(name=name, target=target))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise CLIError(f"-o {template!r}: only {{name}} and {{target}} may be used ({exc})", EXIT_USAGE) from None
+
+
+def stage_lines(target: str, stages: Sequence[dict]) -> list[str]:
+    """``"portable  export            cached    0.01 s"`` per stage record."""
+    lines = []
+    for r in stages:
+        state = r.get("state")
+        status = "cached" if r.get("cached") else ("FAILED" if state == "Failed" else "ran")
+        size = f"  {r['bytes']:>12,} B" if isinstance(r.get("bytes"), int) else ""
+        lines.append(f"{target:<10} {r.get('stage', '?'):<17} {status:<7} {float(r.get('seconds') or 0.0):7.2f} s{size}")
+    return lines
+
+
+def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
+    """Copy the target's .pte out of the store (digest-checked) to ``path``; returns its size."""
+    from tasks.store import ArtifactRef, ArtifactStore
+
+    ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
+    data = ArtifactStore(store_url).get_bytes(ref)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return len(data)
+
+
+# --------------------------------------------------------------------------- fleet
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    """Run ``lower_fleet``; a progress line per model as it finishes; the summary table."""
+    fleet = load_fleet(args.manifest)
+    from flows.lower_fleet import FleetFailed, lower_fleet
+    from flows.reports import fleet_text_table
+
+    say(f"lowering {len(fleet.models)} models into {fleet.store or 'the default store'}")
+    progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
+    with progress.listening():
+        try:
+            summary = lower_fleet(args.manifest)
+        except FleetFailed as exc:
+            summary = exc.summary
+    say()
+    say(fleet_text_table(summary))
+    if summary.get("failed"):
+        raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}")
+    return EXIT_OK
+
+
+def load_fleet(path: str):
+    """The validated manifest; a :class:`ManifestError` becomes exit status 2."""
+    from flows.manifest import ManifestError, load_manifest
+
+    try:
+        return load_manifest(path)
+    except ManifestError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from exc
+
+
+class FleetProgress(logging.Handler):
+    """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
+
+    It listens to the ``lower-model`` flow runs' log records ``"<name>/<target> ok"``
+    or ``"<name>/<target> FAILED <error>"`` (``flows.lower_model._log``), which reach
+    Prefect's run loggers at INFO whatever the console shows.
+    """
+
+    LOGGER = "prefect.flow_runs"
+
+    def __init__(self, targets: dict[str, set[str]], emit_line: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.pending = {name: set(t) for name, t in targets.items()}
+        self.failed: set[str] = set()
+        self.total = len(targets)
+        self.done = 0
+        self.emit_line = emit_line
+        self.started = time.monotonic()
+        self.lock = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "flow_name", None) != "lower-model":
+            return
+        try:
+            message = record.getMessage()
+        except Exception:
+            return
+        head, _, outcome = message.partition(" ")
+        name, _, target = head.rpartition("/")
+        if outcome != "ok" and not outcome.startswith("FAILED"):
+            return
+        with self.lock:
+            remaining = self.pending.get(name)
+            if remaining is None or target not in remaining:
+                return
+            remaining.discard(target)
+            if outcome != "ok":
+                self.failed.add(name)
+            if not remaining:
+                self.done += 1
+                status = "FAILED" if name in self.failed else "ok"
+                self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
+
+    def listening(self):
+        """Context manager attaching the handler to Prefect's flow-run logger (level INFO)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def attached():
+            logger = logging.getLogger(self.LOGGER)
+            old_level = logger.level
+            if logger.getEffectiveLevel() > logging.INFO:
+                logger.setLevel(logging.INFO)
+            logger.addHandler(self)
+            try:
+                yield self
+            finally:
+                logger.removeHandler(self)
+                logger.setLevel(old_level)
+
+        return attached()
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print which stages of each model x target would hit the cache and which would run."""
+    load_fleet(args.manifest)
+    from flows.lower_fleet import plan_fleet
+    from flows.reports import text_table
+
+    rows = plan_fleet(args.manifest)
+    say(text_table(("model", "target", "stage", "would"),
+                   [(r["model"], r["target"], r["stage"], "cached" if r["cached"] else "run") for r in rows]))
+    cached = sum(1 for r in rows if r["cached"])
+    say(f"\n{cached} of {len(rows)} stages cached, {len(rows) - cached} to run")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """Run the .pte in each runtime against the eager model; exit 1 on a mismatch."""
+    from tasks.model_spec import ModelSpecError, load_factory_model
+
+    spec = parse_spec(args.model)
+    try:
+        pte = Path(args.pte).read_bytes()
+    except OSError as exc:
+        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}") from exc
+    try:
+        model, inputs = load_factory_model(spec)
+    except ModelSpecError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from exc
+    from lowering.verify import verify
+
+    report = verify(pte, model, inputs)
+    for check in report.checks:
+        say(verify_line(check))
+    if not report.ok:
+        bad = [c.runtime for c in report.checks if c.ok is False]
+        raise CLIError(f"{args.pte} does not match {args.model} in {', '.join(bad)}")
+    return EXIT_OK
+
+
+def verify_line(check: Any) -> str:
+    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck."""
+    if check.ok is None:
+        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip()
+    diff = "" if check.max_abs_diff is None else f"max |diff| {check.max_abs_diff:.3g}"
+    status = "ok" if check.ok else "MISMATCH"
+    error = "" if check.ok or not check.error else f"  {first_line(check.error)}"
+    return f"{check.runtime:<11} {status:<8} {diff}{error}".rstrip()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of ``text``."""
+    return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+
+
+def error_message(exc: BaseException) -> str:
+    """One line: a CLIError's message, else ``<ExceptionType>: <first line of its message>``."""
+    line = first_line(str(exc))
+    if isinstance(exc, CLIError):
+        return line
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lowerflow`` console script; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        configure_environment(args.verbose, getattr(args, "store", None))
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {error_message(exc)}", file=sys.stderr)
+        return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The ``lowerflow`` command line, run as a real subprocess (``python -m flows.cli``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flows.cli import CLIError, error_message, output_path, stage_lines
+
+REPO = Path(__file__).resolve().parents[1]
+MLP = "examples/models.py:mlp"
+
+
+def lowerflow(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``lowerflow ARGS`` with no Prefect configuration (ephemeral server)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
+    base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    base["PYTHONPATH"] = str(REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args],
+        cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("lowerflow: error:")]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *fragments: str) -> str:
+    assert result.returncode == code, result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def mlp_pte(tmp_path_factory) -> Path:
+    """A .pte of the MLP made by lowering.lower (no flows)."""
+    from examples.models import mlp
+    from lowering import lower
+
+    path = tmp_path_factory.mktemp("pte") / "mlp.pte"
+    path.write_bytes(lower(*mlp()).pte)
+    return path
+
+
+# --------------------------------------------------------------------------- in-process helpers
+
+
+def test_output_path_templates(tmp_path):
+    assert output_path("out.pte", "mlp", "portable", several=False) == Path("out.pte")
+    assert output_path("{name}-{target}.pte", "mlp", "reference", several=True) == Path("mlp-reference.pte")
+    assert output_path(str(tmp_path), "mlp", "portable", several=False) == tmp_path / "mlp.portable.pte"
+    assert output_path("dist/", "cnn", "reference", several=False) == Path("dist/cnn.reference.pte")
+    assert output_path("dist", "cnn", "reference", several=True) == Path("dist/cnn.reference.pte")
+    with pytest.raises(CLIError, match="several targets"):
+        output_path("out.pte", "mlp", "portable", several=True)
+    with pytest.raises(CLIError, match="only {name} and {target}"):
+        output_path("{model}.pte", "mlp", "portable", several=False)
+
+
+def test_stage_lines_say_cached_ran_or_failed():
+    lines = stage_lines("portable", [
+        {"stage": "export", "cached": True, "seconds": 0.01, "state": "Cached", "bytes": 2258},
+        {"stage": "emit", "cached": False, "seconds": 1.5, "state": "Completed", "bytes": None},
+        {"stage": "verify", "cached": False, "seconds": 0.25, "state": "Failed", "bytes": None},
+    ])
+    assert [line.split()[:4] for line in lines] == [
+        ["portable", "export", "cached", "0.01"],
+        ["portable", "emit", "ran", "1.50"],
+        ["portable", "verify", "FAILED", "0.25"],
+    ]
+    assert lines[0].endswith("2,258 B")
+
+
+def test_error_message_is_one_line():
+    assert error_message(ValueError("first\nsecond")) == "ValueError: first"
+    assert error_message(CLIError("bad -o")) == "bad -o"
+    assert error_message(KeyError()) == "KeyError"
+
+
+# --------------------------------------------------------------------------- subprocess
+
+
+def test_help_lists_the_subcommands():
+    result = lowerflow("--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("lower", "fleet", "plan", "verify"):
+        assert command in result.stdout
+    sub = lowerflow("verify", "--help")
+    assert sub.returncode == 0 and "--model" in sub.stdout
+
+
+def test_no_subcommand_is_a_usage_error():
+    assert_one_line_error(lowerflow(), 2, "required: COMMAND")
+
+
+def test_verify_a_pte_made_by_lower(mlp_pte):
+    result = lowerflow("verify", str(mlp_pte), "--model", MLP)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:3] == ["lowerflow", "ok", "max"]
+    assert all(line.split()[1] in ("ok", "skipped") for line in lines)
+    assert not error_lines(result.stderr)
+
+
+def test_verify_mismatch_exits_1(mlp_pte, tmp_path):
+    other = tmp_path / "other_mlp.py"
+    other.write_text(textwrap.dedent(
+        """
+        import torch
+        from examples.models import MLP
+
+        def mlp():
+            torch.manual_seed(1)  # other weights, same shapes
+            return MLP().eval(), (torch.randn(4, 64),)
+        """
+    ))
+    result = lowerflow("verify", str(mlp_pte), "--model", f"{other}:mlp")
+    assert_one_line_error(result, 1, "does not match", "lowerflow")
+    assert "MISMATCH" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("not a spec", "expected 'path/file.py:factory'"),
+        ("examples/missing.py:mlp", "cannot read 'examples/missing.py'"),
+        ("examples/models.py:nope", "cannot import"),
+    ],
+)
+def test_verify_bad_spec_exits_2_with_one_line(mlp_pte, spec, fragment):
+    assert_one_line_error(lowerflow("verify", str(mlp_pte), "--model", spec), 2, f"model spec {spec!r}", fragment)
+
+
+def test_verify_missing_file(tmp_path):
+    missing = tmp_path / "missing.pte"
+    assert_one_line_error(lowerflow("verify", str(missing), "--model", MLP), 1, "cannot read", "missing.pte")
+
+
+def test_debug_prints_the_traceback(mlp_pte):
+    result = lowerflow("verify", str(mlp_pte), "--model", "not a spec", "--debug")
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr and len(error_lines(result.stderr)) == 1
+
+
+def test_lower_bad_spec_fails_before_any_flow_runs(tmp_path):
+    bad = lowerflow("lower", "missing.py:mlp", "-o", str(tmp_path / "x.pte"), "--store", str(tmp_path / "store"))
+    assert_one_line_error(bad, 2, "model spec 'missing.py:mlp'")
+    assert not (tmp_path / "store").exists()
+    several = lowerflow("lower", MLP, "-t", "portable", "-t", "reference", "-o", str(tmp_path / "x.pte"))
+    assert_one_line_error(several, 2, "several targets")
+
+
+def test_bad_manifest_exits_2(tmp_path):
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(f"models:\n  - name: a\n    model: {REPO}/examples/models.py:mlp\n    targets: [nowhere]\n")
+    for command in ("fleet", "plan"):
+        assert_one_line_error(lowerflow(command, str(manifest)), 2, "models[0] ('a')", "nowhere")
+    assert_one_line_error(lowerflow("fleet", str(tmp_path / "absent.yaml")), 2, "does not exist")
