@@ -27,7 +27,7 @@ Guarantees:
 
 * Deterministic: the same program gives the same manifest and blobs in any
   process (torch's serde embeds ``id()`` of graphs in ``from_node`` metadata;
-  those are renumbered by first appearance).
+  those are written as 0).
 * Loading never unpickles and never executes stored code: the graph is read by
   torch's JSON deserializer, tensors are rebuilt from raw bytes with
   ``torch.frombuffer``; every blob is checked against its digest.
@@ -74,7 +74,7 @@ _DTYPES: dict[str, torch.dtype] = {
     )
 }  # fmt: skip
 
-_GRAPH_ID = re.compile(r'"graph_id": (-?\d+)')
+_GRAPH_ID = re.compile(r'"graph_id": -?\d+')
 
 
 class SerializationError(LoweringError):
@@ -356,23 +356,19 @@ def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool, allow_delegates
 def _normalize_graph(graph: dict[str, Any], keep_stack_traces: bool) -> None:
     """Make the graph JSON a function of the program alone (in place).
 
-    * ``from_node`` metadata embeds ``id()`` of graphs: renumbered by first appearance.
+    * ``from_node`` provenance names graphs by ``id()``: meaningless in another
+      process, and ids of freed temporary graphs are reused within one, so two
+      graphs may or may not share an id from run to run.  All are written as 0.
     * Storage offsets of traced views: torch's deserializer resets them to 0, so
       they are written as 0 and ``serialize(deserialize(x)) == x`` holds.
     """
-    ids: dict[str, str] = {}
-
     for value in graph.get("tensor_values", {}).values():
         if isinstance(value, dict) and "storage_offset" in value:
             value["storage_offset"] = {"as_int": 0}
-
-    def renumber(match: re.Match) -> str:
-        return f'"graph_id": {ids.setdefault(match.group(1), str(len(ids)))}'
-
     for node in graph.get("nodes", []):
         metadata = node.get("metadata") or {}
         if "from_node" in metadata:
-            metadata["from_node"] = _GRAPH_ID.sub(renumber, metadata["from_node"])
+            metadata["from_node"] = _GRAPH_ID.sub('"graph_id": 0', metadata["from_node"])
         if not keep_stack_traces:
             metadata.pop("stack_trace", None)
 
