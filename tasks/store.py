@@ -205,19 +205,20 @@ class ArtifactStore:
     # ------------------------------------------------------------------ programs
 
     def put_program(self, ep: "ExportedProgram", *, keep_stack_traces: bool = True) -> ArtifactRef:
-        """Store a program as its manifest plus one object per blob (weights stored once)."""
-        from lowering.serialize import serialize_program
+        """Store a program (plain, or holding lowered modules) as its manifest plus one
+        object per blob (weights stored once)."""
+        from lowering.serialize import serialize_any
 
-        serialized = serialize_program(ep, keep_stack_traces=keep_stack_traces)
+        serialized = serialize_any(ep, keep_stack_traces=keep_stack_traces)
         self.put_blobs(serialized.blobs.values())
         return self.put_bytes(serialized.manifest, "program")
 
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
         """Load the program a :meth:`put_program` ref names, checking every digest."""
-        from lowering.serialize import deserialize_program
+        from lowering.serialize import deserialize_any
 
         what = f"blob of program {ref.sha256[:12]}"
-        return deserialize_program(self.get_bytes(ref), lambda d: self.read_object(d, what=what))
+        return deserialize_any(self.get_bytes(ref), lambda d: self.read_object(d, what=what))
 
     def put_blobs(self, blobs: Iterable[bytes]) -> list[ArtifactRef]:
         """Store manifest blobs (kind ``"blob"``); present ones are not rewritten."""

@@ -176,3 +176,15 @@ def test_deep_verify_finds_a_corrupt_weight(store):
         store.verify(ref)
     with pytest.raises(ArtifactMissing):  # quarantined by the failed check
         store.get_program(ref)
+
+
+def test_programs_holding_lowered_modules_roundtrip_through_the_store(tmp_path):
+    from lowering import to_backend
+    from lowering.backends.reference import ReferencePartitioner
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    model, inputs = MODELS["mlp"]()
+    delegated = to_backend(export(model, inputs), ReferencePartitioner())
+    ref = store.put_program(delegated)
+    store.verify(ref)
+    torch.testing.assert_close(store.get_program(ref).module()(*inputs), model(*inputs))
