@@ -31,9 +31,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lowering.export as stage1  # noqa: E402
 from examples.models import MODELS  # noqa: E402
 from lowering.export import export  # noqa: E402
+
+# The module (``lowering.export`` the attribute is the function of that name).
+stage1 = importlib.import_module("lowering.export")
 from lowering.memory_plan import memory_plan  # noqa: E402
 
 HAS_EMIT = importlib.util.find_spec("lowering.emit") is not None

@@ -728,8 +728,10 @@ def fold_constant_views(program: ExportedProgram) -> int:
     slice, ...) whose tensor inputs are all parameters or tensor constants is
     evaluated now; its result (contiguous) becomes a ``CONSTANT_TENSOR`` input
     named ``_folded_<node>``.  Ops that would grow the data (``expand_copy``)
-    and nodes the graph returns are left alone.  Returns the count; a parameter
-    nothing else reads is then removed by :func:`remove_unused_constants`.
+    and nodes the graph returns are left alone.  The same view of the same
+    weight (e.g. an LSTM's transposed weight at every time step) is folded
+    once.  Returns the count of nodes removed; a parameter nothing else reads
+    is then removed by :func:`remove_unused_constants`.
 
     Before::
 
@@ -751,9 +753,16 @@ def fold_constant_views(program: ExportedProgram) -> int:
     fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
     names = {n.name for n in graph.nodes}
     targets = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
+    folded: dict[tuple, torch.fx.Node] = {}  # the same view of the same weight once
     count = 0
     for node in list(graph.nodes):
         if not _foldable(node, spec_of):
+            continue
+        key = (node.target, repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda a: spec_of[a].target)))
+        if key in folded:
+            node.replace_all_uses_with(folded[key])
+            graph.erase_node(node)
+            count += 1
             continue
         real = _constant_value(program, node, spec_of)
         target = _fresh(f"_folded_{node.name}", targets)
@@ -770,6 +779,7 @@ def fold_constant_views(program: ExportedProgram) -> int:
         specs.insert(ordered.index(new), spec)
         spec_of[new] = spec
         program.constants[target] = real
+        folded[key] = new
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         count += 1
