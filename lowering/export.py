@@ -278,9 +278,7 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     )
     if fake_mode is None:
         raise _Fallback("no fake mode on the placeholders")
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(exported.graph, {}))
-    graph.output_node().meta = dict(exported.graph.output_node().meta)
+    graph = _copy_graph(exported.graph)
     input_specs = list(exported.graph_signature.input_specs)
     output_specs = list(exported.graph_signature.output_specs)
 
@@ -292,6 +290,7 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     # decompositions (e.g. of lstm), the default table's CIA rules (9 ops, ~1 ms).
     with _ignore_backend_decomps(), _override_composite_implicit_decomp(overrides):
         decompose_to_core(graph, fake_mode, table)
+    remove_buffer_copies(graph, output_specs)
     replace_view_ops_with_copies(graph)
     remove_asserts(graph)
     graph.eliminate_dead_code()
@@ -313,6 +312,26 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
         verifiers=[Verifier],
     )
     return program
+
+
+def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy of ``graph``'s nodes (meta dicts copied, values shared) with the same names.
+
+    ``graph_copy`` renames a node whose name shadows a Python builtin (export
+    names a placeholder ``input``); the graph signature names the original,
+    so the original name is restored, as ``run_decompositions`` does.
+    """
+    copy = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    copy.output(copy.graph_copy(graph, val_map))
+    copy.output_node().meta = dict(graph.output_node().meta)
+    for old, new in val_map.items():
+        if new.name != old.name:
+            if old.op != "placeholder":
+                raise _Fallback(f"node {old.name!r} cannot keep its name")
+            new.name = new.target = old.name
+            copy._graph_namespace._rename_object(new, old.name)
+    return copy
 
 
 def _check_fast_path_applies(exported: ExportedProgram) -> None:
@@ -434,6 +453,42 @@ def functionalize_mutations(
         for p in mutated_buffers
     ]
     return [*mutation_specs, *output_specs]
+
+
+def remove_buffer_copies(graph: torch.fx.Graph, output_specs: list[OutputSpec]) -> int:
+    """A buffer's new value that is a same-shape, same-dtype ``copy`` of ``src`` is ``src``.
+
+    ``buf.copy_(src)`` functionalizes to ``copy(buf, src)``; ``run_decompositions``
+    drops that copy (``_remove_unnecessary_copy_op_pass``), so the fast path
+    does too.  Returns the count.
+
+    Before::
+
+        %copy = aten.copy.default(%b_c, %select)
+        return (copy, ...)                       # BUFFER_MUTATION 'c'
+
+    After::
+
+        return (select, ...)                     # BUFFER_MUTATION 'c'
+    """
+    out = graph.output_node()
+    values = list(out.args[0])
+    count = 0
+    for spec, value in zip(output_specs, values):
+        if spec.kind != OutputKind.BUFFER_MUTATION or not isinstance(value, torch.fx.Node):
+            continue
+        if value.op != "call_function" or value.target is not torch.ops.aten.copy.default:
+            continue
+        dst, src = value.args[0], value.args[1]
+        if not isinstance(src, torch.fx.Node) or value.kwargs.get("non_blocking"):
+            continue
+        a, b = dst.meta.get("val"), src.meta.get("val")
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            continue
+        value.replace_all_uses_with(src)
+        graph.erase_node(value)
+        count += 1
+    return count
 
 
 def _functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
@@ -692,7 +747,8 @@ def remove_unused_constants(program: ExportedProgram) -> int:
     """Drop parameters, buffers and tensor constants that no node reads; returns the count.
 
     The placeholder, its input spec and (unless another spec still names the
-    same target) its ``state_dict`` / ``constants`` entry go.
+    same target) its ``state_dict`` / ``constants`` entry go.  A buffer that is
+    written (a ``BUFFER_MUTATION`` output) stays.
 
     Before::
 
@@ -705,8 +761,12 @@ def remove_unused_constants(program: ExportedProgram) -> int:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(specs):
         raise ExportError("placeholders do not match the graph signature's inputs")
+    # A buffer the program writes (e.g. ``buf.copy_(x)``) stays even if never read.
+    written = {s.target for s in program.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
     doomed = [
-        i for i, (node, spec) in enumerate(zip(placeholders, specs)) if spec.kind in _REMOVABLE_KINDS and not node.users
+        i
+        for i, (node, spec) in enumerate(zip(placeholders, specs))
+        if spec.kind in _REMOVABLE_KINDS and not node.users and spec.target not in written
     ]
     if not doomed:
         return 0

@@ -145,6 +145,69 @@ def test_to_edge_leaves_its_input_alone():
     assert any(n.target == torch.ops.aten.add_.Tensor for n in raw.graph.nodes)
 
 
+# --- more shapes of programs the fast path must get right -----------------------------------
+
+
+class _Fn(torch.nn.Module):
+    def __init__(self, fn, **modules):
+        super().__init__()
+        self.fn = fn
+        for name, module in modules.items():
+            setattr(self, name, module)
+
+    def forward(self, *args):
+        return self.fn(self, *args)
+
+
+class _TwoBuffers(torch.nn.Module):
+    """Two updates of one buffer, and a buffer overwritten by copy_ (never read before)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.zeros(16))
+        self.register_buffer("c", torch.ones(16))
+
+    def forward(self, x):
+        self.b.add_(x.sum(0))
+        y = x * self.b
+        self.b.mul_(0.5)
+        self.c.copy_(y[0])
+        return y + self.b + self.c
+
+
+_X2, _X4 = torch.randn(4, 16), torch.randn(2, 3, 8, 8)
+F = torch.nn.functional
+_ZOO = {
+    "dtype-casts": (_Fn(lambda s, x: (x.half().float() * 2, x.int() + 1, x.double().sum())), (_X2,)),
+    "preserved-upsample": (_Fn(lambda s, x: F.interpolate(x, scale_factor=2, mode="bilinear")), (_X4,)),
+    "slicing-views": (
+        _Fn(lambda s, x: torch.cat([x[:, 1:], x[:, :1]], 1).reshape(-1)[::2].unsqueeze(0).repeat(2, 1)),
+        (_X2,),
+    ),
+    "transpose-contiguous": (_Fn(lambda s, x: x.t().contiguous().view(-1) + x.transpose(0, 1).flatten()), (_X2,)),
+    "norms-activations": (_Fn(lambda s, x: F.hardswish(s.gn(x)) + F.gelu(x), gn=torch.nn.GroupNorm(3, 3)), (_X4,)),
+    "inplace-chain": (_Fn(lambda s, x: s.fc(x).relu_().mul_(2).add_(1).sigmoid(), fc=torch.nn.Linear(16, 16)), (_X2,)),
+    "two-buffers": (_TwoBuffers(), (_X2,)),
+    "gru-input-named-input": (torch.nn.GRU(8, 8, batch_first=True).eval(), (torch.randn(2, 4, 8),)),
+    "multihead-attention": (torch.nn.MultiheadAttention(16, 2, batch_first=True).eval(), (torch.randn(2, 5, 16),) * 3),
+}
+
+
+@pytest.mark.parametrize("case", list(_ZOO))
+def test_fast_path_matches_run_decompositions_on_more_programs(case):
+    torch.manual_seed(0)
+    model, inputs = _ZOO[case]
+    fast = export(copy.deepcopy(model), inputs)
+    slow = export(copy.deepcopy(model), inputs, fast=False)
+    assert _path(fast) == "fast"
+    assert _ops(fast) == _ops(slow)
+    assert _signature(fast) == _signature(slow)
+    assert _metas(fast) == _metas(slow)
+    for a, b in zip(_run_twice(fast, inputs), _run_twice(slow, inputs)):
+        assert torch.equal(a, b)
+    assert lower(fast).pte == lower(slow).pte
+
+
 # --- fallback to run_decompositions ---------------------------------------------------------
 
 
