@@ -8,18 +8,28 @@ Every stage is a cached task (tasks.stages), so a re-run executes only stages
 whose inputs changed, and a run that failed resumes at the stage that failed.
 Outputs, at predictable names in the store: ``outputs/<name>/<target>.pte`` and
 ``outputs/<name>/manifest.json`` (what was produced, stage by stage).
+
+The DAG is written once, over a ``run(stage, records, **inputs)`` callable: the
+flow's runs the stage tasks; :func:`plan_model`'s only looks the stages up in
+the cache (a dry run).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, source_digest
-from tasks.stages import StageTasks, call_stage
+from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage
+
+#: The stages after export, per kind of target (preprocess repeats per partition).
+PORTABLE_STAGES = ("memory_plan", "emit", "verify")
+DELEGATE_STAGES = ("partition", "create_submodule", "build_programs", "preprocess", "adjust", *PORTABLE_STAGES)
+
+Run = Callable[..., Any]
 
 
 class ModelLoweringFailed(RuntimeError):
@@ -34,44 +44,85 @@ class ModelLoweringFailed(RuntimeError):
 @flow(name="lower-model")
 def lower_model(
     model: str,
-    targets: list[str] = [PORTABLE],  # noqa: B006 - Prefect parameters are copied per run
+    targets: list[str] = [PORTABLE],  # noqa: B006 - Prefect copies parameters per run
     store: str | None = None,
     options: dict[str, dict[str, Any]] | None = None,
     name: str | None = None,
     version: str | None = None,
     verify: bool = True,
 ) -> dict:
-    """Lower ``model`` (a model spec) for every target; returns the model manifest."""
-    stages = StageTasks(CacheConfig(store_url=store))
-    spec = ModelSpec.parse(model)
-    name = name or spec.name
-    options = options or {}
-    manifest: dict[str, Any] = {"model": model, "name": name, "store": stages.store.url, "targets": {}}
+    """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
-    export_records: list[dict] = []
-    try:
-        exported = call_stage(
-            stages.export, export_records,
-            model=model, source=source_digest(spec), options={"version": version},
-        )
-    except Exception as exc:
-        for target in targets:
-            manifest["targets"][target] = _failed(export_records, exc)
-    else:
-        for target in targets:
-            manifest["targets"][target] = lower_target(
-                stages, name, model, exported["program"], target, options.get(target, {}),
-                list(export_records), verify,
-            )
-    _log(name, manifest)
-    stages.store.put_json(f"{name}/manifest.json", manifest)
-    _publish_report(manifest, stages)
+    Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
+    """
+    return run_model(model, targets, store, options, name, version, verify)
+
+
+def run_model(
+    model: str,
+    targets: list[str],
+    store: str | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+    name: str | None = None,
+    version: str | None = None,
+    verify: bool = True,
+) -> dict:
+    """The body of :func:`lower_model`, callable from any flow or task without a flow run
+    of its own (a flow run costs ~1 s, which would dominate a warm fleet run)."""
+    stages = StageTasks(CacheConfig(store_url=store))
+
+    def run(stage: str, records: list[dict], **inputs: Any) -> Any:
+        return call_stage(getattr(stages, stage), records, **inputs)
+
+    def publish(name: str, target: str, pte_ref) -> dict:
+        ref = stages.store.put_named(f"{name}/{target}.pte", stages.store.get_bytes(pte_ref), "pte")
+        return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
+
+    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
+    manifest["store"] = stages.store.url
+    _log(manifest)
+    stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
+    _publish_report(manifest, stages.store)
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
 
 
-def lower_target(stages, name, model, program, target, options, records, verify) -> dict:
+def plan_model(
+    model: str,
+    targets: list[str] = [PORTABLE],  # noqa: B006
+    store: str | None = None,
+    options: dict[str, dict[str, Any]] | None = None,
+    name: str | None = None,
+    version: str | None = None,
+    verify: bool = True,
+) -> dict:
+    """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
+    lookup = StageLookup(CacheConfig(store_url=store))
+    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify)
+
+
+def lower_dag(run: Run, publish, model, targets, options, name, version, verify) -> dict:
+    spec = ModelSpec.parse(model)
+    name = name or spec.name
+    source = source_digest(spec)
+    manifest: dict[str, Any] = {"model": model, "name": name, "targets": {}}
+    export_records: list[dict] = []
+    try:
+        exported = run("export", export_records, model=model, source=source, options={"version": version})
+    except Exception as exc:
+        for target in targets:
+            manifest["targets"][target] = _failed(list(export_records), exc, target)
+        return manifest
+    for target in targets:
+        manifest["targets"][target] = lower_target(
+            run, publish, name, model, source, exported["program"], target,
+            options.get(target, {}), list(export_records), verify,
+        )
+    return manifest
+
+
+def lower_target(run, publish, name, model, source, program, target, options, records, verify) -> dict:
     """The stages after export for one target; a failure is recorded, not raised."""
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
@@ -79,38 +130,39 @@ def lower_target(stages, name, model, program, target, options, records, verify)
     }
     try:
         if target != PORTABLE:
-            program, result["delegation"] = delegate(stages, name, program, target, options, records)
-        planned = call_stage(stages.memory_plan, records, program=program)
+            program, result["delegation"] = delegate(run, name, program, target, options, records)
+        planned = run("memory_plan", records, program=program)
         result["memory_plan"] = {k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")}
-        emitted = call_stage(stages.emit, records, program=program, plan=planned["plan"])
-        result["pte"] = publish_pte(stages.store, name, target, emitted["pte"])
+        emitted = run("emit", records, program=program, plan=planned["plan"])
+        if publish is not None:
+            result["pte"] = publish(name, target, emitted["pte"])
         if verify:
-            report = call_stage(stages.verify, records, pte=emitted["pte"], model=model, source=source_digest(ModelSpec.parse(model)))
+            report = run("verify", records, pte=emitted["pte"], model=model, source=source)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
         result["ok"] = True
     except Exception as exc:
-        result.update(_failed(records, exc), stages=records, pte=result["pte"])
+        result.update(_failed(records, exc, target), pte=result["pte"])
     return result
 
 
-def delegate(stages, name, program, target, options, records):
+def delegate(run: Run, name, program, target, options, records):
     """Stages 2–6: returns (delegated program ref, delegation summary)."""
-    tagged = call_stage(stages.partition, records, program=program, target=target, options=options)
+    tagged = run("partition", records, program=program, target=target, options=options)
     if not tagged["partitions"]:
         return tagged["program"], {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
-    plan = call_stage(stages.create_submodule, records, tagged=tagged["tagged"])["plan"]
-    built = call_stage(stages.build_programs, records, tagged=tagged["tagged"], plan=plan)
+    plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
+    built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
     for part in built["partitions"]:
-        done = call_stage(
-            stages.preprocess, records,
+        done = run(
+            "preprocess", records,
             program=part["program"], backend_id=part["backend_id"],
             compile_specs=part["compile_specs"], label=f"{name}/{part['tag']}",
         )
         partitions.append({**part, **done})
-    adjusted = call_stage(stages.adjust, records, tagged=tagged["tagged"], plan=plan, partitions=partitions)
+    adjusted = run("adjust", records, tagged=tagged["tagged"], plan=plan, partitions=partitions)
     summary = {
         "partitions": len(partitions),
         "delegated_nodes": adjusted["delegated_nodes"],
@@ -119,37 +171,42 @@ def delegate(stages, name, program, target, options, records):
     return adjusted["program"], summary
 
 
-def publish_pte(store, name: str, target: str, pte_ref) -> dict:
-    """Copy the .pte to its predictable name, ``outputs/<name>/<target>.pte``."""
-    ref = store.put_named(f"{name}/{target}.pte", store.get_bytes(pte_ref), "pte")
-    return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
-
-
-def _failed(records: list[dict], exc: BaseException) -> dict:
+def _failed(records: list[dict], exc: BaseException, target: str) -> dict:
+    if isinstance(exc, WouldRun):  # dry run: the rest of the DAG would run
+        done = {r["stage"] for r in records}
+        rest = PORTABLE_STAGES if target == PORTABLE else DELEGATE_STAGES
+        records.extend(
+            {"stage": s, "cached": False, "state": "WouldRun", "seconds": 0.0, "bytes": None}
+            for s in rest if s not in done
+        )
+        return {"ok": None, "pte": None, "stages": records, "error": None,
+                "memory_plan": None, "delegation": None, "verify": None}
     stage = next((r["stage"] for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return {
         "ok": False, "pte": None, "stages": records,
-        "error": f"{stage or 'lowering'}: {type(exc).__name__}: {message}",
+        "error": f"{stage or 'verify'}: {type(exc).__name__}: {message}",
         "memory_plan": None, "delegation": None, "verify": None,
     }
 
 
 def _verify_errors(report: dict) -> str:
-    return "; ".join(f"{c['runtime']}: {c.get('error')}" for c in report.get("checks", []) if not c["ok"])
+    return "; ".join(f"{c['runtime']}: {c.get('error')}" for c in report.get("checks", []) if c["ok"] is False)
 
 
-def _log(name: str, manifest: dict) -> None:
+def _log(manifest: dict) -> None:
     logger = get_run_logger()
+    name = manifest["name"]
     for target, result in manifest["targets"].items():
         for r in result["stages"]:
-            logger.info("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], "cached" if r["cached"] else r["state"].lower(), r["seconds"])
+            state = "cached" if r["cached"] else r["state"].lower()
+            logger.info("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
         logger.info("%s/%s %s", name, target, "ok" if result["ok"] else f"FAILED {result['error']}")
 
 
-def _publish_report(manifest: dict, stages) -> None:
+def _publish_report(manifest: dict, store) -> None:
     try:
         from flows.reports import publish_model_report
     except ImportError:  # reports land separately
         return
-    publish_model_report(manifest, stages.store)
+    publish_model_report(manifest, store)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -111,6 +112,11 @@ def _run_lowerflow(pte: bytes, inputs: list, calls: int) -> list[list[torch.Tens
     return [method.execute(inputs) for _ in range(calls)]
 
 
+#: ExecuTorch's Python runtime deadlocks when two threads execute methods at once
+#: (seen with two models verified concurrently in a fleet): one call at a time.
+_EXECUTORCH_LOCK = threading.Lock()
+
+
 def _executorch_runner():
     try:
         runtime_module = importlib.import_module("executorch.runtime")
@@ -119,12 +125,14 @@ def _executorch_runner():
 
     class Runner:
         def __call__(self, pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
-            program = runtime_module.Runtime.get().load_program(pte)
-            method = program.load_method("forward")
-            return [list(method.execute(list(inputs))) for _ in range(calls)]
+            with _EXECUTORCH_LOCK:
+                program = runtime_module.Runtime.get().load_program(pte)
+                method = program.load_method("forward")
+                return [list(method.execute(list(inputs))) for _ in range(calls)]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:
-            registry = runtime_module.Runtime.get().backend_registry
-            return [b for b in backend_ids if not registry.is_available(b)]
+            with _EXECUTORCH_LOCK:
+                registry = runtime_module.Runtime.get().backend_registry
+                return [b for b in backend_ids if not registry.is_available(b)]
 
     return Runner()

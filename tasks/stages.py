@@ -22,6 +22,7 @@ which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it
 from __future__ import annotations
 
 import collections
+import inspect
 import threading
 import time
 from typing import Any, Callable
@@ -41,7 +42,7 @@ from lowering.partition import (
     partition_tags_of,
 )
 from lowering.program import copy_program
-from lowering.serialize import canonical_json, deserialize_any, serialize_any
+from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
@@ -118,18 +119,13 @@ def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> 
     Stack traces are left out so the bytes (and every downstream cache key) do
     not depend on where the model's source lives.
     """
-    serialized = serialize_any(program, keep_stack_traces=False)
-    store.put_blobs(serialized.blobs.values())
-    ref = store.put_bytes(serialized.manifest, "program")
+    ref = store.put_program(program, keep_stack_traces=False)
     LIVE.put(ref, program)
     return ref
 
 
 def get_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.ExportedProgram:
-    what = f"blob of program {ref.sha256[:12]}"
-    return LIVE.get(
-        ref, lambda: deserialize_any(store.get_bytes(ref), lambda d: store.read_object(d, what=what))
-    )
+    return LIVE.get(ref, lambda: store.get_program(ref))
 
 
 def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:
@@ -345,9 +341,13 @@ class StageTasks:
         store = self.store
 
         def make(stage: str, body: Callable[..., dict], ignore: tuple[str, ...] = ()):
-            def run(**kwargs: Any) -> dict:
-                return body(store, **kwargs)
+            def run(*args: Any, **kwargs: Any) -> dict:
+                return body(store, *args, **kwargs)
 
+            # The task's parameters are the body's, less the store: what Prefect
+            # shows, and what the cache key (and StageLookup) hash by name.
+            signature = inspect.signature(body)
+            run.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
             run.__name__ = f"{stage}_stage"
             run.__qualname__ = run.__name__
             return stage_task(stage, STAGE_VERSIONS[stage], config=config, ignore=ignore)(run)
@@ -361,6 +361,48 @@ class StageTasks:
         self.memory_plan = make("memory_plan", run_memory_plan)
         self.emit = make("emit", run_emit)
         self.verify = make("verify", run_verify)
+
+
+class StageLookup:
+    """Dry run: what each stage's cache holds, without running anything.
+
+    ``lookup(stage, records, **inputs)`` returns the cached result of a stage (and
+    records it as cached), or raises :class:`WouldRun` when the stage would run.
+    Keys come from the same :class:`~tasks.cache.StageCachePolicy` the tasks use.
+    """
+
+    def __init__(self, config: CacheConfig) -> None:
+        from prefect.filesystems import LocalFileSystem
+        from prefect.results import ResultStore
+
+        from .cache import result_serializer
+
+        self.config = config
+        self.store = config.artifact_store()
+        storage = config.result_storage()
+        if not isinstance(storage, str):
+            storage = LocalFileSystem(basepath=str(storage))
+        self.results = ResultStore(result_storage=storage, serializer=result_serializer())
+
+    def __call__(self, stage: str, records: list[dict], **inputs: Any) -> Any:
+        ignore = ("label",) if stage == "preprocess" else ()
+        policy = self.config.policy(stage, STAGE_VERSIONS[stage], ignore)
+        key = policy.key_for(inputs)
+        result = None
+        if self.results.exists(key):
+            result = self.results.read(key).result
+            try:
+                policy.check_refs(result)
+            except Exception:
+                result = None
+        records.append({"stage": stage, "cached": result is not None, "state": "Cached" if result is not None else "WouldRun", "seconds": 0.0, "bytes": None})
+        if result is None:
+            raise WouldRun(stage)
+        return result
+
+
+class WouldRun(Exception):
+    """Raised by :class:`StageLookup` at the first stage that is not cached."""
 
 
 def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
