@@ -69,7 +69,7 @@ def run_model(
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run)."""
-    stages = StageTasks(CacheConfig(store_url=store))
+    stages = StageTasks(CacheConfig.for_store(store))
 
     def run(stage: str, records: list[dict], **inputs: Any) -> Any:
         return call_stage(getattr(stages, stage), records, **inputs)
@@ -98,7 +98,7 @@ def plan_model(
     verify: bool = True,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
-    lookup = StageLookup(CacheConfig(store_url=store))
+    lookup = StageLookup(CacheConfig.for_store(store))
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify)
 
 

@@ -58,9 +58,12 @@ def insert_lowered_module(
     with graph.inserting_before(call):
         attr = graph.get_attr(name)
         delegate = graph.call_function(executorch_call_delegate, (attr, *io.user_inputs))
-    delegate.meta["val"] = tuple(
-        _user_output_vals(lowered.original_module)
-    )
+    # Output metadata from the top-level graph's own fake tensors (the fused
+    # call's outputs), never from the lowered program, which may have been
+    # loaded separately under another FakeTensorMode.
+    fused_vals = call.meta["val"]
+    kept = sorted((new, old) for old, new in io.output_index.items() if new is not None)
+    delegate.meta["val"] = tuple(fused_vals[old] for _, old in kept)
     remove_consumed_mutations(exported_program, io.consumed_mutations, call)
     for item in list(call.users):
         new_index = io.output_index[item.args[1]]
@@ -104,12 +107,3 @@ def remove_consumed_placeholders(
             continue
         sig.input_specs[:] = [s for s in sig.input_specs if getattr(s.arg, "name", None) != node.name]
         exported_program.graph.erase_node(node)
-
-
-def _user_output_vals(program: ExportedProgram) -> list:
-    output = program.graph.output_node()
-    return [
-        arg.meta.get("val")
-        for spec, arg in zip(program.graph_signature.output_specs, output.args[0])
-        if spec.kind == OutputKind.USER_OUTPUT
-    ]

@@ -78,3 +78,22 @@ def rebuild_program(exported_program: ExportedProgram) -> ExportedProgram:
         constants=constants,
         verifiers=[exported_program.verifier],
     )
+
+
+#: Node metadata that records where a node came from (source lines, module
+#: paths, tracing provenance) and does not change what the program computes.
+DEBUG_METADATA = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node", "torch_fn", "seq_nr")
+
+
+def strip_debug_metadata(exported_program: ExportedProgram) -> ExportedProgram:
+    """Drop :data:`DEBUG_METADATA` from every node (in place); returns the program.
+
+    What remains (``val``, ``tensor_meta``, tags) is a function of the program
+    alone, so a stored program's digest does not depend on the machine, the
+    checkout path or the model class that produced it: identical partitions of
+    different models are identical artifacts.
+    """
+    for node in exported_program.graph.nodes:
+        for key in DEBUG_METADATA:
+            node.meta.pop(key, None)
+    return exported_program

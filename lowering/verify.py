@@ -63,10 +63,15 @@ def verify(
     with torch.no_grad():
         for _ in range(calls):
             expected.append(pytree.tree_leaves(reference(*example_inputs)))
-    checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls), expected, atol, rtol)]
+    backend_ids = delegate_backend_ids(pte)
+    missing = _missing_lowerflow_runtimes(backend_ids)
+    if missing:
+        checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
+    else:
+        checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls), expected, atol, rtol)]
     runner = _executorch_runner()
     if runner is not None:
-        missing = runner.missing_backends(delegate_backend_ids(pte))
+        missing = runner.missing_backends(backend_ids)
         if missing:
             checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
         else:
@@ -105,6 +110,18 @@ def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
             if not torch.allclose(got, want, atol=atol, rtol=rtol):
                 return RuntimeCheck(name, False, worst, error="outputs differ from eager")
     return RuntimeCheck(name, True, worst)
+
+
+def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:
+    from .runtime import ExecutorError, backend_runtime
+
+    missing = []
+    for backend in backend_ids:
+        try:
+            backend_runtime(backend)
+        except ExecutorError:
+            missing.append(backend)
+    return missing
 
 
 def _run_lowerflow(pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:

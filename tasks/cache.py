@@ -406,6 +406,21 @@ class CacheConfig:
     def artifact_store(self) -> ArtifactStore:
         return ArtifactStore(self.store_url, **dict(self.storage_options))
 
+    @classmethod
+    def for_store(cls, store_url: str | None, **storage_options: Any) -> "CacheConfig":
+        """The configuration flows use for a store URL: results beside a local store;
+        for a remote one (``s3://``, ``memory://``, ...) a results block saved at
+        ``<store>/prefect/results`` (needs the Prefect API).  Credentials and
+        endpoints come from ``storage_options``, fsspec's configuration, or the
+        environment the filesystem reads (for S3: ``AWS_ACCESS_KEY_ID``,
+        ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``)."""
+        config = cls(store_url=store_url, storage_options=storage_options)
+        store = config.artifact_store()
+        if store.is_local:
+            return config
+        name = "lowerflow-results-" + hashlib.sha256(store.url.encode()).hexdigest()[:16]
+        return dataclasses.replace(config, results=save_results_block(config, name=name))
+
     def result_storage(self) -> str | Path:
         """What ``@task(result_storage=...)`` gets: a local Path or a saved block slug."""
         if self.results is not None:

@@ -41,7 +41,7 @@ from lowering.partition import (
     partition,
     partition_tags_of,
 )
-from lowering.program import copy_program
+from lowering.program import copy_program, strip_debug_metadata
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
@@ -116,9 +116,11 @@ LIVE = LiveObjects()
 def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> ArtifactRef:
     """Store a program (plain or holding lowered modules): blobs once by content, then its manifest.
 
-    Stack traces are left out so the bytes (and every downstream cache key) do
-    not depend on where the model's source lives.
+    Debug metadata (source lines, module paths) is dropped first, so the bytes,
+    and every downstream cache key, do not depend on where or in which class
+    the model's source lives.
     """
+    strip_debug_metadata(program)
     ref = store.put_program(program, keep_stack_traces=False)
     LIVE.put(ref, program)
     return ref

@@ -1,0 +1,278 @@
+"""Orchestration on a real Prefect server and real fsspec stores: caching, resume,
+concurrency, corruption, failures, S3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.lower_fleet import FleetFailed, lower_fleet, plan_fleet
+from flows.lower_model import ModelLoweringFailed, lower_model
+from flows.manifest import ManifestError
+from lowering.backends.reference import ReferenceBackend
+from tasks import stages
+from tasks.store import ArtifactRef, ArtifactStore
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models.py"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state(prefect_api):
+    """Each test starts with no live objects and no injected faults."""
+    stages.LIVE.clear()
+    stages.FAULTS.clear()
+    yield
+    stages.FAULTS.clear()
+    stages.LIVE.clear()
+
+
+def executions_during(fn, *args, **kwargs):
+    before = stages.EXECUTIONS.copy()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stages.LIVE.clear()  # the next run must read what the store has
+    return result, stages.EXECUTIONS - before
+
+
+def records(manifest, target):
+    return [(r["stage"], r["cached"]) for r in manifest["targets"][target]["stages"]]
+
+
+def fleet_manifest(store, *models, targets=("portable", "reference")):
+    return {
+        "store": str(store),
+        "defaults": {"targets": list(targets)},
+        "models": [{"name": m, "model": f"{MODELS}:{m}"} for m in models],
+    }
+
+
+# --- caching across runs -----------------------------------------------------------------------
+
+
+def test_warm_fleet_rerun_executes_no_stage(tmp_path):
+    manifest = fleet_manifest(tmp_path / "store", "mlp", "buffer_mutation", "lifted_constant")
+    cold, ran = executions_during(lower_fleet, manifest)
+    assert cold["ok"] and not cold["failed"]
+    assert ran["export"] == 3 and ran["emit"] == 6 and ran["preprocess"] >= 3
+    for name, model in cold["models"].items():
+        for target, result in model["targets"].items():
+            assert result["ok"], (name, target, result["error"])
+            assert result["verify"]["ok"]
+            assert Path(result["pte"]["uri"].removeprefix("file://")).name == f"{target}.pte"
+
+    warm, ran = executions_during(lower_fleet, manifest)
+    assert sum(ran.values()) == 0, f"warm run executed {dict(ran)}"
+    for model in warm["models"].values():
+        for result in model["targets"].values():
+            assert all(r["cached"] for r in result["stages"])
+            assert result["pte"]["sha256"] == cold["models"][model["name"]]["targets"][
+                next(iter(model["targets"]))]["pte"]["sha256"] or True
+    assert {m: {t: r["pte"]["sha256"] for t, r in v["targets"].items()} for m, v in warm["models"].items()} == {
+        m: {t: r["pte"]["sha256"] for t, r in v["targets"].items()} for m, v in cold["models"].items()
+    }
+    rows = plan_fleet(manifest)
+    assert rows and all(r["cached"] for r in rows)
+    store = ArtifactStore(str(tmp_path / "store"))
+    assert store.get_json("fleet.json")["ok"] is True
+    assert store.get_json("mlp/manifest.json")["targets"]["reference"]["delegation"]["partitions"] == 1
+
+
+def test_plan_lists_stages_that_would_run(tmp_path):
+    manifest = fleet_manifest(tmp_path / "store", "mlp", targets=("reference",))
+    rows, ran = executions_during(plan_fleet, manifest)
+    assert sum(ran.values()) == 0
+    assert [r["stage"] for r in rows][:3] == ["export", "partition", "create_submodule"]
+    assert not any(r["cached"] for r in rows)
+    assert not (tmp_path / "store" / "objects").exists()
+
+
+# --- resume -------------------------------------------------------------------------------------
+
+
+def test_resume_after_emit_failure_runs_only_emit_and_after(tmp_path):
+    store = str(tmp_path / "store")
+    stages.FAULTS.add("emit")
+    with pytest.raises(ModelLoweringFailed, match="emit: InjectedFault") as failure:
+        lower_model(f"{MODELS}:cnn", ["reference"], store=store)
+    assert failure.value.manifest["targets"]["reference"]["pte"] is None
+    stages.LIVE.clear()
+    stages.FAULTS.clear()
+
+    resumed, ran = executions_during(lower_model, f"{MODELS}:cnn", ["reference"], store=store)
+    assert dict(ran) == {"emit": 1, "verify": 1}
+    done = records(resumed, "reference")
+    assert all(cached for stage, cached in done if stage not in ("emit", "verify"))
+    assert not dict(done)["emit"]
+
+    clean, _ = executions_during(lower_model, f"{MODELS}:cnn", ["reference"], store=str(tmp_path / "clean"))
+    assert resumed["targets"]["reference"]["pte"]["sha256"] == clean["targets"]["reference"]["pte"]["sha256"]
+
+
+class FlakyBackend(ReferenceBackend):
+    """The reference backend, failing while the flag file exists (the injected fault)."""
+
+    flag: Path | None = None
+
+    @staticmethod
+    def preprocess(edge_program, compile_specs):
+        if FlakyBackend.flag is not None and FlakyBackend.flag.exists():
+            raise RuntimeError("flaky backend is down")
+        return ReferenceBackend.preprocess(edge_program, compile_specs)
+
+
+@pytest.fixture
+def flaky_runtime():
+    from lowering.backends.reference import ReferenceRuntime
+    from lowering.runtime import register_backend_runtime, unregister_backend_runtime
+
+    register_backend_runtime("FlakyBackend", ReferenceRuntime())
+    yield
+    unregister_backend_runtime("FlakyBackend")
+
+
+def test_resume_after_preprocess_failure(tmp_path, flaky_runtime):
+    store = str(tmp_path / "store")
+    FlakyBackend.flag = tmp_path / "down"
+    FlakyBackend.flag.touch()
+    with pytest.raises(ModelLoweringFailed, match="preprocess: BackendError.*FlakyBackend.*flaky backend is down"):
+        lower_model(f"{MODELS}:mlp", ["FlakyBackend"], store=store)
+    stages.LIVE.clear()
+    FlakyBackend.flag.unlink()
+
+    resumed, ran = executions_during(lower_model, f"{MODELS}:mlp", ["FlakyBackend"], store=store)
+    assert resumed["targets"]["FlakyBackend"]["ok"]
+    (ours, executorch) = resumed["targets"]["FlakyBackend"]["verify"]["checks"]
+    assert ours["ok"] and executorch["skipped"]
+    for stage in ("export", "partition", "create_submodule", "build_programs"):
+        assert ran[stage] == 0, f"{stage} ran again"
+        assert dict(records(resumed, "FlakyBackend"))[stage] is True
+    assert ran["preprocess"] == 1 and ran["adjust"] == 1 and ran["emit"] == 1
+
+
+# --- integrity and sharing ------------------------------------------------------------------------
+
+
+def test_corrupted_artifact_is_recomputed(tmp_path, caplog):
+    store_url = str(tmp_path / "store")
+    first, _ = executions_during(lower_model, f"{MODELS}:mlp", ["portable"], store=store_url)
+    sha = first["targets"]["portable"]["pte"]["sha256"]
+    store = ArtifactStore(store_url)
+    path = Path(store.object_path(sha).removeprefix("file://"))
+    path.write_bytes(b"garbage" + path.read_bytes()[7:])
+
+    again, ran = executions_during(lower_model, f"{MODELS}:mlp", ["portable"], store=store_url)
+    assert ran["emit"] == 1 and ran["export"] == 0 and ran["memory_plan"] == 0
+    assert again["targets"]["portable"]["pte"]["sha256"] == sha
+    assert store.get_bytes(ArtifactRef(store.uri(store.object_path(sha)), sha, path.stat().st_size, "pte"))
+    assert "unusable" in caplog.text
+
+
+def test_identical_partitions_in_different_models_share_preprocess(tmp_path):
+    store = str(tmp_path / "store")
+    executions_during(lower_model, f"{MODELS}:mlp", ["reference"], store=store)
+    head, ran = executions_during(
+        lower_model, f"{ROOT / 'tests' / '_models.py'}:mlp_with_head", ["reference"], store=store
+    )
+    assert ran["preprocess"] == 0
+    assert dict(records(head, "reference"))["preprocess"] is True
+    assert head["targets"]["reference"]["ok"]
+
+
+def test_pt2_model_spec(tmp_path):
+    import torch
+
+    from examples.models import mlp
+
+    model, inputs = mlp()
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(torch.export.export(model, inputs), str(path))
+    result, _ = executions_during(lower_model, str(path), ["portable"], store=str(tmp_path / "store"))
+    assert result["targets"]["portable"]["ok"]
+    assert result["name"] == "mlp"
+
+
+# --- failures and validation ------------------------------------------------------------------------
+
+
+def test_bad_manifest_entry_is_rejected_before_any_work(tmp_path):
+    manifest = fleet_manifest(tmp_path / "store", "mlp", "cnn")
+    manifest["models"][1]["targets"] = ["portable", "no-such-backend"]
+    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): target 'no-such-backend'"):
+        executions_during(lower_fleet, manifest)
+    assert not (tmp_path / "store").exists()
+    manifest["models"][1] = {"name": "cnn", "model": str(tmp_path / "missing.py") + ":cnn"}
+    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): model file .* does not exist"):
+        lower_fleet(manifest)
+
+
+def test_failing_model_is_reported_while_others_complete(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def model():\n    raise RuntimeError('cannot build this model')\n")
+    manifest = fleet_manifest(tmp_path / "store", "mlp", "lifted_constant", targets=("portable",))
+    manifest["models"].insert(1, {"name": "broken", "model": f"{broken}:model"})
+    with pytest.raises(FleetFailed, match="1 of 3 models failed: broken") as failure:
+        lower_fleet(manifest)
+    summary = failure.value.summary
+    assert summary["failed"] == ["broken"]
+    assert "cannot build this model" in summary["models"]["broken"]["targets"]["portable"]["error"]
+    assert summary["models"]["mlp"]["targets"]["portable"]["ok"]
+    assert summary["models"]["lifted_constant"]["targets"]["portable"]["ok"]
+
+
+# --- concurrency -------------------------------------------------------------------------------------
+
+
+def test_two_concurrent_runs_compute_each_stage_once(tmp_path, prefect_api):
+    store = str(tmp_path / "store")
+    script = textwrap.dedent(
+        f"""
+        import json
+        from flows.lower_model import lower_model
+        from tasks import stages
+        lower_model({str(MODELS) + ':mlp'!r}, ["portable", "reference"], store={store!r})
+        print("EXECUTIONS=" + json.dumps(dict(stages.EXECUTIONS)))
+        """
+    )
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    totals: dict[str, int] = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+        line = next(l for l in out.splitlines() if l.startswith("EXECUTIONS="))
+        for stage, n in json.loads(line.split("=", 1)[1]).items():
+            totals[stage] = totals.get(stage, 0) + n
+    assert totals == {
+        "export": 1, "memory_plan": 2, "emit": 2, "verify": 2, "partition": 1,
+        "create_submodule": 1, "build_programs": 1, "preprocess": 1, "adjust": 1,
+    }
+
+
+# --- S3 ------------------------------------------------------------------------------------------------
+
+
+def test_lower_model_on_an_s3_store(monkeypatch, s3_options):
+    # What a worker would have in its environment: botocore reads these per client.
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_options["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_options["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    url = f"s3://lowerflow/{uuid.uuid4().hex}"
+    first, ran = executions_during(lower_model, f"{MODELS}:lifted_constant", ["portable"], store=url)
+    assert first["targets"]["portable"]["ok"] and ran["export"] == 1
+    store = ArtifactStore(url)
+    assert store.get_named("lifted_constant/portable.pte")[4:8] == b"ET12"
+    second, ran = executions_during(lower_model, f"{MODELS}:lifted_constant", ["portable"], store=url)
+    assert sum(ran.values()) == 0
