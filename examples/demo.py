@@ -1,15 +1,14 @@
 """The demo: lower the demo fleet (``examples/fleet.yaml``) and show what came out.
 
-    python -m examples.demo        # what ``./run demo`` runs
+    python -m examples.demo [--verbose]   # what ``./run demo`` runs
 
 Runs the ``lower-fleet`` flow on Prefect's ephemeral server (nothing to start),
-prints the fleet table and where the ``.pte`` files and reports are.  Run it
-twice: the second run takes every stage from the cache.
+prints a line per model as it finishes, the fleet table, and where the ``.pte``
+files and reports are.  Run it twice: the second run takes every stage from the cache.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,27 +16,23 @@ from pathlib import Path
 FLEET = Path(__file__).resolve().parent / "fleet.yaml"
 
 
-def main() -> int:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    from flows.lower_fleet import FleetFailed, lower_fleet
-    from flows.reports import fleet_text_table
+def main(argv: list[str] | None = None) -> int:
+    verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
+    from flows.cli import CLIError, configure_environment, error_message, run_fleet
 
-    print(f"lowering the demo fleet {FLEET} ...", flush=True)
+    configure_environment(verbose)  # before Prefect is imported
     try:
-        summary = lower_fleet(str(FLEET))
-    except FleetFailed as exc:
-        summary = exc.summary
-    print()
-    print(fleet_text_table(summary))
-    print()
-    print(f"store: {summary['store']}")
+        summary = run_fleet(str(FLEET), verbose=verbose)
+    except CLIError as exc:
+        print(f"demo: error: {error_message(exc)}", file=sys.stderr)
+        return exc.code
+    print(f"\nstore: {summary['store']}")
     for name, manifest in summary["models"].items():
         for target, entry in manifest["targets"].items():
             if entry.get("pte"):
                 print(f"  {name}/{target}: {entry['pte']['uri']}")
-    print(f"reports: the 'lowerflow-fleet' and 'lowerflow-model-*' artifacts in Prefect, "
-          f"memory-plan pictures under {summary['store']}/outputs/<model>/")
+    print("reports: Prefect artifacts 'lowerflow-fleet' and 'lowerflow-model-<name>'; "
+          f"memory-plan pictures in {summary['store']}/outputs/<name>/")
     if summary.get("failed"):
         print(f"FAILED: {', '.join(summary['failed'])}", file=sys.stderr)
         return 1

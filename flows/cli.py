@@ -19,7 +19,6 @@ import argparse
 import logging
 import os
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -132,6 +131,29 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
         os.environ["LOWERFLOW_STORE"] = store
 
 
+class _NotPrefect(logging.Filter):
+    """Drops the records of Prefect's own loggers (``prefect``, ``prefect.*``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "prefect" or record.name.startswith("prefect."))
+
+
+def quiet_prefect_console(verbose: bool) -> None:
+    """Unless ``verbose``, Prefect's console handler drops Prefect's own records.
+
+    A failed model is reported by our table, not by Prefect's traceback; the records
+    still reach the Prefect API (the UI shows them).  Other libraries' warnings stay.
+    Call after importing Prefect (its import sets up the handlers).
+    """
+    if verbose:
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _NotPrefect) for f in handler.filters):
+            handler.addFilter(_NotPrefect())
+
+
 def say(line: str = "") -> None:
     """One line of our output on stdout (flushed: Prefect writes to stderr meanwhile)."""
     print(line, flush=True)
@@ -149,6 +171,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     from flows.lower_model import ModelLoweringFailed, lower_model
 
+    quiet_prefect_console(args.verbose)
     try:
         manifest = lower_model(model=args.spec, targets=targets, store=args.store)
     except ModelLoweringFailed as exc:
@@ -216,23 +239,31 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    """Run ``lower_fleet``; a progress line per model as it finishes; the summary table."""
-    fleet = load_fleet(args.manifest)
+    """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
+    summary = run_fleet(args.manifest, verbose=args.verbose)
+    if summary.get("failed"):
+        raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}")
+    return EXIT_OK
+
+
+def run_fleet(manifest: str, *, verbose: bool = False) -> dict:
+    """``lower_fleet`` with a progress line per model as it finishes, then the summary
+    table; returns the fleet summary, failed models included (the demo uses this too)."""
+    fleet = load_fleet(manifest)
     from flows.lower_fleet import FleetFailed, lower_fleet
     from flows.reports import fleet_text_table
 
+    quiet_prefect_console(verbose)
     say(f"lowering {len(fleet.models)} models into {fleet.store or 'the default store'}")
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(args.manifest)
+            summary = lower_fleet(str(manifest))
         except FleetFailed as exc:
             summary = exc.summary
     say()
     say(fleet_text_table(summary))
-    if summary.get("failed"):
-        raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}")
-    return EXIT_OK
+    return summary
 
 
 def load_fleet(path: str):
@@ -248,12 +279,14 @@ def load_fleet(path: str):
 class FleetProgress(logging.Handler):
     """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
 
-    It listens to the ``lower-model`` flow runs' log records ``"<name>/<target> ok"``
-    or ``"<name>/<target> FAILED <error>"`` (``flows.lower_model._log``), which reach
-    Prefect's run loggers at INFO whatever the console shows.
+    It listens to the log records ``"<name>/<target> ok"`` or ``"<name>/<target> FAILED
+    <error>"`` that ``flows.lower_model`` writes when a model's targets are done, for
+    the models and targets of the manifest only.  They come from Prefect's run loggers
+    (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
+    INFO whatever the console shows.
     """
 
-    LOGGER = "prefect.flow_runs"
+    LOGGER = "prefect"
 
     def __init__(self, targets: dict[str, set[str]], emit_line: Callable[[str], None]) -> None:
         super().__init__(logging.INFO)
@@ -263,11 +296,9 @@ class FleetProgress(logging.Handler):
         self.done = 0
         self.emit_line = emit_line
         self.started = time.monotonic()
-        self.lock = threading.Lock()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(record, "flow_name", None) != "lower-model":
-            return
+        """Called under the handler's own lock (``Handler.handle``), so one thread at a time."""
         try:
             message = record.getMessage()
         except Exception:
@@ -276,20 +307,19 @@ class FleetProgress(logging.Handler):
         name, _, target = head.rpartition("/")
         if outcome != "ok" and not outcome.startswith("FAILED"):
             return
-        with self.lock:
-            remaining = self.pending.get(name)
-            if remaining is None or target not in remaining:
-                return
-            remaining.discard(target)
-            if outcome != "ok":
-                self.failed.add(name)
-            if not remaining:
-                self.done += 1
-                status = "FAILED" if name in self.failed else "ok"
-                self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
+        remaining = self.pending.get(name)
+        if remaining is None or target not in remaining:
+            return
+        remaining.discard(target)
+        if outcome != "ok":
+            self.failed.add(name)
+        if not remaining:
+            self.done += 1
+            status = "FAILED" if name in self.failed else "ok"
+            self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
 
     def listening(self):
-        """Context manager attaching the handler to Prefect's flow-run logger (level INFO)."""
+        """Context manager attaching the handler to Prefect's run loggers' parent (level INFO)."""
         import contextlib
 
         @contextlib.contextmanager
@@ -317,6 +347,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flows.lower_fleet import plan_fleet
     from flows.reports import text_table
 
+    quiet_prefect_console(args.verbose)
     rows = plan_fleet(args.manifest)
     say(text_table(("model", "target", "stage", "would"),
                    [(r["model"], r["target"], r["stage"], "cached" if r["cached"] else "run") for r in rows]))

@@ -166,3 +166,88 @@ def test_bad_manifest_exits_2(tmp_path):
     for command in ("fleet", "plan"):
         assert_one_line_error(lowerflow(command, str(manifest)), 2, "models[0] ('a')", "nowhere")
     assert_one_line_error(lowerflow("fleet", str(tmp_path / "absent.yaml")), 2, "does not exist")
+
+
+def test_console_script_is_declared():
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["lowerflow"] == "flows.cli:main"
+    assert "matplotlib" in project["dependencies"]
+
+
+def test_fleet_progress_prints_a_line_per_finished_model():
+    import logging
+
+    from flows.cli import FleetProgress
+
+    lines: list[str] = []
+    progress = FleetProgress({"mlp": {"portable", "reference"}, "cnn": {"portable"}}, lines.append)
+    logger = logging.getLogger("prefect.task_runs")
+    with progress.listening():
+        logger.info("%s/%s %-16s %-9s %.3fs", "mlp", "portable", "export", "cached", 0.01)  # a stage line
+        logger.info("%s/%s %s", "mlp", "portable", "ok")
+        logger.info("%s/%s %s", "other", "portable", "ok")  # not in the manifest
+        logger.info("%s/%s %s", "cnn", "portable", "FAILED export: ValueError: no")
+        logger.info("%s/%s %s", "mlp", "reference", "ok")
+    logger.info("%s/%s %s", "cnn", "portable", "ok")  # after: not listening
+    assert [line.split()[:3] for line in lines] == [["[1/2]", "cnn", "FAILED"], ["[2/2]", "mlp", "ok"]]
+    assert progress not in logging.getLogger(FleetProgress.LOGGER).handlers
+
+
+# --------------------------------------------------------------------------- flows (ephemeral Prefect server)
+
+
+def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
+    store, out = tmp_path / "store", tmp_path / "out"
+    args = ("lower", "examples/models.py:buffer_mutation", "-t", "portable", "-t", "reference",
+            "-o", str(out), "--store", str(store))
+    first = lowerflow(*args)
+    assert first.returncode == 0, first.stderr
+    assert not error_lines(first.stderr) and "Traceback" not in first.stderr
+    for target in ("portable", "reference"):
+        assert f"{target}: wrote {out / f'buffer_mutation.{target}.pte'}" in first.stdout
+    stages = [line.split() for line in first.stdout.splitlines() if not line.split()[0].endswith(":")]
+    assert {s[0] for s in stages} == {"portable", "reference"}
+    assert [s[1] for s in stages if s[0] == "portable"] == ["export", "memory_plan", "emit", "verify"]
+    assert "partition" in [s[1] for s in stages if s[0] == "reference"]
+    second = lowerflow(*args)
+    assert second.returncode == 0, second.stderr
+    rerun = [line.split() for line in second.stdout.splitlines() if not line.split()[0].endswith(":")]
+    assert rerun and all(s[2] == "cached" for s in rerun), second.stdout
+    # What `lower` wrote runs and matches the eager model.
+    checked = lowerflow("verify", str(out / "buffer_mutation.reference.pte"), "--model", "examples/models.py:buffer_mutation")
+    assert checked.returncode == 0, checked.stderr
+
+
+def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path):
+    (tmp_path / "broken.py").write_text("def broken():\n    raise RuntimeError('no model today')\n")
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(textwrap.dedent(
+        f"""
+        store: {tmp_path / 'store'}
+        defaults: {{targets: [portable]}}
+        models:
+          - name: mlp
+            model: {REPO}/examples/models.py:mlp
+          - name: broken
+            model: broken.py:broken
+        """
+    ))
+    fleet = lowerflow("fleet", str(manifest))
+    assert_one_line_error(fleet, 1, "1 of 2 models failed: broken")
+    out = fleet.stdout.splitlines()
+    progress = sorted(line.split()[1:3] for line in out if line.startswith("["))
+    assert progress == [["broken", "FAILED"], ["mlp", "ok"]]
+    rows = {line.split()[0]: line.split() for line in out if line.split()[:1] in (["mlp"], ["broken"])}
+    assert rows["mlp"][1:3] == ["portable", "ok"] and rows["mlp"][5] == "0/4"
+    assert rows["broken"][2] == "FAILED" and "export: ModelSpecError" in " ".join(rows["broken"])
+
+    plan = lowerflow("plan", str(manifest))
+    assert plan.returncode == 0, plan.stderr
+    table = [line.split() for line in plan.stdout.splitlines()[2:] if line.strip() and not line[0].isdigit()]
+    assert [r[2:] for r in table if r[0] == "mlp"] == [
+        ["export", "cached"], ["memory_plan", "cached"], ["emit", "cached"], ["verify", "cached"],
+    ]
+    assert ["broken", "portable", "export", "run"] in table
+    assert "4 of " in plan.stdout
