@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import io
 import re
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
@@ -45,6 +46,10 @@ FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", 
 
 #: Key prefix of the Prefect artifacts this module creates.
 ARTIFACT_PREFIX = "lowerflow"
+
+#: matplotlib's style context swaps the global rcParams: one picture at a time
+#: (the fleet flow publishes reports from several threads).
+_RENDER_LOCK = threading.Lock()
 
 
 # --------------------------------------------------------------------------- formatting
@@ -330,7 +335,7 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
     from matplotlib.ticker import StrMethodFormatter
     import matplotlib.style
 
-    with matplotlib.style.context("default"):
+    with _RENDER_LOCK, matplotlib.style.context("default"):
         fig = Figure(figsize=(8, 4.5), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()

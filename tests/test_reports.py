@@ -233,6 +233,15 @@ def test_memory_plan_png_is_a_valid_deterministic_png(cnn_plan):
     assert memory_plan_png(cnn_plan, title="cnn / reference") != data
 
 
+def test_memory_plan_png_same_bytes_from_concurrent_threads(cnn_plan):
+    from concurrent.futures import ThreadPoolExecutor
+
+    serial = memory_plan_png(cnn_plan, title="t")
+    with ThreadPoolExecutor(4) as pool:
+        pictures = list(pool.map(lambda i: memory_plan_png(cnn_plan, title="t"), range(8)))
+    assert all(p == serial for p in pictures)
+
+
 def test_memory_plan_png_refuses_a_summary():
     with pytest.raises(ValueError, match="not a memory plan"):
         memory_plan_png({"arena_bytes": 1, "lower_bound": 1, "algorithm": "x"}, title="t")
