@@ -251,3 +251,50 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
     ]
     assert ["broken", "portable", "export", "run"] in table
     assert "4 of " in plan.stdout
+
+
+# --------------------------------------------------------------------------- demo fleet and deployment files
+
+
+def test_demo_fleet_manifest():
+    from flows.manifest import load_manifest
+
+    fleet = load_manifest(REPO / "examples" / "fleet.yaml")
+    assert fleet.store == str(REPO / ".lowerflow")  # the CLI's default store when run from the repo root
+    assert [m.name for m in fleet.models] == ["mlp", "cnn", "lstm", "transformer", "buffer_mutation"]
+    for entry in fleet.models:
+        assert entry.targets == ("portable", "reference")
+        assert entry.model == f"{REPO / 'examples' / 'models.py'}:{entry.name}"
+
+
+def test_demo_imports_only_flows():
+    import ast
+
+    tree = ast.parse((REPO / "examples" / "demo.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+    ours = {m.split(".")[0] for m in imported} - {"__future__", "sys", "pathlib"}
+    assert ours == {"flows"}
+
+
+def test_nightly_deployment_declaration():
+    import yaml
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.flows import load_flow_from_entrypoint
+
+    doc = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    (deployment,) = doc["deployments"]
+    assert deployment["name"] == "nightly-fleet"
+    assert deployment["work_pool"]["name"] == "lowerflow-pool"
+    (schedule,) = deployment["schedules"]
+    CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])  # raises if invalid
+    assert schedule["timezone"] == "UTC"
+    # Paths are relative to the repo root, where `prefect deploy` runs.
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        flow = load_flow_from_entrypoint(deployment["entrypoint"])
+    finally:
+        os.chdir(cwd)
+    assert flow.name == "lower-fleet"
+    assert (REPO / deployment["parameters"]["manifest"]).is_file()
