@@ -108,6 +108,21 @@ def parse_spec(text: str):
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
+def check_targets(targets: Sequence[str]) -> None:
+    """Every target names ``portable`` or a known backend; otherwise exit status 2."""
+    from lowering.errors import BackendError
+    from lowering.lowered_module import find_backend
+    from lowering.targets import PORTABLE
+
+    for target in targets:
+        if target == PORTABLE:
+            continue
+        try:
+            find_backend(target)
+        except BackendError as exc:
+            raise CLIError(f"--target {target!r}: {first_line(str(exc))}", EXIT_USAGE) from exc
+
+
 # --------------------------------------------------------------------------- environment
 
 
@@ -168,6 +183,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     if len(set(targets)) != len(targets):
         raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
     name = parse_spec(args.spec).name
+    check_targets(targets)
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     from flows.lower_model import ModelLoweringFailed, lower_model
 

@@ -158,6 +158,9 @@ def test_lower_bad_spec_fails_before_any_flow_runs(tmp_path):
     assert not (tmp_path / "store").exists()
     several = lowerflow("lower", MLP, "-t", "portable", "-t", "reference", "-o", str(tmp_path / "x.pte"))
     assert_one_line_error(several, 2, "several targets")
+    unknown = lowerflow("lower", MLP, "-t", "nowhere", "--store", str(tmp_path / "store"))
+    assert_one_line_error(unknown, 2, "--target 'nowhere'", "unknown backend")
+    assert not (tmp_path / "store").exists()
 
 
 def test_bad_manifest_exits_2(tmp_path):
