@@ -22,6 +22,7 @@ the whole plan (``"allocations"``) or a ref to the plan's JSON (``"ref"``).
 from __future__ import annotations
 
 import io
+import logging
 import re
 import threading
 from typing import Any, Iterable, Mapping, Sequence
@@ -46,6 +47,8 @@ FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", 
 
 #: Key prefix of the Prefect artifacts this module creates.
 ARTIFACT_PREFIX = "lowerflow"
+
+logger = logging.getLogger("lowerflow.reports")
 
 #: matplotlib's style context swaps the global rcParams: one picture at a time
 #: (the fleet flow publishes reports from several threads).
@@ -444,15 +447,30 @@ def publish_model_report(
     name = str(model_manifest.get("name") or "model")
     images: dict[str, str] = {}
     for target, entry in (model_manifest.get("targets") or {}).items():
-        plan = (plans or {}).get(target) or find_plan(entry, store)
-        if plan is None:
-            continue
-        png = memory_plan_png(plan, title=f"{name} / {target}")
-        images[target] = store.put_named(plan_image_name(name, target), png, "png").uri
+        uri = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
+        if uri is not None:
+            images[target] = uri
     markdown = model_report_markdown(model_manifest, images=images)
     key = artifact_key("model", name)
     create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
     return {"key": key, "markdown": markdown, "images": images}
+
+
+def _publish_plan_image(store: Any, name: str, target: str, plan: Any, entry: Mapping[str, Any]) -> str | None:
+    """Write one target's memory-plan PNG; its URI, or None without a plan.
+
+    A picture that cannot be made (plan missing from the store, ...) is a warning,
+    never a failure of the lowering that publishes the report.
+    """
+    try:
+        plan = plan if plan is not None else find_plan(entry, store)
+        if plan is None:
+            return None
+        png = memory_plan_png(plan, title=f"{name} / {target}")
+        return store.put_named(plan_image_name(name, target), png, "png").uri
+    except Exception as exc:
+        logger.warning("no memory-plan picture for %s/%s: %s: %s", name, target, type(exc).__name__, exc)
+        return None
 
 
 def publish_fleet_report(summary: Mapping[str, Any]) -> dict[str, Any]:

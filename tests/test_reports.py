@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import struct
 import uuid
 import zlib
@@ -297,6 +298,26 @@ def in_flow(fn, *args, **kwargs):
     return publish()
 
 
+class Collect(logging.Handler):
+    """The messages of one logger (caplog's root handler can be replaced when a
+    session's first flow run sets up Prefect's logging)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger(name)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "Collect":
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeHandler(self)
+
+
 def test_publish_model_report_writes_pngs_and_a_markdown_artifact(prefect_api, cnn_plan):
     from tasks.store import ArtifactStore
 
@@ -304,10 +325,16 @@ def test_publish_model_report_writes_pngs_and_a_markdown_artifact(prefect_api, c
     manifest = cnn_manifest(cnn_plan)
     name = f"cnn_{uuid.uuid4().hex[:8]}"
     manifest["name"] = name
-    published = in_flow(publish_model_report, manifest, store, plans={"reference": cnn_plan})
+    # A plan ref whose object is not in the store: a warning, no picture, still a report.
+    missing = {"uri": "memory://elsewhere/objects/ab/cd", "sha256": "ab" * 32, "size": 10, "kind": "memory_plan"}
+    manifest["targets"]["lost"] = {**manifest["targets"]["portable"], "memory_plan": {"ref": missing}}
+    with Collect("lowerflow.reports") as warnings:
+        published = in_flow(publish_model_report, manifest, store, plans={"reference": cnn_plan})
     assert published["key"] == artifact_key("model", name)
     # reference from `plans`, portable from its manifest entry (the whole plan).
     assert sorted(published["images"]) == ["portable", "reference"]
+    assert [m for m in warnings.messages if m.startswith(f"no memory-plan picture for {name}/lost: ArtifactMissing")]
+    assert "## lost — FAILED" in published["markdown"]
     for target, uri in published["images"].items():
         png = store.get_named(plan_image_name(name, target))
         assert png_size(png) == (800, 450)
