@@ -16,14 +16,20 @@ REPO = Path(__file__).resolve().parents[1]
 MLP = "examples/models.py:mlp"
 
 
-def lowerflow(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``lowerflow ARGS`` with no Prefect configuration (ephemeral server)."""
+def lowerflow(*args: str, cwd: Path = REPO, home: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``lowerflow ARGS`` with no Prefect configuration (ephemeral server).
+
+    ``home``: a PREFECT_HOME of its own, so the ephemeral server's database is not
+    shared with other processes on the machine.
+    """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
     base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    if home is not None:
+        base["PREFECT_HOME"] = str(home)
     base["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args],
-        cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout,
     )
 
 
@@ -205,7 +211,8 @@ def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
     store, out = tmp_path / "store", tmp_path / "out"
     args = ("lower", "examples/models.py:buffer_mutation", "-t", "portable", "-t", "reference",
             "-o", str(out), "--store", str(store))
-    first = lowerflow(*args)
+    home = tmp_path / "prefect-home"
+    first = lowerflow(*args, home=home)
     assert first.returncode == 0, first.stderr
     assert not error_lines(first.stderr) and "Traceback" not in first.stderr
     for target in ("portable", "reference"):
@@ -214,7 +221,7 @@ def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
     assert {s[0] for s in stages} == {"portable", "reference"}
     assert [s[1] for s in stages if s[0] == "portable"] == ["export", "memory_plan", "emit", "verify"]
     assert "partition" in [s[1] for s in stages if s[0] == "reference"]
-    second = lowerflow(*args)
+    second = lowerflow(*args, home=home)
     assert second.returncode == 0, second.stderr
     rerun = [line.split() for line in second.stdout.splitlines() if not line.split()[0].endswith(":")]
     assert rerun and all(s[2] == "cached" for s in rerun), second.stdout
@@ -237,7 +244,8 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
             model: broken.py:broken
         """
     ))
-    fleet = lowerflow("fleet", str(manifest))
+    home = tmp_path / "prefect-home"
+    fleet = lowerflow("fleet", str(manifest), home=home)
     assert_one_line_error(fleet, 1, "1 of 2 models failed: broken")
     out = fleet.stdout.splitlines()
     progress = sorted(line.split()[1:3] for line in out if line.startswith("["))
@@ -246,7 +254,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
     assert rows["mlp"][1:3] == ["portable", "ok"] and rows["mlp"][5] == "0/4"
     assert rows["broken"][2] == "FAILED" and "export: ModelSpecError" in " ".join(rows["broken"])
 
-    plan = lowerflow("plan", str(manifest))
+    plan = lowerflow("plan", str(manifest), home=home)
     assert plan.returncode == 0, plan.stderr
     table = [line.split() for line in plan.stdout.splitlines()[2:] if line.strip() and not line[0].isdigit()]
     assert [r[2:] for r in table if r[0] == "mlp"] == [
