@@ -132,7 +132,10 @@ def lower_target(run, publish, name, model, source, program, target, options, re
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
         planned = run("memory_plan", records, program=program)
-        result["memory_plan"] = {k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")}
+        result["memory_plan"] = {
+            **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
+            "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
+        }
         emitted = run("emit", records, program=program, plan=planned["plan"])
         if publish is not None:
             result["pte"] = publish(name, target, emitted["pte"])

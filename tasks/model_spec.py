@@ -18,11 +18,15 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import fsspec
 import torch
+
+
+_FACTORY_LOCK = threading.RLock()
 
 
 class ModelSpecError(ValueError):
@@ -94,7 +98,11 @@ def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...
     except Exception as exc:
         raise ModelSpecError(f"model spec {spec.text!r}: cannot import: {type(exc).__name__}: {exc}") from exc
     try:
-        result = factory()
+        # Factories seed torch's global generator; concurrent ones (a fleet on
+        # threads) would interleave and build different weights.  One at a
+        # time, and the caller's generator state is left as it was.
+        with _FACTORY_LOCK, torch.random.fork_rng():
+            result = factory()
     except Exception as exc:
         raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
