@@ -42,7 +42,7 @@ import io
 import logging
 import operator
 import os
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch._export.passes.replace_view_ops_with_view_copy_ops_pass import (
@@ -259,11 +259,13 @@ def _decomposition_tables() -> tuple[dict, dict]:
     return overrides, table
 
 
-def _preserved_ops() -> set:
+@functools.cache
+def _preserved_ops() -> frozenset:
+    """CIA ops the default table keeps (``upsample_*.vec``)."""
     from torch._export.utils import _special_op_to_preserve_cia
 
     overrides, _ = _decomposition_tables()
-    return {op for op, fn in overrides.items() if fn is _special_op_to_preserve_cia}
+    return frozenset(op for op, fn in overrides.items() if fn is _special_op_to_preserve_cia)
 
 
 def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
@@ -273,7 +275,9 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     ``exported`` is not modified: the graph is copied first (nodes only; meta
     values are shared, tensors are not copied).
     """
+    from torch._export.verifier import Verifier
     from torch._guards import detect_fake_mode
+    from torch.export._trace import _ignore_backend_decomps
     from torch.export.exported_program import _override_composite_implicit_decomp
 
     _check_fast_path_applies(exported)
@@ -286,9 +290,8 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     input_specs = list(exported.graph_signature.input_specs)
     output_specs = list(exported.graph_signature.output_specs)
 
+    rewrite_tensor_constant_ops(graph)
     output_specs = functionalize_mutations(graph, input_specs, output_specs, fake_mode)
-    from torch.export._trace import _ignore_backend_decomps
-
     overrides, table = _decomposition_tables()
     # As in run_decompositions: no mkldnn / nnpack / cudnn specific
     # decompositions (e.g. of lstm), the default table's CIA rules (9 ops, ~1 ms).
@@ -300,9 +303,6 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     graph.eliminate_dead_code()
     _check_edge_outputs(graph)
     output_specs = _renamed_output_specs(graph, output_specs)
-
-    from torch._export.verifier import Verifier
-
     graph.lint()
     program = ExportedProgram(
         root=exported.graph_module,  # only for attributes the graph reads (none)
@@ -382,6 +382,38 @@ def _static_value(val: Any) -> bool:
 
 
 # --------------------------------------------------------------- functionalize
+
+
+def rewrite_tensor_constant_ops(graph: torch.fx.Graph) -> int:
+    """What functionalization makes of ``torch.tensor(...)`` in ``forward``; returns the count.
+
+    ``lift_fresh_copy`` becomes ``clone``; ``detach_`` (only changes autograd
+    metadata, and the edge form has none) is dropped.
+
+    Before::
+
+        %lift_fresh_copy = aten.lift_fresh_copy.default(%c_lifted_tensor_0)
+        %detach_ = aten.detach_.default(%lift_fresh_copy)
+        %mul = aten.mul.Tensor(%x, %detach_)
+
+    After::
+
+        %lift_fresh_copy = aten.clone.default(%c_lifted_tensor_0)
+        %mul = aten.mul.Tensor(%x, %lift_fresh_copy)
+    """
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.lift_fresh_copy.default:
+            node.target = torch.ops.aten.clone.default
+            count += 1
+        elif node.target is torch.ops.aten.detach_.default and isinstance(node.args[0], torch.fx.Node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            count += 1
+    return count
+
 
 
 def functionalize_mutations(

@@ -189,6 +189,7 @@ _ZOO = {
     "inplace-chain": (_Fn(lambda s, x: s.fc(x).relu_().mul_(2).add_(1).sigmoid(), fc=torch.nn.Linear(16, 16)), (_X2,)),
     "two-buffers": (_TwoBuffers(), (_X2,)),
     "gru-input-named-input": (torch.nn.GRU(8, 8, batch_first=True).eval(), (torch.randn(2, 4, 8),)),
+    "tensor-constant-detach": (_Fn(lambda s, x: x * torch.tensor(3.0) + x.detach() + x.clone().detach_()), (_X2,)),
     "multihead-attention": (torch.nn.MultiheadAttention(16, 2, batch_first=True).eval(), (torch.randn(2, 5, 16),) * 3),
 }
 
