@@ -686,8 +686,10 @@ def _splice(
             if sub.op == "output":
                 result = torch.fx.node.map_arg(sub.args[0], lambda n: env[n])
                 break
-            if sub.op != "call_function":
-                raise _Fallback(f"decomposition of {node.target} has a {sub.op} node")
+            if sub.op != "call_function" or not (
+                sub.target is operator.getitem or isinstance(sub.target, torch._ops.OpOverload)
+            ):
+                raise _Fallback(f"decomposition of {node.target} has a {sub.op} node ({sub.target})")
             if sub.target is not operator.getitem and (
                 _needs_decomposition(sub.target, table, preserved) or not _keeps(sub.target)
             ):
