@@ -1,19 +1,25 @@
 """The fleet flow: every model of a manifest, concurrently; one failure never stops the others.
 
     load + validate manifest (all errors before any work)
-      └─► lower_model(model_1) ┐
-      └─► lower_model(model_2) ├─► summary (outputs/fleet.json, a Prefect artifact)
-      └─► …                    ┘
+      └─► model_1's stages ┐
+      └─► model_2's stages ├─► summary (outputs/fleet.json, a Prefect artifact)
+      └─► …                ┘
+
+Each model's DAG runs on a thread of its own with a copy of the flow's
+context, so its stage tasks are top-level tasks of the fleet run.  (Inside a
+wrapping task they would be nested transactions: their results would commit,
+and their locks be released, only when the wrapper succeeded — a failed model
+would lose its finished stages and leave their locks held.)
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect import flow, get_run_logger
 
 from tasks.store import ArtifactStore
 
@@ -29,17 +35,21 @@ class FleetFailed(RuntimeError):
         self.summary = summary
 
 
-@task(name="lower-model", cache_policy=NO_CACHE, persist_result=False)
-def lower_entry(entry: dict, store: str | None) -> dict:
-    """One model of the fleet: its stage tasks run nested in this task."""
+#: Models lowered at once.  Stages are mostly Python (GIL-bound) and export is
+#: serialized, so more threads mostly overlap I/O; processes or Dask scale further.
+MAX_CONCURRENT_MODELS = 4
+
+
+def lower_entry(entry: ModelEntry, store: str | None) -> dict:
+    """One model of the fleet (see the module docstring for why not a task)."""
     return run_model(
-        model=entry["model"], targets=list(entry["targets"]), store=store,
-        options={k: dict(v) for k, v in entry["options"].items()},
-        name=entry["name"], version=entry["version"], verify=entry["verify"],
+        model=entry.model, targets=list(entry.targets), store=store,
+        options={k: dict(v) for k, v in entry.options.items()},
+        name=entry.name, version=entry.version, verify=entry.verify,
     )
 
 
-@flow(name="lower-fleet", task_runner=ThreadPoolTaskRunner(max_workers=4))
+@flow(name="lower-fleet")
 def lower_fleet(manifest: str | dict) -> dict:
     """Lower every model of ``manifest`` (a YAML/JSON path or dict); returns the fleet summary.
 
@@ -48,11 +58,15 @@ def lower_fleet(manifest: str | dict) -> dict:
     fleet = load_manifest(manifest)
     logger = get_run_logger()
     store = ArtifactStore(fleet.store)
-    futures = {e.name: lower_entry.submit(dataclasses.asdict(e), fleet.store) for e in fleet.models}
     summary: dict[str, Any] = {"store": store.url, "models": {}, "failed": []}
-    for entry in fleet.models:
-        summary["models"][entry.name] = _outcome(futures[entry.name], entry, summary)
-        logger.info("%s: %s", entry.name, "ok" if entry.name not in summary["failed"] else "FAILED")
+    with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_MODELS, thread_name_prefix="lowerflow-model") as pool:
+        futures = {
+            e.name: pool.submit(contextvars.copy_context().run, lower_entry, e, fleet.store)
+            for e in fleet.models
+        }
+        for entry in fleet.models:
+            summary["models"][entry.name] = _outcome(futures[entry.name], entry, summary)
+            logger.info("%s: %s", entry.name, "ok" if entry.name not in summary["failed"] else "FAILED")
     summary["ok"] = not summary["failed"]
     store.put_json("fleet.json", summary)
     _publish_report(summary)

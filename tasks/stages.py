@@ -75,7 +75,12 @@ FAULTS: set[str] = set()
 #: How many times each stage body ran in this process (cache hits do not count).
 EXECUTIONS: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
-_EXPORT_LOCK = threading.Lock()
+#: Stage bodies run one at a time per process: torch's export, its JSON serde
+#: and fake tensors keep process-global state (two threads deserializing at
+#: once fail with "_CURRENT_DESERIALIZER is already set"), and the bodies are
+#: GIL-bound Python anyway.  Threads still overlap store I/O and Prefect API
+#: calls; processes (or a Dask task runner) are the way to scale a fleet.
+_BODY_LOCK = threading.RLock()
 
 
 class LiveObjects:
@@ -189,8 +194,7 @@ def run_export(store: ArtifactStore, model: str, source: str, options: dict) -> 
         program = load_pt2(read_pt2(spec, options.get("storage_options")), name=model)
     else:
         module, inputs = load_factory_model(spec)
-        with _EXPORT_LOCK:  # torch.export keeps global tracing state: one export at a time
-            program = export_module(module, inputs, name=model)
+        program = export_module(module, inputs, name=model)
     return {"program": put_program(store, program)}
 
 
@@ -344,7 +348,8 @@ class StageTasks:
 
         def make(stage: str, body: Callable[..., dict], ignore: tuple[str, ...] = ()):
             def run(*args: Any, **kwargs: Any) -> dict:
-                return body(store, *args, **kwargs)
+                with _BODY_LOCK:
+                    return body(store, *args, **kwargs)
 
             # The task's parameters are the body's, less the store: what Prefect
             # shows, and what the cache key (and StageLookup) hash by name.

@@ -117,6 +117,19 @@ def test_resume_after_emit_failure_runs_only_emit_and_after(tmp_path):
     assert resumed["targets"]["reference"]["pte"]["sha256"] == clean["targets"]["reference"]["pte"]["sha256"]
 
 
+def test_fleet_resume_after_emit_failure_keeps_finished_stages(tmp_path):
+    """A failed model's finished stages are committed (and unlocked) at once, not lost."""
+    manifest = fleet_manifest(tmp_path / "store", "mlp", "buffer_mutation")
+    stages.FAULTS.add("emit")
+    with pytest.raises(FleetFailed, match="2 of 2 models failed"):
+        executions_during(lower_fleet, manifest)
+    stages.FAULTS.clear()
+    assert not list((tmp_path / "store" / "prefect" / "locks").glob("*.lock")), "locks left held"
+    resumed, ran = executions_during(lower_fleet, manifest)
+    assert resumed["ok"]
+    assert dict(ran) == {"emit": 4, "verify": 4}
+
+
 class FlakyBackend(ReferenceBackend):
     """The reference backend, failing while the flag file exists (the injected fault)."""
 
