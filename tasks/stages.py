@@ -387,11 +387,16 @@ class StageLookup:
         self.config = config
         self.store = config.artifact_store()
         storage = config.result_storage()
-        if not isinstance(storage, str):
+        if isinstance(storage, str):  # a saved block's slug (remote stores)
+            from prefect.blocks.core import Block
+
+            storage = Block.load(storage)
+        else:
             storage = LocalFileSystem(basepath=str(storage))
         self.results = ResultStore(result_storage=storage, serializer=result_serializer())
 
     def __call__(self, stage: str, records: list[dict], **inputs: Any) -> Any:
+        start = time.perf_counter()
         ignore = ("label",) if stage == "preprocess" else ()
         policy = self.config.policy(stage, STAGE_VERSIONS[stage], ignore)
         key = policy.key_for(inputs)
@@ -402,7 +407,13 @@ class StageLookup:
                 policy.check_refs(result)
             except Exception:
                 result = None
-        records.append({"stage": stage, "cached": result is not None, "state": "Cached" if result is not None else "WouldRun", "seconds": 0.0, "bytes": None})
+        records.append({
+            "stage": stage,
+            "cached": result is not None,
+            "state": "Cached" if result is not None else "WouldRun",
+            "seconds": round(time.perf_counter() - start, 4),
+            "bytes": _result_bytes(result) if result is not None else None,
+        })
         if result is None:
             raise WouldRun(stage)
         return result
