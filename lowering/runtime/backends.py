@@ -7,7 +7,9 @@ A backend runtime is any object with::
 
 ``init`` runs once per delegate when a method is loaded; ``execute`` runs on
 every DelegateCall with the delegate's input values and returns its outputs,
-which the executor copies into the planned output tensors.
+which the executor copies into the planned output tensors.  A runtime should
+also have ``num_inputs(handle) -> int``: where a DelegateCall's inputs end and
+its outputs begin (the format does not record it).
 
 Runtimes are registered explicitly, or found by backend id in the
 ``lowerflow.backend_runtimes`` entry-point group (a class, instantiated once).

@@ -217,13 +217,23 @@ class LoadedMethod:
             return _Step("kernel", kernel, arg_ids)
         if kind == fb.InstructionArguments.DelegateCall:
             # The args are the delegate's inputs followed by its outputs; the
-            # format does not say where the outputs start.  They are the
-            # longest tail of values nothing has written yet (not inputs,
-            # constants, initialized state or earlier instructions' values).
+            # format does not say where the outputs start (ExecuTorch hands a
+            # backend all of them).  A runtime that knows its input count says
+            # so; otherwise the outputs are the longest tail of values nothing
+            # has written yet (not inputs, constants, state or earlier results).
             arg_ids = tuple(_ints(args.args))
-            split = len(arg_ids)
-            while split > 0 and arg_ids[split - 1] not in defined:
-                split -= 1
+            runtime, handle = self.delegates[args.delegateIndex]
+            if callable(getattr(runtime, "num_inputs", None)):
+                split = int(runtime.num_inputs(handle))
+                if not 0 <= split <= len(arg_ids):
+                    raise ExecutorError(
+                        f"method {self.name!r}: delegate {args.delegateIndex} takes {split} inputs, "
+                        f"the DelegateCall has {len(arg_ids)} values"
+                    )
+            else:
+                split = len(arg_ids)
+                while split > 0 and arg_ids[split - 1] not in defined:
+                    split -= 1
             return _Step("delegate", args.delegateIndex, arg_ids, split)
         if kind == fb.InstructionArguments.MoveCall:
             return _Step("move", None, (args.moveFrom, args.moveTo))

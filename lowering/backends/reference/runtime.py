@@ -20,5 +20,8 @@ class ReferenceRuntime:
     def init(self, processed: bytes, compile_specs: Sequence[Any] = ()) -> LoadedMethod:
         return load(processed).method("forward")
 
+    def num_inputs(self, handle: LoadedMethod) -> int:
+        return len(handle.inputs)
+
     def execute(self, handle: LoadedMethod, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return handle.execute(list(args))
