@@ -70,26 +70,28 @@ def run_model(
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
 
-    Warm path: the DAG is first walked with cache lookups only (the same keys and
-    artifact checks the tasks use).  If every stage of every target is cached,
-    the manifest comes from the lookups and no task run is created — a cached
-    task run still costs tens of milliseconds of Prefect API calls, which would
-    dominate a fleet where nothing changed.  Otherwise the stage tasks run (and
-    those still cached hit the cache as usual).
+    Each stage is first looked up in the cache (the same key and artifact checks
+    the task makes); only a miss becomes a task run.  A cached task run still
+    costs tens of milliseconds of Prefect API calls, which would dominate a warm
+    fleet, or a resume where one stage of many failed.  Misses run as tasks
+    with SERIALIZABLE isolation, so concurrent runs still compute a stage once.
     """
     config = CacheConfig.for_store(store)
     stages = StageTasks(config)
+    lookup = StageLookup(config)
 
     def run(stage: str, records: list[dict], **inputs: Any) -> Any:
-        return call_stage(getattr(stages, stage), records, **inputs)
+        try:
+            return lookup(stage, records, **inputs)
+        except WouldRun:
+            records.pop()  # the lookup's would-run record; the task records itself
+            return call_stage(getattr(stages, stage), records, **inputs)
 
     def publish(name: str, target: str, pte_ref) -> dict:
         ref = stages.store.put_named(f"{name}/{target}.pte", stages.store.get_bytes(pte_ref), "pte")
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
-    manifest = lower_dag(StageLookup(config), publish, model, targets, options or {}, name, version, verify)
-    if not all(t["ok"] is True for t in manifest["targets"].values()):
-        manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
+    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
     manifest["store"] = stages.store.url
     _log(manifest)
     stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
