@@ -90,6 +90,19 @@ def direct_lowering(models: list[str], targets: list[str]) -> tuple[float, float
     return time.perf_counter() - start, emit
 
 
+def executed(summary: dict) -> tuple[dict[str, int], float]:
+    """Stages that ran (not cached) in a fleet run: counts per stage, total seconds."""
+    counts: dict[str, int] = {}
+    seconds = 0.0
+    for model in summary.get("models", {}).values():
+        for result in model["targets"].values():
+            for r in result["stages"]:
+                if not r["cached"]:
+                    counts[r["stage"]] = counts.get(r["stage"], 0) + 1
+                    seconds += r["seconds"]
+    return counts, seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default=DEFAULT_MODELS)
@@ -126,7 +139,9 @@ def main() -> None:
         print(f"{'orchestrated cold (with verify)':38}{cold_s:9.2f} {cold_s / direct:8.2f}  (vs lower alone)")
         print(f"{'orchestrated warm (all cached)':38}{warm_s:9.2f} {warm_s / cold_s:8.3f}  (vs cold; target <= 0.05)")
         print(f"{'orchestration overhead per model':38}{(cold_s - direct) / n:9.2f}")
+        ran, ran_s = executed(resumed)
         print(f"{'resume after emit failure':38}{resume_s:9.2f} {resume_s / max(emit_s, 1e-9):8.1f}  (vs emit alone, {emit_s:.3f} s)")
+        print(f"{'  stages the resume executed':38}{ran_s:9.2f}           {ran}")
         failed = set(cold.get("failed", [])) | set(warm.get("failed", [])) | set(resumed.get("failed", []))
         if failed:
             print(f"FAILED models: {sorted(failed)}")
