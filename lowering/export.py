@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 FAST_PATH = True
 
 #: Default of ``fold_constants`` in :func:`export`, :func:`load` and :func:`to_edge`.
-FOLD_CONSTANTS = False
+FOLD_CONSTANTS = True
 
 #: ``graph_module.meta`` key telling which path produced an edge program:
 #: ``"fast"`` or ``"slow: <reason the fast path was not taken>"``.

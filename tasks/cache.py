@@ -418,8 +418,15 @@ class CacheConfig:
         store = config.artifact_store()
         if store.is_local:
             return config
-        name = "lowerflow-results-" + hashlib.sha256(store.url.encode()).hexdigest()[:16]
-        return dataclasses.replace(config, results=save_results_block(config, name=name))
+        digest = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+        if store.url.startswith("memory:"):
+            # Lives only in this process, and Prefect's RemoteFileSystem refuses
+            # memory:/// paths: records go to a local directory of this URL's
+            # (records that outlive the store fail their ref check: recompute).
+            import tempfile
+
+            return dataclasses.replace(config, results=Path(tempfile.gettempdir()) / "lowerflow-results" / digest)
+        return dataclasses.replace(config, results=save_results_block(config, name=f"lowerflow-results-{digest}"))
 
     def result_storage(self) -> str | Path:
         """What ``@task(result_storage=...)`` gets: a local Path or a saved block slug."""

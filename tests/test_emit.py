@@ -272,6 +272,19 @@ def test_delegates_are_read_back_by_executorch(delegated):
     assert all(len(c.args) >= 2 for c in calls)
 
 
+def test_delegated_program_loads_in_executorch_program_loader(delegated):
+    """ExecuTorch's runtime parses and verifies the program; only running a method needs
+    the backend, which the stock runtime does not have."""
+    runtime = pytest.importorskip("executorch.runtime")
+
+    for name, ep in delegated.items():
+        program = runtime.Runtime.get().load_program(emit_program(ep, memory_plan(ep)))
+        assert program.method_names == {"forward"}
+        assert not runtime.Runtime.get().backend_registry.is_available("ReferenceBackend")
+        with pytest.raises(Exception):
+            program.load_method("forward")
+
+
 def test_identical_delegate_payloads_are_stored_once(delegated):
     import copy
 

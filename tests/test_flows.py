@@ -289,3 +289,12 @@ def test_lower_model_on_an_s3_store(monkeypatch, s3_options):
     assert store.get_named("lifted_constant/portable.pte")[4:8] == b"ET12"
     second, ran = executions_during(lower_model, f"{MODELS}:lifted_constant", ["portable"], store=url)
     assert sum(ran.values()) == 0
+
+
+def test_lower_model_on_a_memory_store():
+    url = f"memory://lowerflow-{uuid.uuid4().hex}"
+    first, ran = executions_during(lower_model, f"{MODELS}:buffer_mutation", ["reference"], store=url)
+    assert first["targets"]["reference"]["ok"] and ran["preprocess"] == 1
+    assert ArtifactStore(url).get_named("buffer_mutation/reference.pte")[4:8] == b"ET12"
+    _, ran = executions_during(lower_model, f"{MODELS}:buffer_mutation", ["reference"], store=url)
+    assert sum(ran.values()) == 0

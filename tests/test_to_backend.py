@@ -153,13 +153,15 @@ def test_composite_with_lowered_module_reexports(edge_programs):
 
 
 def test_consumed_constants_leave_top_level(edge_programs):
-    lowered = to_backend(edge_programs["mlp"], ReferencePartitioner())
+    program = edge_programs["mlp"]
+    data = {**program.state_dict, **program.constants}  # weights (transposes folded or not)
+    lowered = to_backend(program, ReferencePartitioner())
     sig = lowered.graph_signature
     assert [s.kind for s in sig.input_specs] == [InputKind.USER_INPUT]
-    assert lowered.state_dict == {}
+    assert lowered.state_dict == {} and lowered.constants == {}
     inner = lowered_modules(lowered)[0].original_module
-    assert set(inner.state_dict) == {f"fc{i}.{p}" for i in (1, 2, 3) for p in ("weight", "bias")}
-    assert all(s.kind == InputKind.PARAMETER for s in inner.graph_signature.input_specs[:-1])
+    assert {**inner.state_dict, **inner.constants}.keys() == data.keys()
+    assert all(s.kind != InputKind.USER_INPUT for s in inner.graph_signature.input_specs[:-1])
 
 
 def test_lifted_constant_consumed(edge_programs):
@@ -384,8 +386,8 @@ def test_preprocess_receives_partition_program_and_compile_specs(edge_programs):
     # Constants were not tagged, so the weights stay at top level and are user inputs of the partition.
     assert {s.kind for s in program.graph_signature.input_specs} == {InputKind.USER_INPUT}
     assert lowered_modules(lowered)[0].processed_bytes == b"recorded"
-    assert len(lowered.state_dict) == 6
-    assert len(program.graph_signature.input_specs) == 3  # bias, x, permuted weight
+    assert len(lowered.state_dict) + len(lowered.constants) == 6
+    assert len(program.graph_signature.input_specs) == 3  # bias, x, (permuted) weight
 
 
 def test_export_errors_name_the_model():
