@@ -15,7 +15,6 @@ would lose its finished stages and leave their locks held.)
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 

@@ -16,7 +16,6 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import sys
 import threading
 from pathlib import Path

@@ -48,7 +48,7 @@ from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
 from lowering.verify import verify as verify_pte
 
-from .cache import CacheConfig, stage_task
+from .cache import CacheConfig, iter_refs, stage_task
 from .model_spec import ModelSpec, load_factory_model, read_pt2
 from .store import ArtifactRef, ArtifactStore
 
@@ -444,19 +444,8 @@ def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
 
 
 def _result_bytes(result: Any) -> int | None:
-    refs = []
-
-    def walk(value):
-        if isinstance(value, ArtifactRef):
-            refs.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                walk(v)
-
-    walk(result)
+    """Total size of the artifacts a stage result names (None if it names none)."""
+    refs = list(iter_refs(result))
     return sum(r.size for r in refs) if refs else None
 
 
