@@ -15,7 +15,8 @@ One method, ``forward``, one chain.  The program is walked in graph order:
   their tensor is described at the base's memory with the view's shape;
 - ``executorch_call_delegate`` becomes a BackendDelegate (payload in a
   segment, deduplicated) and a DelegateCall whose args are the inputs followed
-  by the outputs;
+  by the outputs; the lowered module's named data (weights keyed by sha256)
+  goes to the program's ``named_data`` table, each distinct blob one segment;
 - mutated buffers are written back at the end with ``aten::copy_``, so the new
   state is in the buffer's planned memory for the next call.
 
@@ -68,6 +69,7 @@ def build_pte(exported_program: ExportedProgram, memory_plan: Any) -> PteData:
         constants=emitter.constants,
         mutable_data=emitter.mutable_data if len(emitter.mutable_data) > 1 else [],
         delegate_data=emitter.delegate_payloads,
+        named_data=emitter.named_data,
     )
 
 
@@ -85,6 +87,8 @@ class _MethodEmitter:
         self.delegate_payloads: list[bytes] = []
         self._payload_index: dict[bytes, int] = {}
         self.delegates: list[schema.BackendDelegateT] = []
+        #: Named data of every lowered module (key -> blob), for Program.named_data.
+        self.named_data: dict[str, bytes] = {}
         self._delegate_of_module: dict[str, int] = {}
         self.operators: list[schema.OperatorT] = []
         self._operator_index: dict[tuple[str, str], int] = {}
@@ -335,6 +339,10 @@ class _MethodEmitter:
             backend_id, payload, compile_specs = lowered.backend_id, lowered.processed_bytes, lowered.compile_specs
         except AttributeError as exc:
             raise self._error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
+        for key, blob in (getattr(lowered, "named_data", None) or {}).items():
+            if self.named_data.setdefault(key, bytes(blob)) != blob:
+                raise self._error(f"named data key {key!r} of {module_node.target!r} is already "
+                                  "used by another delegate for different bytes")
         delegate = schema.BackendDelegateT()
         delegate.id = backend_id
         reference = schema.BackendDelegateDataReferenceT()

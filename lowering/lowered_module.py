@@ -9,77 +9,33 @@ or by a name registered in the ``lowerflow.backends`` entry-point group
 
 from __future__ import annotations
 
-import abc
 import copy
-import dataclasses
-from importlib import metadata
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch.export import ExportedProgram
 
 from .delegate import executorch_call_delegate
+from .delegation import (  # re-exported: their historical home
+    ENTRY_POINT_GROUP,
+    BackendDetails,
+    CompileSpec,
+    PreprocessResult,
+    canonical_backend_id,
+    find_backend,
+)
 from .errors import BackendError
-from .partition import CompileSpec
 
-ENTRY_POINT_GROUP = "lowerflow.backends"
-
-
-@dataclasses.dataclass(frozen=True)
-class PreprocessResult:
-    processed_bytes: bytes
-    debug_handle_map: dict[int, tuple[int, ...]] | None = None
-
-
-class BackendDetails(abc.ABC):
-    """A backend's ahead-of-time half: ``preprocess`` a partition into bytes."""
-
-    @staticmethod
-    @abc.abstractmethod
-    def preprocess(
-        edge_program: ExportedProgram, compile_specs: list[CompileSpec]
-    ) -> PreprocessResult: ...
-
-
-def find_backend(backend_id: str) -> type[BackendDetails]:
-    """The BackendDetails subclass named ``backend_id`` (class name or entry-point name)."""
-    for cls in _all_subclasses(BackendDetails):
-        if cls.__name__ == backend_id:
-            return cls
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if entry.name == backend_id:
-            try:
-                cls = entry.load()
-            except Exception as exc:
-                raise BackendError(
-                    f"backend {backend_id!r}: entry point {entry.value!r} failed to load: {exc}"
-                ) from exc
-            if not (isinstance(cls, type) and issubclass(cls, BackendDetails)):
-                raise BackendError(
-                    f"backend {backend_id!r}: entry point {entry.value!r} is not a BackendDetails subclass"
-                )
-            return cls
-    known = sorted({c.__name__ for c in _all_subclasses(BackendDetails)} | set(_entry_point_names()))
-    raise BackendError(f"unknown backend {backend_id!r}; known backends: {known}")
-
-
-def _all_subclasses(cls: type) -> list[type]:
-    found, stack = [], list(cls.__subclasses__())
-    while stack:
-        sub = stack.pop()
-        if not getattr(sub, "__abstractmethods__", None):
-            found.append(sub)
-        stack.extend(sub.__subclasses__())
-    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
-
-
-def _entry_point_names() -> list[str]:
-    return [e.name for e in metadata.entry_points(group=ENTRY_POINT_GROUP)]
-
-
-def canonical_backend_id(backend_id: str) -> str:
-    """The id written into programs: the backend class's name."""
-    return find_backend(backend_id).__name__
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendDetails",
+    "CompileSpec",
+    "LoweredBackendModule",
+    "PreprocessResult",
+    "canonical_backend_id",
+    "find_backend",
+    "preprocess",
+]
 
 
 class LoweredBackendModule(torch.nn.Module):
@@ -96,12 +52,14 @@ class LoweredBackendModule(torch.nn.Module):
         backend_id: str,
         processed_bytes: bytes,
         compile_specs: Sequence[CompileSpec],
+        named_data: Mapping[str, bytes] | None = None,
     ) -> None:
         super().__init__()
         self._original_exported_program = edge_program
         self._backend_id = backend_id
         self._processed_bytes = bytes(processed_bytes)
         self._compile_specs = list(compile_specs)
+        self._named_data = {k: bytes(v) for k, v in sorted((named_data or {}).items())}
 
     @property
     def original_module(self) -> ExportedProgram:
@@ -119,6 +77,11 @@ class LoweredBackendModule(torch.nn.Module):
     def compile_specs(self) -> list[CompileSpec]:
         return self._compile_specs
 
+    @property
+    def named_data(self) -> dict[str, bytes]:
+        """Blobs the payload refers to by key (weights), stored in the program's named data."""
+        return self._named_data
+
     def forward(self, *args: Any) -> Any:
         return executorch_call_delegate(self, *args)
 
@@ -130,6 +93,7 @@ class LoweredBackendModule(torch.nn.Module):
             self._backend_id,
             self._processed_bytes,
             copy.deepcopy(self._compile_specs, memo),
+            self._named_data,
         )
         memo[id(self)] = copied
         return copied
@@ -161,4 +125,6 @@ def preprocess(
             f"backend {backend.__name__!r}: preprocess of partition {partition!r} must return "
             f"PreprocessResult(processed_bytes: bytes), got {type(result).__name__}"
         )
-    return LoweredBackendModule(edge_program, backend.__name__, result.processed_bytes, compile_specs)
+    return LoweredBackendModule(
+        edge_program, backend.__name__, result.processed_bytes, compile_specs, result.named_data
+    )

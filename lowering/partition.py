@@ -37,39 +37,13 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from .delegation import CompileSpec, DelegationSpec, find_backend  # re-exported here
 from .errors import PartitionError
 
 #: The node.meta key a partitioner sets.
 TAG = "delegation_tag"
 #: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
 NO_COPY = "no_copy"
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileSpec:
-    """One backend option: a key and its raw bytes (as in ExecuTorch)."""
-
-    key: str
-    value: bytes
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.key, str) or not isinstance(self.value, (bytes, bytearray)):
-            raise TypeError(
-                f"CompileSpec(key={self.key!r}): key must be str and value bytes, "
-                f"got {type(self.key).__name__} and {type(self.value).__name__}"
-            )
-        object.__setattr__(self, "value", bytes(self.value))
-
-
-@dataclasses.dataclass(frozen=True)
-class DelegationSpec:
-    """Which backend lowers a partition, and with which compile specs."""
-
-    backend_id: str
-    compile_specs: tuple[CompileSpec, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "compile_specs", tuple(self.compile_specs))
 
 
 @dataclasses.dataclass
@@ -313,7 +287,6 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     tagged like its producer and every constant shared by several partitions
     duplicated (:func:`duplicate_shared_constants`); every backend id is known.
     """
-    from .lowered_module import find_backend  # stage 5's registry; imported late (cycle)
     from .program import copy_program
 
     if not isinstance(partitioner, Partitioner):

@@ -290,7 +290,7 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
     try:
         serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
         # Dicts and tuples are used as they are: torch.load is never reached.
-        return _serde.ExportedProgramDeserializer().deserialize(
+        program = _serde.ExportedProgramDeserializer().deserialize(
             serialized_ep, state_dict, constants, example_inputs
         )
     except SerializationError:
@@ -299,6 +299,41 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
         raise SerializationError(
             f"graph {obj['graph'][:12]}: torch cannot deserialize it: {type(exc).__name__}: {exc}"
         ) from exc
+    drop_unused_output_getitems(program)
+    return program
+
+
+#: How torch's serializer names an output of a multi-output node that no getitem read.
+_UNUSED_OUTPUT = re.compile(r"_unused_\d+(?:_\d+)?$")
+
+
+def drop_unused_output_getitems(ep: ExportedProgram) -> int:
+    """Erase the getitem nodes torch's deserializer invents; returns how many (in place).
+
+    torch's serializer names each output of a multi-output node that no getitem
+    reads ``<node>_unused_<i>`` (a batch norm's saved mean and invstd, say), and
+    its deserializer creates a getitem node for every output.  Without this, a
+    program read back from the store has nodes the stored one did not: dead,
+    untagged getitems on tagged nodes, which stage 3 fuses as extra partition
+    outputs (issue 7: re-fusing a reloaded MobileNetV2 did not reproduce the
+    plan), and extra graph steps for the memory planner.  Reversed order, so a
+    list output's getitems go before the getitem of the list.
+    """
+    import operator
+
+    erased = 0
+    for node in reversed(list(ep.graph.nodes)):
+        if (
+            node.op == "call_function"
+            and node.target is operator.getitem
+            and not node.users
+            and _UNUSED_OUTPUT.search(node.name)
+        ):
+            ep.graph.erase_node(node)
+            erased += 1
+    if erased:
+        ep.graph_module.recompile()
+    return erased
 
 
 def embed(blobs: dict[str, bytes], child: Serialized) -> str:
@@ -420,7 +455,9 @@ def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool 
          "program": <top-level program manifest>,        # delegate calls name their module
          "delegates": [{"name": "lowered_module_0", "backend_id": "ReferenceBackend",
                         "compile_specs": [{"key": "k", "value": "<hex>"}],
-                        "processed": <blob>, "original_program": <program manifest>}, ...],
+                        "processed": <blob>, "original_program": <program manifest>,
+                        "named_data": [{"key": k, "blob": <blob>}, ...]   # only when non-empty
+                        }, ...],
          "blobs": [...every blob, transitively...]}
 
     torch's serde writes a delegate call's module argument as the string
@@ -439,17 +476,19 @@ def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool 
         lowered.module_name = node.target  # what torch's serde writes for the call's argument
         processed = blob_digest(lowered.processed_bytes)
         blobs[processed] = lowered.processed_bytes
-        delegates.append(
-            {
-                "name": node.target,
-                "backend_id": lowered.backend_id,
-                "compile_specs": [{"key": c.key, "value": c.value.hex()} for c in lowered.compile_specs],
-                "processed": processed,
-                "original_program": embed(
-                    blobs, serialize_program(lowered.original_module, keep_stack_traces=keep_stack_traces)
-                ),
-            }
-        )
+        entry = {
+            "name": node.target,
+            "backend_id": lowered.backend_id,
+            "compile_specs": [{"key": c.key, "value": c.value.hex()} for c in lowered.compile_specs],
+            "processed": processed,
+            "original_program": embed(
+                blobs, serialize_program(lowered.original_module, keep_stack_traces=keep_stack_traces)
+            ),
+        }
+        named = getattr(lowered, "named_data", None) or {}
+        if named:  # absent when empty: manifests of earlier programs stay byte-identical
+            entry["named_data"] = named_data_to_json(named, blobs)
+        delegates.append(entry)
     top = embed(blobs, serialize_program(ep, keep_stack_traces=keep_stack_traces, _allow_delegates=True))
     manifest = {
         "format": DELEGATED_FORMAT,
@@ -463,8 +502,8 @@ def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool 
 
 def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
     """Rebuild a :func:`serialize_delegated_program` program with its lowered modules."""
+    from .delegation import CompileSpec
     from .lowered_module import LoweredBackendModule
-    from .partition import CompileSpec
     from .program import rebuild_program
 
     obj = read_manifest(manifest, expected_format=DELEGATED_FORMAT)
@@ -483,8 +522,9 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         name = entry["name"]
         original = deserialize_program(blob(entry["original_program"], f"{name} program"), get_blob)
         specs = [CompileSpec(c["key"], bytes.fromhex(c["value"])) for c in entry["compile_specs"]]
+        named = named_data_from_json(entry.get("named_data", []), lambda d, w: blob(d, f"{name} {w}"))
         modules[name] = LoweredBackendModule(
-            original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs
+            original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs, named
         )
     gm = program.graph_module
     for node in list(program.graph.nodes):
@@ -500,6 +540,34 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         node.args = (attr, *node.args[1:])
     gm.recompile()
     return rebuild_program(program)
+
+
+def named_data_to_json(named_data: Mapping[str, bytes], blobs: dict[str, bytes]) -> list[dict[str, str]]:
+    """A lowered module's named data as ``[{"key": k, "blob": <sha256>}]`` (sorted by key);
+    each blob is added to ``blobs`` under its digest (content-addressed, stored once)."""
+    out = []
+    for key in sorted(named_data):
+        data = bytes(named_data[key])
+        digest = blob_digest(data)
+        blobs[digest] = data
+        out.append({"key": key, "blob": digest})
+    return out
+
+
+def named_data_from_json(
+    entries: list[dict[str, str]], blob: Callable[[str, str], bytes]
+) -> dict[str, bytes]:
+    """Inverse of :func:`named_data_to_json`; ``blob(digest, what)`` returns verified bytes."""
+    if not isinstance(entries, list):
+        raise SerializationError("field 'named_data' is not a list")
+    named = {}
+    for entry in entries:
+        try:
+            key, digest = entry["key"], entry["blob"]
+        except (KeyError, TypeError):
+            raise SerializationError(f"bad named data entry {entry!r}") from None
+        named[key] = blob(digest, f"named data {key!r}")
+    return named
 
 
 def serialize_any(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:

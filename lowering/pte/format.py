@@ -11,7 +11,8 @@ File layout (all integers little-endian)::
              relative to B.  Segment 0 is the constant segment (tensors
              16-byte aligned inside it), then the mutable-data segment (initial
              values of planned mutable buffers, unpadded), then one segment per
-             distinct delegate payload.
+             distinct delegate payload, then one segment per distinct named
+             data blob (``Program.named_data``: key -> segment index).
 
 The facts above (header fields and order, header padded to the largest
 ``force_align`` of the schema, 128-byte segment alignment, 16-byte tensor
@@ -68,12 +69,16 @@ class PteData:
     - ``delegate_data[i]``: processed payload of every ``BackendDelegate``
       whose ``processed`` reference has ``location == SEGMENT`` and
       ``index == i``.
+    - ``named_data``: key -> blob, the program's named data (weights that
+      delegate payloads refer to by key); written in key order, blobs with
+      equal bytes share one segment.
     """
 
     program: fb.ProgramT
     constants: list[bytes] = field(default_factory=lambda: [b""])
     mutable_data: list[bytes] = field(default_factory=list)
     delegate_data: list[bytes] = field(default_factory=list)
+    named_data: dict[str, bytes] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------
@@ -95,6 +100,7 @@ def serialize(pte: PteData) -> bytes:
     if pte.mutable_data:
         program.mutableDataSegments = [_add_subsegments(segments, pte.mutable_data, 1)]
     program.executionPlan = _delegates_to_segments(program.executionPlan, pte.delegate_data, segments)
+    program.namedData = _named_data_to_segments(pte.named_data, segments) if pte.named_data else None
     # Empty vectors rather than absent ones: ExecuTorch's python reader
     # expects these lists to exist.
     program.backendDelegateData = []
@@ -169,6 +175,22 @@ def _delegates_to_segments(plans, delegate_data: list[bytes], segments: list[byt
         new_plan.delegates = new_delegates
         new_plans.append(new_plan)
     return new_plans
+
+
+def _named_data_to_segments(named_data: dict[str, bytes], segments: list[bytes]) -> list[fb.NamedDataT]:
+    """One ``NamedData{key, segment_index}`` per key (sorted); one segment per distinct blob."""
+    segment_of_blob: dict[bytes, int] = {}
+    table = []
+    for key in sorted(named_data):
+        blob = bytes(named_data[key])
+        if blob not in segment_of_blob:
+            segment_of_blob[blob] = len(segments)
+            segments.append(blob)
+        entry = fb.NamedDataT()
+        entry.key = key
+        entry.segmentIndex = segment_of_blob[blob]
+        table.append(entry)
+    return table
 
 
 def _data_reference(location: int, index: int) -> fb.BackendDelegateDataReferenceT:
@@ -303,7 +325,9 @@ def deserialize(data: bytes) -> PteData:
         constants=_read_constants(program, segments),
         mutable_data=_read_mutable_data(program, segments),
         delegate_data=_read_delegate_payloads(program, segments),
+        named_data=_read_named_data(program, segments),
     )
+    program.namedData = None
     program.segments = None
     program.constantSegment = None
     program.mutableDataSegments = None
@@ -372,6 +396,16 @@ def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list
                 payloads.append(payload)
             delegate.processed = _data_reference(fb.DataLocation.SEGMENT, index_of[payload])
     return payloads
+
+
+def _read_named_data(program: fb.ProgramT, segments: list[bytes]) -> dict[str, bytes]:
+    named = {}
+    for entry in program.namedData or []:
+        key = decode_string(entry.key)
+        if entry.segmentIndex >= len(segments):
+            raise PteFormatError(f"named data {key!r}: segment {entry.segmentIndex} >= {len(segments)} segments")
+        named[key] = segments[entry.segmentIndex]
+    return named
 
 
 def vector_bytes(vector) -> bytes:

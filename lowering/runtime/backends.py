@@ -5,7 +5,9 @@ A backend runtime is any object with::
     init(processed: bytes, compile_specs: list[CompileSpec]) -> handle
     execute(handle, args: list) -> list[torch.Tensor]
 
-``init`` runs once per delegate when a method is loaded; ``execute`` runs on
+``init`` runs once per delegate when a method is loaded (a runtime whose
+``init`` has a ``named_data`` keyword parameter also gets the program's named
+data, ``{key: bytes}``, as ExecuTorch hands backends a NamedDataMap); ``execute`` runs on
 every DelegateCall with the delegate's input values and returns its outputs,
 which the executor copies into the planned output tensors.  A runtime should
 also have ``num_inputs(handle) -> int``: where a DelegateCall's inputs end and
@@ -17,6 +19,7 @@ Runtimes are registered explicitly, or found by backend id in the
 
 from __future__ import annotations
 
+import inspect
 from importlib import metadata
 from typing import Any, Protocol
 
@@ -33,6 +36,14 @@ class BackendRuntime(Protocol):
     def init(self, processed: bytes, compile_specs: list) -> Any: ...
 
     def execute(self, handle: Any, args: list) -> list: ...
+
+
+def takes_named_data(runtime: Any) -> bool:
+    """Whether ``runtime.init`` accepts the program's named data (``named_data=``)."""
+    try:
+        return "named_data" in inspect.signature(runtime.init).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def register_backend_runtime(backend_id: str, runtime: BackendRuntime) -> None:

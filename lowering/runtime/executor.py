@@ -24,11 +24,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..delegation import CompileSpec
 from ..pte import PteData, deserialize
 from ..pte.format import decode_string, vector_bytes
 from ..pte.generated import program_generated as fb
 from ..pte.scalar_types import SCALAR_TYPE_TO_DTYPE, dim_order_strides
-from .backends import backend_runtime
+from .backends import backend_runtime, takes_named_data
 from .errors import ExecutorError
 from .kernels import Kernel, resolve_operator
 
@@ -170,12 +171,12 @@ class LoadedMethod:
         return blobs[idx]
 
     def _init_delegate(self, delegate: fb.BackendDelegateT) -> tuple[Any, Any]:
-        from ..partition import CompileSpec
-
         backend_id = decode_string(delegate.id)
         runtime = backend_runtime(backend_id)
         payload = self._pte.delegate_data[delegate.processed.index]
         specs = [CompileSpec(decode_string(s.key), vector_bytes(s.value)) for s in delegate.compileSpecs or []]
+        if takes_named_data(runtime):
+            return runtime, runtime.init(payload, specs, named_data=self._pte.named_data)
         return runtime, runtime.init(payload, specs)
 
     def _compile_steps(self, plan: fb.ExecutionPlanT) -> list[_Step]:

@@ -1,0 +1,35 @@
+"""The ``xnnpack`` backend: fp32 XNNPACK delegates the stock ExecuTorch runtime executes.
+
+- :class:`XnnpackPartitioner` tags what XNNPACK takes (:mod:`.partitioner`);
+- :class:`XnnpackBackend` (id ``XnnpackBackend``, the id ExecuTorch's runtime
+  dispatches on) turns each partition into an ``XH00`` + ``XNNGraph`` payload
+  and its weights into named data (:mod:`.preprocess`, :mod:`.payload`,
+  schema ``xnngraph.fbs``);
+- :class:`.runtime.XnnpackRuntime` interprets payloads on torch ops for
+  lowerflow's executor (entry point ``lowerflow.backend_runtimes``).
+
+Self-contained: the rest of ``lowering`` never imports this package by name;
+it is found through the ``lowerflow.backends`` entry point (``xnnpack``).
+"""
+
+from __future__ import annotations
+
+from ...delegation import BackendDetails, PreprocessResult
+from .partitioner import BACKEND_ID, XnnpackPartitioner
+from .preprocess import XnnpackPreprocessError, preprocess_program
+
+
+class XnnpackBackend(BackendDetails):
+    @classmethod
+    def partitioner(cls, **options) -> XnnpackPartitioner:
+        """The target's partitioner; ``options`` go to :class:`XnnpackPartitioner`."""
+        options.setdefault("backend_id", cls.__name__)
+        return XnnpackPartitioner(**options)
+
+    @staticmethod
+    def preprocess(edge_program, compile_specs) -> PreprocessResult:
+        processed, named_data = preprocess_program(edge_program)
+        return PreprocessResult(processed, named_data=named_data)
+
+
+__all__ = ["BACKEND_ID", "XnnpackBackend", "XnnpackPartitioner", "XnnpackPreprocessError"]

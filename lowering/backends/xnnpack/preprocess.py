@@ -1,0 +1,1104 @@
+"""Preprocess: a partition's ExportedProgram -> an fp32 ``XNNGraph`` payload + named weights.
+
+One walk over the fx graph, in graph order; nothing is re-traced.  Each op has
+a *check* (used by the partitioner: can the runtime take this node?) and a
+*lowering* (append XNN values and nodes) registered together in :data:`OPS`, so
+the partitioner never tags what preprocess cannot lower.
+
+What happens on the way, per node:
+
+- static inputs (parameters, buffers, lifted constants, and ``permute_copy`` /
+  ``view_copy`` / ``clone`` of them) are folded into constants: fp32 bytes in
+  the program's named data, keyed by their sha256;
+- BatchNorm after a convolution that has no other user is folded into the
+  convolution's filter and bias; any other BatchNorm becomes a multiply and an
+  add by constants::
+
+      before:  %conv = convolution(%x, %w, %b)   %bn = batch_norm(%conv, %g, %beta, %m, %v)
+               %y = getitem(%bn, 0)              %r = relu(%y)
+      after:   Conv2d(x, w*s, (b-m)*s+beta) with output_min_max (0, inf)      s = g/sqrt(v+eps)
+
+- relu / hardtanh / clamp after an FC, convolution, add, subtract or multiply
+  that has no other user becomes that node's ``output_min_max``;
+- layout: convolutions and poolings compute in NHWC.  Each 4-D value has the
+  layout its producer gave it; an op that needs the other one gets a
+  ``StaticTranspose`` (one per value and layout, cached), elementwise ops follow
+  their inputs, so transposes appear only where the layout changes (graph
+  inputs and outputs are NCHW):
+
+      x(NCHW) -T-> conv -> relu -> maxpool -> conv -> add -> avgpool -T-> view -> FC
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from ...delegation import named_data_key
+from ...errors import BackendError
+from . import payload as P
+from .generated import xnngraph_generated as fbx
+
+aten = torch.ops.aten
+
+NCHW, NHWC = "nchw", "nhwc"
+_TO_NHWC = [0, 2, 3, 1]
+_TO_NCHW = [0, 3, 1, 2]
+_INF = float("inf")
+
+
+class XnnpackPreprocessError(BackendError):
+    """A node the XNNPACK backend cannot lower; the message names it."""
+
+
+# --------------------------------------------------------------------------- op registry
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """How one ATen op goes to XNNPACK: ``check(node, ctx) -> reason or None``, ``lower(builder, node)``."""
+
+    check: Callable[[torch.fx.Node, "Context"], str | None]
+    lower: Callable[["GraphBuilder", torch.fx.Node], None]
+
+
+OPS: dict[Any, OpRule] = {}
+
+
+def _rule(*targets, check=None):
+    def register(lower):
+        for target in targets:
+            OPS[target] = OpRule(check or (lambda n, c: None), lower)
+        return lower
+
+    return register
+
+
+class Context:
+    """What checks need to know about the program: which placeholders are static data."""
+
+    def __init__(self, ep: ExportedProgram) -> None:
+        sig = ep.graph_signature
+        mutated = set(sig.buffers_to_mutate.values())
+        kinds = {s.arg.name: s for s in sig.input_specs if hasattr(s.arg, "name")}
+        self.ep = ep
+        self.static_targets: dict[torch.fx.Node, str] = {}
+        for node in ep.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            spec = kinds.get(node.name)
+            if spec is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                continue
+            if spec.target in mutated:
+                continue
+            self.static_targets[node] = spec.target
+
+    def tensor(self, node: torch.fx.Node) -> torch.Tensor:
+        target = self.static_targets[node]
+        table = self.ep.constants if target in self.ep.constants else self.ep.state_dict
+        return table[target].detach()
+
+    def is_static(self, arg: Any) -> bool:
+        """A static placeholder, or a permute/view/clone of one (folded at preprocess)."""
+        if not isinstance(arg, torch.fx.Node):
+            return False
+        if arg in self.static_targets:
+            return True
+        return arg.op == "call_function" and arg.target in _FOLDABLE and self.is_static(arg.args[0])
+
+
+_FOLDABLE = (aten.permute_copy.default, aten.view_copy.default, aten.clone.default, aten.alias_copy.default)
+
+
+def val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def shape(node: torch.fx.Node) -> list[int]:
+    return [int(s) for s in node.meta["val"].shape]
+
+
+def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
+    """Why the runtime cannot take ``node`` (None if it can)."""
+    rule = OPS.get(node.target)
+    if rule is None:
+        return f"no XNNPACK lowering for {node.target}"
+    reason = _check_dtypes(node)
+    return reason or rule.check(node, ctx)
+
+
+def _check_dtypes(node: torch.fx.Node) -> str | None:
+    """Every tensor in and out is a non-empty fp32 tensor with static shape."""
+    outs = val(node)
+    outs = outs if isinstance(outs, (tuple, list)) else [outs]
+    ins = [val(a) for a in node.all_input_nodes]
+    for i, t in enumerate(outs):
+        if i > 0 and node.target in _MULTI_OUTPUT_EXTRA_OK:
+            continue  # e.g. the indices of max_pool2d_with_indices (must be unused)
+        if not isinstance(t, torch.Tensor):
+            return "result is not a tensor"
+    for t in [o for i, o in enumerate(outs) if not (i > 0 and node.target in _MULTI_OUTPUT_EXTRA_OK)] + ins:
+        if not isinstance(t, torch.Tensor):
+            return "an input is not a tensor"
+        if t.dtype != torch.float32:
+            return f"dtype {t.dtype} (only float32)"
+        if any(not isinstance(d, int) for d in t.shape):
+            return "dynamic shape"
+        if t.numel() == 0:
+            return "empty tensor"
+        if t.dim() > 6:
+            return "more than 6 dims"
+    return None
+
+
+_MULTI_OUTPUT_EXTRA_OK = set()
+
+
+def _only_getitem0(node: torch.fx.Node) -> str | None:
+    for user in node.users:
+        if user.target is not operator.getitem or user.args[1] != 0:
+            return "a result other than the first is used"
+    return None
+
+
+# --------------------------------------------------------------------------- builder
+
+
+@dataclass
+class _Value:
+    id: int
+    layout: str
+    dims: list[int]
+
+
+@dataclass
+class GraphBuilder:
+    """Builds the XNNGraph of one partition program."""
+
+    ep: ExportedProgram
+    ctx: Context = None
+    values: list[fbx.XValueT] = field(default_factory=list)
+    nodes: list[fbx.XNodeT] = field(default_factory=list)
+    constant_data: list[fbx.ConstantDataOffsetT] = field(default_factory=list)
+    named_data: dict[str, bytes] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.ctx = Context(self.ep)
+        self._constant_of_key: dict[str, int] = {}
+        self._by_layout: dict[tuple[torch.fx.Node, str], int] = {}
+        self._primary: dict[torch.fx.Node, _Value] = {}
+        self._dims: dict[int, list[int]] = {}
+        self._producer: dict[int, int] = {}  # value id -> index of the fusable XNode producing it
+        self._multi: dict[torch.fx.Node, list[Any]] = {}  # multi-output node -> per-index (node-like) values
+        self._external_inputs: set[int] = set()
+        self._alias_of: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._static_cache: dict[torch.fx.Node, torch.Tensor] = {}
+        self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
+        self.node: torch.fx.Node | None = None
+        empty = fbx.ConstantDataOffsetT()
+        empty.offset, empty.size, empty.namedKey = 0, 0, ""
+        self.constant_data.append(empty)
+
+    # ------------------------------------------------------------- driver
+
+    def build(self) -> fbx.XNNGraphT:
+        graph = self.ep.graph
+        user_inputs = [n for n in graph.nodes if n.op == "placeholder" and n not in self.ctx.static_targets]
+        for external_id, node in enumerate(user_inputs):
+            t = val(node)
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+                raise XnnpackPreprocessError(f"input {node.name!r}: only float32 tensor inputs are supported")
+            vid = self._define(shape(node) or [1], external_id=external_id, flags=P.EXTERNAL_INPUT)
+            self._external_inputs.add(vid)
+            self._set(node, vid, NCHW)
+        self._plan_batch_norm_folds()
+        for node in graph.nodes:
+            self.node = node
+            if node.op != "call_function":
+                continue
+            if node.target is operator.getitem:
+                self._lower_getitem(node)
+                continue
+            if self.ctx.is_static(node):
+                continue  # folded: a constant, defined where it is used
+            rule = OPS.get(node.target)
+            if rule is None:
+                raise XnnpackPreprocessError(f"node {node.name!r}: no XNNPACK lowering for {node.target}")
+            reason = check_node(node, self.ctx)
+            if reason:
+                raise XnnpackPreprocessError(f"node {node.name!r} ({node.target}): {reason}")
+            rule.lower(self, node)
+        self.node = None
+        output_ids = self._outputs(len(user_inputs))
+        graph_t = fbx.XNNGraphT()
+        graph_t.version = "0"
+        graph_t.xnodes = self.nodes
+        graph_t.xvalues = self.values
+        graph_t.numExterns = len(user_inputs) + len(output_ids)
+        if graph_t.numExterns > P.MAX_EXTERNS:
+            raise XnnpackPreprocessError(f"{graph_t.numExterns} inputs and outputs exceed the runtime's {P.MAX_EXTERNS}")
+        graph_t.inputIds = [self._by_layout[(n, NCHW)] for n in user_inputs]
+        graph_t.outputIds = output_ids
+        graph_t.constantData = self.constant_data
+        return graph_t
+
+    def _outputs(self, n_inputs: int) -> list[int]:
+        """Mark each returned value an external output (NCHW); copy where the runtime needs a node."""
+        out_node = self.ep.graph.output_node()
+        specs = self.ep.graph_signature.output_specs
+        ids = []
+        for i, (arg, spec) in enumerate(zip(out_node.args[0], specs)):
+            if spec.kind != OutputKind.USER_OUTPUT:
+                raise XnnpackPreprocessError(f"output {i} ({spec.kind.name}): only user outputs can be delegated")
+            if not isinstance(arg, torch.fx.Node):
+                raise XnnpackPreprocessError(f"output {i} is not a tensor")
+            self.node = arg
+            vid = self.get(arg, NCHW)
+            table = self.values[vid].xvalueUnion
+            if vid in self._external_inputs or table.flags & P.EXTERNAL_OUTPUT or table.constantBufferIdx:
+                copy = self._define(self._dims[vid])
+                self._node(fbx.NodeUnion.XNNCopy, _node1x1(vid, copy))
+                vid, table = copy, self.values[copy].xvalueUnion
+            table.flags |= P.EXTERNAL_OUTPUT
+            table.externalId = n_inputs + i
+            ids.append(vid)
+        return ids
+
+    # ------------------------------------------------------------- values
+
+    def _define(self, dims: list[int], *, constant: int = 0, external_id: int = P.INVALID_ID, flags: int = 0) -> int:
+        tensor = fbx.XNNTensorValueT()
+        tensor.datatype = P.DATATYPE_FP32
+        tensor.numDims = len(dims)
+        tensor.dims = [int(d) for d in dims]
+        tensor.constantBufferIdx = constant
+        tensor.externalId = external_id
+        tensor.flags = flags
+        tensor.idOut = len(self.values)
+        value = fbx.XValueT()
+        value.xvalueUnionType = fbx.ValueUnion.XNNTensorValue
+        value.xvalueUnion = tensor
+        self.values.append(value)
+        self._dims[tensor.idOut] = list(tensor.dims)
+        return tensor.idOut
+
+    def constant(self, tensor: torch.Tensor) -> int:
+        """A new value holding ``tensor`` (fp32), its bytes as named data keyed by sha256."""
+        t = tensor.detach().to(torch.float32).contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        key = named_data_key(data)
+        if key not in self._constant_of_key:
+            entry = fbx.ConstantDataOffsetT()
+            entry.offset, entry.size, entry.namedKey = P.NAMED_OFFSET, len(data), key
+            self._constant_of_key[key] = len(self.constant_data)
+            self.constant_data.append(entry)
+            self.named_data[key] = data
+        return self._define(list(t.shape) or [1], constant=self._constant_of_key[key])
+
+    def _set(self, node: torch.fx.Node, vid: int, layout: str) -> None:
+        self._by_layout[(node, layout)] = vid
+        self._primary.setdefault(node, _Value(vid, layout, self._dims[vid]))
+
+    def output(self, node: torch.fx.Node, layout: str = NCHW) -> int:
+        """Define ``node``'s result value in ``layout`` (dims permuted for NHWC)."""
+        dims = shape(node) or [1]
+        if layout == NHWC:
+            dims = [dims[i] for i in _TO_NHWC]
+        vid = self._define(dims)
+        self._set(node, vid, layout)
+        return vid
+
+    def alias(self, node: torch.fx.Node, source: torch.fx.Node) -> None:
+        """``node`` computes nothing: it is ``source``'s value."""
+        primary = self.primary(source)
+        self._alias_of[node] = source
+        self._set(node, primary.id, primary.layout)
+        for layout in (NCHW, NHWC):
+            if (source, layout) in self._by_layout:
+                self._by_layout.setdefault((node, layout), self._by_layout[(source, layout)])
+
+    def primary(self, node: torch.fx.Node) -> _Value:
+        if node not in self._primary:
+            if self.ctx.is_static(node):
+                vid = self.constant(self.static_tensor(node))
+                self._set(node, vid, NCHW)
+            else:
+                raise XnnpackPreprocessError(f"node {self._name()}: input {node.name!r} has no XNNPACK value")
+        return self._primary[node]
+
+    def layout(self, node: Any) -> str:
+        return self.primary(node).layout if isinstance(node, torch.fx.Node) else NCHW
+
+    def get(self, node: torch.fx.Node, layout: str | None = None) -> int:
+        """``node``'s value in ``layout`` (its own layout if None), transposing once if needed."""
+        primary = self.primary(node)
+        layout = layout or primary.layout
+        key = (node, layout)
+        if key in self._by_layout:
+            return self._by_layout[key]
+        if len(primary.dims) != 4:
+            raise XnnpackPreprocessError(f"node {self._name()}: {node.name!r} is not 4-D, it has no NHWC layout")
+        if self.ctx.is_static(node):
+            t = self.static_tensor(node)
+            vid = self.constant(t.permute(_TO_NHWC) if layout == NHWC else t)
+        else:
+            perm = _TO_NHWC if layout == NHWC else _TO_NCHW
+            vid = self._define([primary.dims[i] for i in perm])
+            self._node(fbx.NodeUnion.XNNStaticTranspose, _transpose(perm, primary.id, vid))
+        self._by_layout[key] = vid
+        return vid
+
+    def static_tensor(self, node: torch.fx.Node) -> torch.Tensor:
+        """The value of a static node: a placeholder's tensor, or a fold of permute/view/clone of one."""
+        if node not in self._static_cache:
+            if node in self.ctx.static_targets:
+                t = self.ctx.tensor(node)
+            else:
+                source = self.static_tensor(node.args[0])
+                if node.target is aten.permute_copy.default:
+                    t = source.permute(node.args[1])
+                elif node.target is aten.view_copy.default:
+                    t = source.reshape(shape(node))
+                else:
+                    t = source
+            self._static_cache[node] = t
+        return self._static_cache[node]
+
+    def scalar(self, value: float) -> int:
+        return self.constant(torch.tensor([float(value)]))
+
+    # ------------------------------------------------------------- nodes
+
+    def _node(self, kind: int, body: Any, *, fusable_output: int | None = None) -> fbx.XNodeT:
+        node = fbx.XNodeT()
+        node.xnodeUnionType = kind
+        node.xnodeUnion = body
+        node.debugHandle = len(self.nodes)
+        self.nodes.append(node)
+        if fusable_output is not None:
+            self._producer[fusable_output] = len(self.nodes) - 1
+        return node
+
+    def _name(self) -> str:
+        return repr(self.node.name) if self.node is not None else "<graph>"
+
+    def fuse_clamp(self, node: torch.fx.Node, source: torch.fx.Node, lo: float, hi: float) -> bool:
+        """Fold a clamp of ``source`` into the node producing it, if nothing else reads that value
+        (``source`` and every alias between it and the producer have one user each)."""
+        if source not in self._primary:
+            return False
+        chain = source
+        while True:
+            if len(chain.users) != 1:
+                return False
+            if chain not in self._alias_of:
+                break
+            chain = self._alias_of[chain]
+        primary = self._primary[source]
+        index = self._producer.get(primary.id)
+        if index is None or self.values[primary.id].xvalueUnion.flags:
+            return False
+        if self._by_layout.get((chain, primary.layout)) != primary.id:
+            return False
+        xnode = self.nodes[index]
+        if xnode.outputMinMax is not None:
+            lo, hi = max(lo, xnode.outputMinMax.outputMin), min(hi, xnode.outputMinMax.outputMax)
+        xnode.outputMinMax = _min_max(lo, hi)
+        self._set(node, primary.id, primary.layout)
+        return True
+
+    # ------------------------------------------------------------- batch norm
+
+    def _plan_batch_norm_folds(self) -> None:
+        """BatchNorms folded into the convolution before them (its only user, static weights)."""
+        for node in self.ep.graph.nodes:
+            if node.target is not aten._native_batch_norm_legit_no_training.default:
+                continue
+            conv = node.args[0]
+            if (
+                isinstance(conv, torch.fx.Node)
+                and conv.target is aten.convolution.default
+                and len(conv.users) == 1
+                and not conv.args[6]  # not transposed
+                and all(self.ctx.is_static(a) for a in node.args[1:5])
+                and self.ctx.is_static(conv.args[1])
+                and (conv.args[2] is None or self.ctx.is_static(conv.args[2]))
+            ):
+                self.bn_folds[conv] = node
+
+    def batch_norm_scale_shift(self, bn: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
+        """``y = x * scale + shift`` per channel."""
+        weight, bias, mean, var = (self.static_tensor(a) if a is not None else None for a in bn.args[1:5])
+        eps = float(bn.args[6])
+        inv = torch.rsqrt(var.double() + eps)
+        scale = inv if weight is None else weight.double() * inv
+        shift = -mean.double() * scale
+        if bias is not None:
+            shift = shift + bias.double()
+        return scale, shift
+
+
+# --------------------------------------------------------------------------- node bodies
+
+
+def _node1x1(inp: int, out: int, flags: int = 0) -> fbx._XNNNode1x1T:
+    body = fbx._XNNNode1x1T()
+    body.inputId, body.outputId, body.flags = inp, out, flags
+    return body
+
+
+def _node2x1(a: int, b: int, out: int, flags: int = 0) -> fbx._XNNNode2x1T:
+    body = fbx._XNNNode2x1T()
+    body.input1Id, body.input2Id, body.outputId, body.flags = a, b, out, flags
+    return body
+
+
+def _transpose(perm: list[int], inp: int, out: int) -> fbx.XNNStaticTransposeT:
+    body = fbx.XNNStaticTransposeT()
+    body.numDims, body.perm, body.inputId, body.outputId, body.flags = len(perm), list(perm), inp, out, 0
+    return body
+
+
+def _reshape(new_shape: list[int], inp: int, out: int) -> fbx.XNNStaticReshapeT:
+    body = fbx.XNNStaticReshapeT()
+    body.numDims, body.newShape, body.inputId, body.outputId, body.flags = len(new_shape), list(new_shape), inp, out, 0
+    return body
+
+
+def _min_max(lo: float, hi: float) -> fbx.OutputMinMaxT:
+    mm = fbx.OutputMinMaxT()
+    mm.outputMin, mm.outputMax = float(lo), float(hi)
+    return mm
+
+
+# --------------------------------------------------------------------------- elementwise
+
+_BINARY = {
+    aten.add.Tensor: fbx.NodeUnion.XNNAdd,
+    aten.sub.Tensor: fbx.NodeUnion.XNNSubtract,
+    aten.mul.Tensor: fbx.NodeUnion.XNNMultiply,
+    aten.div.Tensor: fbx.NodeUnion.XNNDiv,
+    aten.maximum.default: fbx.NodeUnion.XNNMaximum,
+    aten.minimum.default: fbx.NodeUnion.XNNMinimum,
+    aten.add.Scalar: fbx.NodeUnion.XNNAdd,
+    aten.sub.Scalar: fbx.NodeUnion.XNNSubtract,
+    aten.mul.Scalar: fbx.NodeUnion.XNNMultiply,
+    aten.div.Scalar: fbx.NodeUnion.XNNDiv,
+}
+_FUSABLE_BINARY = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar}
+
+
+def _check_binary(node, ctx):
+    if node.kwargs.get("alpha", 1) != 1 or (len(node.args) > 2 and node.args[2] != 1):
+        return "alpha != 1"
+    if node.kwargs.get("rounding_mode") is not None:
+        return "rounding mode"
+    for a in node.args[:2]:
+        if not isinstance(a, (torch.fx.Node, int, float)) or isinstance(a, bool):
+            return f"operand {a!r} is not a tensor or number"
+    return None
+
+
+def _operand_layout(b: GraphBuilder, node: torch.fx.Node) -> str:
+    """NHWC when an activation operand is NHWC and every tensor operand is 4-D or a single number."""
+    tensors = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+    active = [a for a in tensors if not b.ctx.is_static(a)]
+    if not any(b.layout(a) == NHWC for a in active):
+        return NCHW
+    for a in tensors:
+        t = val(a)
+        if t.dim() != 4 and not (b.ctx.is_static(a) and t.numel() == 1):
+            return NCHW
+    if val(node).dim() != 4:
+        return NCHW
+    return NHWC
+
+
+def _operand(b: GraphBuilder, arg: Any, layout: str) -> int:
+    if not isinstance(arg, torch.fx.Node):
+        return b.scalar(arg)
+    if b.ctx.is_static(arg) and val(arg).numel() == 1:
+        return b.constant(b.static_tensor(arg).reshape(1))
+    if val(arg).dim() != 4:
+        return b.get(arg, NCHW)
+    return b.get(arg, layout)
+
+
+@_rule(*_BINARY, check=_check_binary)
+def _lower_binary(b: GraphBuilder, node: torch.fx.Node) -> None:
+    layout = _operand_layout(b, node)
+    x, y = (_operand(b, a, layout) for a in node.args[:2])
+    out = b.output(node, layout)
+    fusable = out if node.target in _FUSABLE_BINARY else None
+    b._node(_BINARY[node.target], _node2x1(x, y, out), fusable_output=fusable)
+
+
+_UNARY = {
+    aten.sigmoid.default: fbx.NodeUnion.XNNSigmoid,
+    aten.tanh.default: fbx.NodeUnion.XNNTanh,
+    aten.hardswish.default: fbx.NodeUnion.XNNHardswish,
+    aten.abs.default: fbx.NodeUnion.XNNAbs,
+    aten.neg.default: fbx.NodeUnion.XNNNegate,
+    aten.exp.default: fbx.NodeUnion.XNNExp,
+    aten.log.default: fbx.NodeUnion.XNNLog,
+    aten.sqrt.default: fbx.NodeUnion.XNNSquareRoot,
+    aten.rsqrt.default: fbx.NodeUnion.XNNReciprocalSquareRoot,
+    aten.floor.default: fbx.NodeUnion.XNNFloor,
+    aten.ceil.default: fbx.NodeUnion.XNNCeiling,
+    aten.sin.default: fbx.NodeUnion.XNNSin,
+    aten.cos.default: fbx.NodeUnion.XNNCos,
+    aten.gelu.default: fbx.NodeUnion.XNNGelu,
+    aten.pow.Tensor_Scalar: fbx.NodeUnion.XNNSquare,
+}
+
+
+def _check_unary(node, ctx):
+    if node.target is aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
+        return "tanh-approximate GELU (XNNPACK's Gelu is exact)"
+    if node.target is aten.pow.Tensor_Scalar and node.args[1] != 2:
+        return "exponent other than 2"
+    return None
+
+
+@_rule(*_UNARY, check=_check_unary)
+def _lower_unary(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    layout = b.layout(source)
+    x = b.get(source, layout)
+    out = b.output(node, layout)
+    b._node(_UNARY[node.target], _node1x1(x, out))
+
+
+@_rule(aten.leaky_relu.default)
+def _lower_leaky_relu(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    layout = b.layout(source)
+    x = b.get(source, layout)
+    out = b.output(node, layout)
+    body = fbx.XNNLeakyReLUT()
+    body.negativeSlope = float(node.args[1] if len(node.args) > 1 else 0.01)
+    body.inputId, body.outputId, body.flags = x, out, 0
+    b._node(fbx.NodeUnion.XNNLeakyReLU, body)
+
+
+def _clamp_bounds(node: torch.fx.Node) -> tuple[float, float]:
+    if node.target is aten.relu.default:
+        return 0.0, _INF
+    if node.target is aten.hardtanh.default:
+        args = list(node.args) + [None, None]
+        return float(args[1] if args[1] is not None else -1.0), float(args[2] if args[2] is not None else 1.0)
+    args = list(node.args) + [None, None]
+    lo = node.kwargs.get("min", args[1])
+    hi = node.kwargs.get("max", args[2])
+    return (-_INF if lo is None else float(lo)), (_INF if hi is None else float(hi))
+
+
+def _check_clamp(node, ctx):
+    if node.target is aten.clamp.default:
+        args = list(node.args[1:]) + list(node.kwargs.values())
+        if any(isinstance(a, torch.fx.Node) for a in args):
+            return "tensor bounds"
+    return None
+
+
+@_rule(aten.relu.default, aten.hardtanh.default, aten.clamp.default, check=_check_clamp)
+def _lower_clamp(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    lo, hi = _clamp_bounds(node)
+    if b.fuse_clamp(node, source, lo, hi):
+        return
+    layout = b.layout(source)
+    x = b.get(source, layout)
+    out = b.output(node, layout)
+    b._node(fbx.NodeUnion.XNNClamp, _node1x1(x, out)).outputMinMax = _min_max(lo, hi)
+
+
+def _check_softmax(node, ctx):
+    dim, rank = node.args[1], val(node.args[0]).dim()
+    if dim not in (-1, rank - 1):
+        return "softmax over a dim other than the last"
+    if node.target is aten._softmax.default and node.args[2]:
+        return "half_to_float"
+    return None
+
+
+@_rule(aten._softmax.default, check=_check_softmax)
+def _lower_softmax(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x = b.get(node.args[0], NCHW)
+    out = b.output(node)
+    b._node(fbx.NodeUnion.XNNSoftmax, _node1x1(x, out))
+
+
+def _check_copy(node, ctx):
+    if node.target is aten._to_copy.default:
+        allowed = {"dtype": torch.float32, "memory_format": torch.contiguous_format}
+        for k, v in node.kwargs.items():
+            if k in allowed and v not in (None, allowed[k], torch.preserve_format):
+                return f"{k}={v}"
+            if k not in allowed and k not in ("layout", "device", "pin_memory", "non_blocking") and v:
+                return f"{k}={v}"
+    if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (
+        None, torch.contiguous_format, torch.preserve_format
+    ):
+        return "memory format change"
+    return None
+
+
+@_rule(aten.clone.default, aten.alias_copy.default, aten._to_copy.default, check=_check_copy)
+def _lower_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
+    b.alias(node, node.args[0])  # no data change; outputs that need a node get a Copy
+
+
+# --------------------------------------------------------------------------- shapes
+
+
+@_rule(aten.view_copy.default, aten._unsafe_view.default, aten.squeeze_copy.dims, aten.squeeze_copy.dim,
+       aten.squeeze_copy.default, aten.unsqueeze_copy.default)
+def _lower_reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    if shape(node) == shape(source):
+        b.alias(node, source)
+        return
+    x = b.get(source, NCHW)
+    out = b.output(node)
+    b._node(fbx.NodeUnion.XNNStaticReshape, _reshape(shape(node) or [1], x, out))
+
+
+@_rule(aten.permute_copy.default)
+def _lower_permute(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    rank = len(shape(source))
+    perm = [int(p) % rank for p in node.args[1]]
+    if b.layout(source) == NHWC and rank == 4:
+        # Read the NHWC value directly: NCHW perm p over NHWC dims is perm [to_nhwc.index(d) for d in p].
+        x = b.get(source, NHWC)
+        perm = [_TO_NHWC.index(d) for d in perm]
+    else:
+        x = b.get(source, NCHW)
+    out = b.output(node)
+    b._node(fbx.NodeUnion.XNNStaticTranspose, _transpose(perm, x, out))
+
+
+def _slice_bounds(node: torch.fx.Node) -> tuple[int, int, int, int]:
+    src = shape(node.args[0])
+    args = list(node.args) + [None] * 5
+    dim = int(args[1] if args[1] is not None else 0) % len(src)
+    start, end, step = args[2], args[3], args[4] if args[4] is not None else 1
+    start = 0 if start is None else int(start)
+    end = src[dim] if end is None else int(end)
+    start = max(0, min(src[dim], start + src[dim] if start < 0 else start))
+    end = max(start, min(src[dim], end + src[dim] if end < 0 else end))
+    return dim, start, end, int(step)
+
+
+def _check_slice(node, ctx):
+    if _slice_bounds(node)[3] != 1:
+        return "step != 1"
+    return None
+
+
+@_rule(aten.slice_copy.Tensor, check=_check_slice)
+def _lower_slice(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    dim, start, end, _ = _slice_bounds(node)
+    if start == 0 and end == shape(source)[dim]:
+        b.alias(node, source)
+        return
+    x = b.get(source, NCHW)
+    out = b.output(node)
+    offsets = [0] * len(shape(source))
+    offsets[dim] = start
+    _slice_node(b, x, out, offsets, shape(node))
+
+
+def _slice_node(b: GraphBuilder, x: int, out: int, offsets: list[int], sizes: list[int]) -> None:
+    body = fbx.XNNStaticSliceT()
+    body.numDims, body.offsets, body.sizes = len(sizes), list(offsets), list(sizes)
+    body.inputId, body.outputId, body.flags = x, out, 0
+    b._node(fbx.NodeUnion.XNNStaticSlice, body)
+
+
+@_rule(aten.select_copy.int)
+def _lower_select(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """select = slice of size 1 + reshape dropping the dim."""
+    source = node.args[0]
+    src = shape(source)
+    dim = int(node.args[1]) % len(src)
+    index = int(node.args[2]) % src[dim]
+    x = b.get(source, NCHW)
+    sizes = list(src)
+    sizes[dim] = 1
+    offsets = [0] * len(src)
+    offsets[dim] = index
+    sliced = b._define(sizes)
+    _slice_node(b, x, sliced, offsets, sizes)
+    out = b.output(node)
+    b._node(fbx.NodeUnion.XNNStaticReshape, _reshape(shape(node) or [1], sliced, out))
+
+
+def _check_split(node, ctx):
+    return None
+
+
+@_rule(aten.split_with_sizes_copy.default, aten.split_copy.Tensor, check=_check_split)
+def _lower_split(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Each result is a StaticSlice; getitems pick them."""
+    source = node.args[0]
+    src = shape(source)
+    dim = int(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(src)
+    x = b.get(source, NCHW)
+    offset = 0
+    results = []
+    for piece in val(node):
+        sizes = [int(s) for s in piece.shape]
+        offsets = [0] * len(src)
+        offsets[dim] = offset
+        offset += sizes[dim]
+        vid = b._define(sizes)
+        _slice_node(b, x, vid, offsets, sizes)
+        results.append(vid)
+    b._multi[node] = results
+
+
+def _check_cat(node, ctx):
+    tensors = node.args[0]
+    if len(tensors) < 1:
+        return "no inputs"
+    return None
+
+
+_CATS = {2: fbx.NodeUnion.XNNConcatenate2, 3: fbx.NodeUnion.XNNConcatenate3,
+         4: fbx.NodeUnion.XNNConcatenate4, 5: fbx.NodeUnion.XNNConcatenate5}
+
+
+@_rule(aten.cat.default, check=_check_cat)
+def _lower_cat(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Concatenate2..5; more inputs are chained (5, then the partial result and up to 4 more)."""
+    inputs = list(node.args[0])
+    rank = len(shape(node))
+    dim = int(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    if len(inputs) == 1:
+        b.alias(node, inputs[0])
+        return
+    active = [a for a in inputs if not b.ctx.is_static(a)]
+    layout = NHWC if rank == 4 and active and all(b.layout(a) == NHWC for a in active) else NCHW
+    axis = _TO_NHWC.index(dim) if layout == NHWC else dim
+    ids = [b.get(a, layout) for a in inputs]
+    out_dims = shape(node)
+    while ids:
+        take, ids = ids[:5], ids[5:]
+        if ids:  # partial result, then continue with it first
+            partial = [b._dims[i] for i in take]
+            dims = list(partial[0])
+            dims[axis] = sum(d[axis] for d in partial)
+            vid = b._define(dims)
+        else:
+            vid = b.output(node, layout)
+        body = fbx._XNNCatT()
+        body.axis, body.outputId, body.flags = axis, vid, 0
+        slots = take + [P.INVALID_ID] * (5 - len(take))
+        body.input1Id, body.input2Id, body.input3Id, body.input4Id, body.input5Id = slots
+        if len(take) == 1:
+            raise XnnpackPreprocessError(f"node {node.name!r}: internal error, a 1-input concatenation")
+        b._node(_CATS[len(take)], body)
+        if ids:
+            ids = [vid] + ids
+    del out_dims
+
+
+def _check_pad(node, ctx):
+    pads = node.args[1]
+    if any(int(p) < 0 for p in pads):
+        return "negative padding"
+    if len(pads) // 2 > len(shape(node.args[0])):
+        return "more pads than dims"
+    return None
+
+
+@_rule(aten.constant_pad_nd.default, check=_check_pad)
+def _lower_pad(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source = node.args[0]
+    rank = len(shape(source))
+    pads = [int(p) for p in node.args[1]]
+    pre, post = [0] * rank, [0] * rank
+    for i in range(len(pads) // 2):  # pads go from the last dim backwards
+        pre[rank - 1 - i], post[rank - 1 - i] = pads[2 * i], pads[2 * i + 1]
+    x = b.get(source, NCHW)
+    out = b.output(node)
+    body = fbx.XNNStaticConstantPadT()
+    body.prePaddings, body.postPaddings = pre, post
+    body.paddingValue = float(node.args[2] if len(node.args) > 2 else 0.0)
+    body.inputId, body.outputId, body.flags = x, out, 0
+    b._node(fbx.NodeUnion.XNNStaticConstantPad, body)
+
+
+# --------------------------------------------------------------------------- matmul
+
+
+def _check_addmm(node, ctx):
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return "alpha/beta != 1"
+    weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
+    if not ctx.is_static(weight):
+        return "weight is not a static parameter"
+    if node.target is aten.addmm.default:
+        bias = node.args[0]
+        if val(bias).numel() != val(node).shape[-1]:
+            return "bias is not one value per output"
+    return None
+
+
+@_rule(aten.addmm.default, aten.mm.default, check=_check_addmm)
+def _lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
+    is_addmm = node.target is aten.addmm.default
+    x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
+    weight = b.static_tensor(w_node)
+    x = b.get(x_node, NCHW)
+    filter_id = b.constant(weight)
+    bias_id, add_bias = P.INVALID_ID, None
+    if is_addmm:
+        bias_node = node.args[0]
+        if b.ctx.is_static(bias_node):
+            bias_id = b.constant(b.static_tensor(bias_node).reshape(-1))
+        else:
+            add_bias = bias_node
+    out = b.output(node) if add_bias is None else b._define(shape(node))
+    body = fbx.XNNFullyConnectedT()
+    body.input1Id, body.filterId, body.biasId, body.outputId = x, filter_id, bias_id, out
+    body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+    b._node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out if add_bias is None else None)
+    if add_bias is not None:
+        result = b.output(node)
+        b._node(fbx.NodeUnion.XNNAdd, _node2x1(out, b.get(add_bias, NCHW), result), fusable_output=result)
+
+
+@_rule(aten.bmm.default)
+def _lower_bmm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x, y = b.get(node.args[0], NCHW), b.get(node.args[1], NCHW)
+    out = b.output(node)
+    b._node(fbx.NodeUnion.XNNBatchMatrixMultiply, _node2x1(x, y, out))
+
+
+# --------------------------------------------------------------------------- convolution
+
+
+def _pair(v: Any) -> list[int]:
+    v = [int(x) for x in (v if isinstance(v, (list, tuple)) else [v])]
+    return v * 2 if len(v) == 1 else v
+
+
+def _check_conv(node, ctx):
+    if len(shape(node.args[1])) != 4:
+        return "only 2-D convolution"
+    if not ctx.is_static(node.args[1]):
+        return "weight is not a static parameter"
+    if node.args[2] is not None and not ctx.is_static(node.args[2]):
+        return "bias is not a static parameter"
+    if node.args[6]:
+        if any(_pair(node.args[5])[i] != 1 for i in range(2)):
+            return "dilated transposed convolution"
+        return None
+    return None
+
+
+@_rule(aten.convolution.default, check=_check_conv)
+def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
+    x_node, w_node, bias_node = node.args[0], node.args[1], node.args[2]
+    stride, padding, dilation = _pair(node.args[3]), _pair(node.args[4]), _pair(node.args[5])
+    transposed, output_padding, groups = bool(node.args[6]), _pair(node.args[7]), int(node.args[8])
+    weight = b.static_tensor(w_node).double()
+    bias = b.static_tensor(bias_node).double() if bias_node is not None else None
+    bn = b.bn_folds.get(node)
+    if bn is not None:
+        scale, shift = b.batch_norm_scale_shift(bn)
+        weight = weight * scale.reshape(-1, 1, 1, 1)
+        bias = shift if bias is None else bias * scale + shift
+    kernel = weight.shape
+    if transposed:
+        group_in, group_out = kernel[0] // groups, kernel[1]
+    else:
+        group_in, group_out = kernel[1], kernel[0] // groups
+    depthwise = group_in == 1 and group_out % group_in == 0 and not transposed
+    filt = weight.permute(_TO_NHWC)  # OIHW -> OHWI
+    if depthwise:
+        filt = filt.permute(3, 1, 2, 0)  # -> [1, H, W, O]
+    elif transposed:
+        # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
+        w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
+        filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
+    x = b.get(x_node, NHWC)
+    filter_id = b.constant(filt.float())
+    bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+    out = b.output(node, NHWC)
+    body = fbx._XNNNodeConvT()
+    body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = (
+        padding[0], padding[1], padding[0], padding[1])
+    body.kernelHeight, body.kernelWidth = kernel[2], kernel[3]
+    body.subsamplingHeight, body.subsamplingWidth = stride
+    body.dilationHeight, body.dilationWidth = dilation
+    body.groupInputChannels, body.groupOutputChannels, body.groups = group_in, group_out, groups
+    body.adjustmentHeight, body.adjustmentWidth = (output_padding if transposed else [0, 0])
+    body.input1Id, body.filterId, body.biasId, body.outputId, body.flags = x, filter_id, bias_id, out, 0
+    kind = (fbx.NodeUnion.XNNDepthwiseConv2d if depthwise else
+            fbx.NodeUnion.XNNConvTranspose2d if transposed else fbx.NodeUnion.XNNConv2d)
+    b._node(kind, body, fusable_output=out)
+    if bn is not None:
+        b.alias(bn, node)
+
+
+def _check_batch_norm(node, ctx):
+    if not all(a is None or ctx.is_static(a) for a in node.args[1:5]):
+        return "statistics or affine parameters are not static"
+    if val(node.args[0]).dim() < 2:
+        return "input has no channel dim"
+    return _only_getitem0(node)
+
+
+@_rule(aten._native_batch_norm_legit_no_training.default, check=_check_batch_norm)
+def _lower_batch_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Folded into the convolution before it (see ``_plan_batch_norm_folds``), else ``x*scale + shift``."""
+    if node.args[0] in b.bn_folds and b.bn_folds[node.args[0]] is node:
+        return  # aliased by the convolution's lowering
+    source = node.args[0]
+    scale, shift = b.batch_norm_scale_shift(node)
+    rank = val(source).dim()
+    layout = b.layout(source) if rank == 4 else NCHW
+    per_channel = [-1] if layout == NHWC else [-1] + [1] * (rank - 2)
+    x = b.get(source, layout)
+    scaled = b._define(b._dims[x])
+    b._node(fbx.NodeUnion.XNNMultiply, _node2x1(x, b.constant(scale.float().reshape(per_channel)), scaled))
+    dims = shape(node.args[0])
+    out = b._define([dims[i] for i in _TO_NHWC] if layout == NHWC else dims)
+    b._set(node, out, layout)
+    b._node(fbx.NodeUnion.XNNAdd, _node2x1(scaled, b.constant(shift.float().reshape(per_channel)), out),
+            fusable_output=out)
+
+
+_MULTI_OUTPUT_EXTRA_OK.update({aten._native_batch_norm_legit_no_training.default,
+                               aten.max_pool2d_with_indices.default})
+
+
+# --------------------------------------------------------------------------- pooling
+
+
+def _pool_args(node: torch.fx.Node) -> tuple[list[int], list[int], list[int], list[int], bool]:
+    args = list(node.args) + [None] * 6
+    kernel = _pair(args[1])
+    stride = _pair(args[2]) if args[2] else kernel
+    padding = _pair(args[3] if args[3] is not None else 0)
+    dilation = _pair(args[4] if args[4] is not None else 1) if node.target is aten.max_pool2d_with_indices.default else [1, 1]
+    ceil_mode = bool(args[5] if node.target is aten.max_pool2d_with_indices.default else args[4])
+    return kernel, stride, padding, dilation, ceil_mode
+
+
+def _floor_shape(node, kernel, stride, padding, dilation) -> list[int]:
+    n, c, h, w = shape(node.args[0])
+    hw = [(s + 2 * p - d * (k - 1) - 1) // st + 1 for s, k, st, p, d in zip((h, w), kernel, stride, padding, dilation)]
+    return [n, c, *hw]
+
+
+def _check_pool(node, ctx):
+    if len(shape(node.args[0])) != 4:
+        return "input is not 4-D"
+    kernel, stride, padding, dilation, ceil_mode = _pool_args(node)
+    if ceil_mode and _floor_shape(node, kernel, stride, padding, dilation) != shape(_first(node)):
+        return "ceil_mode changes the output size"
+    if node.target is aten.max_pool2d_with_indices.default:
+        if any(s > k for s, k in zip(stride, kernel)):
+            return "stride > kernel"
+        return _only_getitem0(node)
+    args = list(node.args) + [None] * 7
+    count_include_pad = True if args[5] is None else bool(args[5])
+    if any(padding) and count_include_pad:
+        return "padding counted in the average"
+    if args[6] is not None:
+        return "divisor_override"
+    return None
+
+
+def _first(node: torch.fx.Node) -> torch.fx.Node:
+    """A node-like carrying the first result's shape (for multi-result pooling)."""
+    class _Shape:
+        meta = {"val": val(node)[0] if isinstance(val(node), (tuple, list)) else val(node)}
+    return _Shape()
+
+
+@_rule(aten.max_pool2d_with_indices.default, aten.avg_pool2d.default, check=_check_pool)
+def _lower_pool(b: GraphBuilder, node: torch.fx.Node) -> None:
+    kernel, stride, padding, dilation, _ = _pool_args(node)
+    x = b.get(node.args[0], NHWC)
+    result = _first(node)
+    dims = shape(result)
+    out = b._define([dims[i] for i in _TO_NHWC])
+    body = fbx._XNNPooling2DT()
+    body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = (
+        padding[0], padding[1], padding[0], padding[1])
+    body.poolingHeight, body.poolingWidth = kernel
+    body.strideHeight, body.strideWidth = stride
+    body.dilationHeight, body.dilationWidth = dilation
+    body.inputId, body.outputId, body.flags = x, out, P.FLAG_KEEP_DIMS
+    is_max = node.target is aten.max_pool2d_with_indices.default
+    b._node(fbx.NodeUnion.XNNMaxPooling2d if is_max else fbx.NodeUnion.XNNAvgPooling2d, body)
+    if is_max:
+        b._multi[node] = [(out, NHWC)]
+    else:
+        b._set(node, out, NHWC)
+
+
+def _check_mean(node, ctx):
+    if len(shape(node.args[0])) != 4:
+        return "input is not 4-D"
+    dims = sorted(int(d) % 4 for d in node.args[1])
+    if dims != [2, 3]:
+        return "mean over dims other than H and W"
+    if node.kwargs.get("dtype") is not None:
+        return "dtype"
+    return None
+
+
+@_rule(aten.mean.dim, check=_check_mean)
+def _lower_mean(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """GlobalAvgPooling2d in NHWC ([N,1,1,C]); keepdim=False is a reshape of it to [N,C]."""
+    x = b.get(node.args[0], NHWC)
+    n, c = shape(node.args[0])[:2]
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    pooled = b.output(node, NHWC) if keepdim else b._define([n, 1, 1, c])
+    b._node(fbx.NodeUnion.XNNGlobalAvgPooling2d, _node1x1(x, pooled, P.FLAG_KEEP_DIMS))
+    if not keepdim:  # [N,1,1,C] NHWC has the bytes of [N,C]
+        out = b.output(node)
+        b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, c], pooled, out))
+
+
+# --------------------------------------------------------------------------- getitem
+
+
+def _lower_getitem_impl(b: GraphBuilder, node: torch.fx.Node) -> None:
+    source, index = node.args
+    if source in b._multi:
+        item = b._multi[source][index]
+        vid, layout = item if isinstance(item, tuple) else (item, NCHW)
+        b._set(node, vid, layout)
+    elif index == 0 and source.target is aten._native_batch_norm_legit_no_training.default:
+        b.alias(node, source)
+    else:
+        raise XnnpackPreprocessError(f"node {node.name!r}: result {index} of {source.name!r} has no XNNPACK value")
+
+
+GraphBuilder._lower_getitem = _lower_getitem_impl
+
+
+# --------------------------------------------------------------------------- entry
+
+
+def preprocess_program(ep: ExportedProgram) -> tuple[bytes, dict[str, bytes]]:
+    """The payload bytes and named data (sha256 key -> fp32 bytes) of one partition."""
+    builder = GraphBuilder(ep)
+    graph = builder.build()
+    return P.serialize_payload(graph), dict(builder.named_data)

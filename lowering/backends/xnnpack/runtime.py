@@ -1,0 +1,239 @@
+"""A Python interpreter of XNNPACK payloads on torch ops, for lowerflow's executor.
+
+It reads the payload the way the ExecuTorch runtime does (header, graph,
+constants from the program's named data by key), then runs the nodes in order.
+Values carry the graph's dims, so NHWC values are NHWC tensors here too:
+convolutions and poolings permute to torch's NCHW around the torch call.
+External inputs are bound by external id; outputs come back in external id order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ...runtime.errors import ExecutorError
+from . import payload as P
+from .generated import xnngraph_generated as fbx
+
+K = fbx.NodeUnion
+_NAMES = P.node_kind_names()
+
+
+@dataclass
+class XnnpackProgram:
+    """An initialized delegate: the graph, its constants, and its external values."""
+
+    graph: fbx.XNNGraphT
+    constants: dict[int, torch.Tensor]  # value id -> tensor
+    inputs: list[tuple[int, int]]  # (external id, value id), sorted
+    outputs: list[tuple[int, int]]
+
+
+class XnnpackRuntime:
+    """``init(processed, compile_specs, named_data=...) -> handle``; ``execute(handle, args) -> outputs``."""
+
+    def init(self, processed: bytes, compile_specs: Sequence[Any] = (), named_data: Mapping[str, bytes] | None = None):
+        graph, inline = P.deserialize_payload(processed)
+        named_data = named_data or {}
+        constants, inputs, outputs = {}, [], []
+        table = graph.constantData or []
+        for value in graph.xvalues or []:
+            tensor = value.xvalueUnion
+            if value.xvalueUnionType != fbx.ValueUnion.XNNTensorValue:
+                raise ExecutorError("XNNPACK payload: quantized values are not supported by lowerflow's runtime")
+            if tensor.datatype != P.DATATYPE_FP32:
+                raise ExecutorError(f"XNNPACK payload: value {tensor.idOut} has datatype {tensor.datatype} (fp32 only)")
+            dims = [int(d) for d in (tensor.dims if tensor.dims is not None else [])]
+            if tensor.constantBufferIdx:
+                entry = table[tensor.constantBufferIdx]
+                key = entry.namedKey.decode() if isinstance(entry.namedKey, bytes) else (entry.namedKey or "")
+                if key:
+                    if key not in named_data:
+                        raise ExecutorError(f"XNNPACK payload: constant {key!r} is not in the program's named data")
+                    data = named_data[key]
+                else:
+                    data = inline[entry.offset:entry.offset + entry.size]
+                count = 1
+                for d in dims:
+                    count *= d
+                if len(data) < 4 * count:
+                    raise ExecutorError(f"XNNPACK payload: constant {key!r} has {len(data)} bytes, needs {4 * count}")
+                constants[tensor.idOut] = torch.frombuffer(bytearray(data[:4 * count]), dtype=torch.float32).reshape(dims)
+            if tensor.flags & P.EXTERNAL_INPUT:
+                inputs.append((tensor.externalId, tensor.idOut))
+            if tensor.flags & P.EXTERNAL_OUTPUT:
+                outputs.append((tensor.externalId, tensor.idOut))
+        for node in graph.xnodes or []:
+            if node.xnodeUnionType not in _KERNELS:
+                raise ExecutorError(f"XNNPACK payload: node kind {_NAMES.get(node.xnodeUnionType, node.xnodeUnionType)} "
+                                    "is not supported by lowerflow's runtime")
+        return XnnpackProgram(graph, constants, sorted(inputs), sorted(outputs))
+
+    def num_inputs(self, handle: XnnpackProgram) -> int:
+        return len(handle.inputs)
+
+    @torch.no_grad()
+    def execute(self, handle: XnnpackProgram, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(args) != len(handle.inputs):
+            raise ExecutorError(f"XNNPACK delegate takes {len(handle.inputs)} inputs, got {len(args)}")
+        values: dict[int, torch.Tensor] = dict(handle.constants)
+        for (_, vid), arg in zip(handle.inputs, args):
+            dims = list(handle.graph.xvalues[vid].xvalueUnion.dims)
+            values[vid] = arg.reshape(dims) if list(arg.shape) != dims else arg
+        for node in handle.graph.xnodes or []:
+            result = _KERNELS[node.xnodeUnionType](node.xnodeUnion, values)
+            if node.outputMinMax is not None:
+                result = result.clamp(node.outputMinMax.outputMin, node.outputMinMax.outputMax)
+            values[_output_id(node.xnodeUnion)] = result.contiguous()
+        return [values[vid].clone() for _, vid in handle.outputs]
+
+
+def _output_id(body: Any) -> int:
+    return body.outputId
+
+
+def _binary(fn: Callable) -> Callable:
+    return lambda body, v: fn(v[body.input1Id], v[body.input2Id])
+
+
+def _unary(fn: Callable) -> Callable:
+    return lambda body, v: fn(v[body.inputId])
+
+
+def _nchw(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(0, 3, 1, 2)
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    return t.permute(0, 2, 3, 1)
+
+
+def _conv(body, v):
+    x, filt = _nchw(v[body.input1Id]), v[body.filterId]
+    bias = v[body.biasId] if body.biasId != P.INVALID_ID else None
+    x = F.pad(x, (body.paddingLeft, body.paddingRight, body.paddingTop, body.paddingBottom))
+    weight = filt.permute(0, 3, 1, 2)  # OHWI -> OIHW
+    return _nhwc(F.conv2d(x, weight, bias, (body.subsamplingHeight, body.subsamplingWidth), 0,
+                          (body.dilationHeight, body.dilationWidth), body.groups))
+
+
+def _depthwise(body, v):
+    x, filt = _nchw(v[body.input1Id]), v[body.filterId]
+    bias = v[body.biasId] if body.biasId != P.INVALID_ID else None
+    x = F.pad(x, (body.paddingLeft, body.paddingRight, body.paddingTop, body.paddingBottom))
+    weight = filt.permute(3, 0, 1, 2)  # [1,H,W,O] -> [O,1,H,W]
+    return _nhwc(F.conv2d(x, weight, bias, (body.subsamplingHeight, body.subsamplingWidth), 0,
+                          (body.dilationHeight, body.dilationWidth), body.groups))
+
+
+def _conv_transpose(body, v):
+    x, filt = _nchw(v[body.input1Id]), v[body.filterId]
+    bias = v[body.biasId] if body.biasId != P.INVALID_ID else None
+    g, gi, go = body.groups, body.groupInputChannels, body.groupOutputChannels
+    kh, kw = body.kernelHeight, body.kernelWidth
+    weight = filt.reshape(g, go, kh, kw, gi).permute(0, 4, 1, 2, 3).reshape(g * gi, go, kh, kw)
+    y = F.conv_transpose2d(x, weight, bias, (body.subsamplingHeight, body.subsamplingWidth), 0,
+                           (body.adjustmentHeight, body.adjustmentWidth), g, (body.dilationHeight, body.dilationWidth))
+    h, w = y.shape[2], y.shape[3]
+    y = y[:, :, body.paddingTop:h - body.paddingBottom, body.paddingLeft:w - body.paddingRight]
+    return _nhwc(y)
+
+
+def _fully_connected(body, v):
+    x, filt = v[body.input1Id], v[body.filterId]
+    y = x @ filt if body.flags & P.FLAG_TRANSPOSE_WEIGHTS else x @ filt.t()
+    if body.biasId != P.INVALID_ID:
+        y = y + v[body.biasId]
+    return y
+
+
+def _max_pool(body, v):
+    x = _nchw(v[body.inputId])
+    x = F.pad(x, (body.paddingLeft, body.paddingRight, body.paddingTop, body.paddingBottom), value=-float("inf"))
+    return _nhwc(F.max_pool2d(x, (body.poolingHeight, body.poolingWidth), (body.strideHeight, body.strideWidth),
+                              0, (body.dilationHeight, body.dilationWidth)))
+
+
+def _avg_pool(body, v):
+    x = _nchw(v[body.inputId])
+    if body.paddingTop != body.paddingBottom or body.paddingLeft != body.paddingRight:
+        raise ExecutorError("XNNPACK payload: asymmetric average-pooling padding is not supported by lowerflow's runtime")
+    return _nhwc(F.avg_pool2d(x, (body.poolingHeight, body.poolingWidth), (body.strideHeight, body.strideWidth),
+                              (body.paddingTop, body.paddingLeft), count_include_pad=False))
+
+
+def _cat(body, v):
+    ids = [body.input1Id, body.input2Id, body.input3Id, body.input4Id, body.input5Id]
+    return torch.cat([v[i] for i in ids if i != P.INVALID_ID], dim=body.axis)
+
+
+def _slice(body, v):
+    x = v[body.inputId]
+    for d, (o, s) in enumerate(zip(body.offsets, body.sizes)):
+        x = x.narrow(d, int(o), int(s))
+    return x
+
+
+def _pad(body, v):
+    pads = []
+    for pre, post in zip(reversed(list(body.prePaddings)), reversed(list(body.postPaddings))):
+        pads += [int(pre), int(post)]
+    return F.pad(v[body.inputId], pads, value=body.paddingValue)
+
+
+def _leaky_relu(body, v):
+    return F.leaky_relu(v[body.inputId], body.negativeSlope)
+
+
+def _clamp(body, v):
+    return v[body.inputId]  # the bounds are the node's output_min_max, applied by execute
+
+
+_KERNELS: dict[int, Callable] = {
+    K.XNNAdd: _binary(torch.add),
+    K.XNNSubtract: _binary(torch.sub),
+    K.XNNMultiply: _binary(torch.mul),
+    K.XNNDiv: _binary(torch.div),
+    K.XNNMaximum: _binary(torch.maximum),
+    K.XNNMinimum: _binary(torch.minimum),
+    K.XNNBatchMatrixMultiply: _binary(torch.matmul),
+    K.XNNPReLU: _binary(lambda x, w: torch.where(x >= 0, x, x * w)),
+    K.XNNFullyConnected: _fully_connected,
+    K.XNNConv2d: _conv,
+    K.XNNDepthwiseConv2d: _depthwise,
+    K.XNNConvTranspose2d: _conv_transpose,
+    K.XNNMaxPooling2d: _max_pool,
+    K.XNNAvgPooling2d: _avg_pool,
+    K.XNNGlobalAvgPooling2d: _unary(lambda x: x.mean(dim=(1, 2), keepdim=True)),
+    K.XNNSoftmax: _unary(lambda x: torch.softmax(x, -1)),
+    K.XNNSigmoid: _unary(torch.sigmoid),
+    K.XNNTanh: _unary(torch.tanh),
+    K.XNNGelu: _unary(F.gelu),
+    K.XNNHardswish: _unary(F.hardswish),
+    K.XNNAbs: _unary(torch.abs),
+    K.XNNNegate: _unary(torch.neg),
+    K.XNNExp: _unary(torch.exp),
+    K.XNNLog: _unary(torch.log),
+    K.XNNSquareRoot: _unary(torch.sqrt),
+    K.XNNReciprocalSquareRoot: _unary(torch.rsqrt),
+    K.XNNFloor: _unary(torch.floor),
+    K.XNNCeiling: _unary(torch.ceil),
+    K.XNNSin: _unary(torch.sin),
+    K.XNNCos: _unary(torch.cos),
+    K.XNNSquare: _unary(torch.square),
+    K.XNNCopy: _unary(torch.clone),
+    K.XNNClamp: _clamp,
+    K.XNNLeakyReLU: _leaky_relu,
+    K.XNNStaticTranspose: lambda body, v: v[body.inputId].permute([int(p) for p in body.perm]),
+    K.XNNStaticReshape: lambda body, v: v[body.inputId].reshape([int(d) for d in body.newShape]),
+    K.XNNStaticSlice: _slice,
+    K.XNNStaticConstantPad: _pad,
+    K.XNNConcatenate2: _cat,
+    K.XNNConcatenate3: _cat,
+    K.XNNConcatenate4: _cat,
+    K.XNNConcatenate5: _cat,
+}

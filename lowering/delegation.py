@@ -1,0 +1,161 @@
+"""The delegation types every stage shares, below partition and preprocess.
+
+- :class:`CompileSpec`, :class:`DelegationSpec`: what a partitioner says about a
+  partition (which backend, which options);
+- :class:`PreprocessResult`, :class:`BackendDetails`: a backend's ahead-of-time
+  half and what it returns (processed bytes plus named data blobs);
+- :func:`find_backend`: the registry (class name or ``lowerflow.backends`` entry
+  point).
+
+``lowering.partition`` and ``lowering.lowered_module`` both import from here and
+re-export these names, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+from importlib import metadata
+from typing import Mapping
+
+from torch.export import ExportedProgram
+
+from .errors import BackendError
+
+#: Entry-point group of backends (``name = module:BackendDetailsSubclass``).
+ENTRY_POINT_GROUP = "lowerflow.backends"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSpec:
+    """One backend option: a key and its raw bytes (as in ExecuTorch)."""
+
+    key: str
+    value: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, str) or not isinstance(self.value, (bytes, bytearray)):
+            raise TypeError(
+                f"CompileSpec(key={self.key!r}): key must be str and value bytes, "
+                f"got {type(self.key).__name__} and {type(self.value).__name__}"
+            )
+        object.__setattr__(self, "value", bytes(self.value))
+
+
+@dataclasses.dataclass(frozen=True)
+class DelegationSpec:
+    """Which backend lowers a partition, and with which compile specs."""
+
+    backend_id: str
+    compile_specs: tuple[CompileSpec, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compile_specs", tuple(self.compile_specs))
+
+
+def named_data_key(data: bytes) -> str:
+    """The key ExecuTorch's backends give a blob of named data: its sha256 hex digest."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class PreprocessResult:
+    """What ``BackendDetails.preprocess`` returns.
+
+    ``named_data`` maps keys to blobs (weights) the payload refers to by key; they
+    are stored in the program's ``named_data`` table, one segment per distinct
+    blob, and handed to the backend's runtime when it loads the delegate.
+    """
+
+    processed_bytes: bytes
+    debug_handle_map: dict[int, tuple[int, ...]] | None = None
+    named_data: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        named = {}
+        for key, blob in dict(self.named_data or {}).items():
+            if not isinstance(key, str) or not isinstance(blob, (bytes, bytearray)):
+                raise TypeError(
+                    f"PreprocessResult.named_data: key {key!r} must be str and its blob bytes, "
+                    f"got {type(key).__name__} and {type(blob).__name__}"
+                )
+            named[key] = bytes(blob)
+        object.__setattr__(self, "named_data", dict(sorted(named.items())))
+
+
+class BackendDetails(abc.ABC):
+    """A backend's ahead-of-time half: ``preprocess`` a partition into bytes."""
+
+    @staticmethod
+    @abc.abstractmethod
+    def preprocess(
+        edge_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult: ...
+
+
+def find_backend(backend_id: str) -> type[BackendDetails]:
+    """The BackendDetails subclass named ``backend_id`` (class name or entry-point name)."""
+    for cls in _all_subclasses(BackendDetails):
+        if cls.__name__ == backend_id:
+            return cls
+    entries = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    for entry in entries:
+        if entry.name == backend_id:
+            return _load_entry(backend_id, entry)
+    # A backend known by class name whose package is not imported yet: load the
+    # registered backends once and look again.
+    for entry in entries:
+        try:
+            cls = entry.load()
+        except Exception:
+            continue
+        if isinstance(cls, type) and cls.__name__ == backend_id and issubclass(cls, BackendDetails):
+            return cls
+    known = sorted({c.__name__ for c in _all_subclasses(BackendDetails)} | {e.name for e in entries})
+    raise BackendError(f"unknown backend {backend_id!r}; known backends: {known}")
+
+
+def _load_entry(backend_id: str, entry) -> type[BackendDetails]:
+    try:
+        cls = entry.load()
+    except Exception as exc:
+        raise BackendError(
+            f"backend {backend_id!r}: entry point {entry.value!r} failed to load: {exc}"
+        ) from exc
+    if not (isinstance(cls, type) and issubclass(cls, BackendDetails)):
+        raise BackendError(
+            f"backend {backend_id!r}: entry point {entry.value!r} is not a BackendDetails subclass"
+        )
+    return cls
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    found, stack = [], list(cls.__subclasses__())
+    while stack:
+        sub = stack.pop()
+        if not getattr(sub, "__abstractmethods__", None):
+            found.append(sub)
+        stack.extend(sub.__subclasses__())
+    return sorted(found, key=lambda c: (c.__module__, c.__qualname__))
+
+
+def _entry_point_names() -> list[str]:
+    return [e.name for e in metadata.entry_points(group=ENTRY_POINT_GROUP)]
+
+
+def canonical_backend_id(backend_id: str) -> str:
+    """The id written into programs: the backend class's name."""
+    return find_backend(backend_id).__name__
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "BackendDetails",
+    "CompileSpec",
+    "DelegationSpec",
+    "PreprocessResult",
+    "canonical_backend_id",
+    "find_backend",
+    "named_data_key",
+]
