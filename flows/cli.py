@@ -97,12 +97,12 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
 
 def parse_spec(text: str):
     """The ModelSpec of ``text`` with its defining file readable; a bad spec is exit status 2."""
-    from tasks.model_spec import ModelSpec, ModelSpecError, source_digest
+    from tasks.model_spec import ModelSpec, ModelSpecError, check_spec
 
     try:
         spec = ModelSpec.parse(text)
         if spec.kind != "pt2":
-            source_digest(spec)
+            check_spec(spec)
         return spec
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc

@@ -16,13 +16,15 @@ the cache (a dry run).
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
-from tasks.model_spec import ModelSpec, source_digest
+from tasks.fingerprint import Fingerprint
+from tasks.model_spec import ModelSpec, holding, load_model
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage
 
 #: The stages after export, per kind of target (preprocess repeats per partition).
@@ -93,12 +95,25 @@ def run_model(
 
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
     manifest["store"] = stages.store.url
+    manifest["changed"] = changed_since_last(stages.store, manifest)
     _log(manifest)
     stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
     _publish_report(manifest, stages.store)
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
+
+
+def changed_since_last(store, manifest: dict) -> list[str] | None:
+    """Which fingerprint parts (weights, code, attributes, inputs, options) differ from the
+    model's previous manifest in the store; None on a first lowering."""
+    if "fingerprint" not in manifest:
+        return None
+    try:
+        previous = store.get_json(f"{manifest['name']}/manifest.json")
+    except Exception:  # no previous manifest (or an unreadable one): nothing to compare
+        return None
+    return Fingerprint.changed(previous.get("fingerprint"), manifest["fingerprint"])
 
 
 def plan_model(
@@ -116,26 +131,46 @@ def plan_model(
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify) -> dict:
+    """Load and fingerprint the model, export it, then each target's stages.
+
+    The factory runs on every run, cached or not: the model's fingerprint (its
+    weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
+    stage's key, so a model whose checkpoint or helper module changed is always
+    re-exported.  The loaded model is handed to the export and verify stages.
+    """
     spec = ModelSpec.parse(model)
     name = name or spec.name
-    source = source_digest(spec)
     manifest: dict[str, Any] = {"model": model, "name": name, "targets": {}}
     export_records: list[dict] = []
+    start = time.perf_counter()
     try:
-        exported = run("export", export_records, model=model, source=source, options={"version": version})
+        loaded = load_model(spec, {"version": version})
     except Exception as exc:
+        export_records.append({"stage": "load", "state": "Failed", "cached": False,
+                               "seconds": round(time.perf_counter() - start, 4), "bytes": None})
         for target in targets:
             manifest["targets"][target] = _failed(list(export_records), exc, target)
         return manifest
-    for target in targets:
-        manifest["targets"][target] = lower_target(
-            run, publish, name, model, source, exported["program"], target,
-            options.get(target, {}), list(export_records), verify,
-        )
+    fingerprint = loaded.fingerprint.digest
+    manifest["fingerprint"] = loaded.fingerprint.to_json()
+    manifest["load_seconds"] = round(time.perf_counter() - start, 4)
+    with holding(loaded):
+        try:
+            exported = run("export", export_records, model=model, fingerprint=fingerprint,
+                           options={"version": version})
+        except Exception as exc:
+            for target in targets:
+                manifest["targets"][target] = _failed(list(export_records), exc, target)
+            return manifest
+        for target in targets:
+            manifest["targets"][target] = lower_target(
+                run, publish, name, model, fingerprint, exported["program"], target,
+                options.get(target, {}), list(export_records), verify,
+            )
     return manifest
 
 
-def lower_target(run, publish, name, model, source, program, target, options, records, verify) -> dict:
+def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify) -> dict:
     """The stages after export for one target; a failure is recorded, not raised."""
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
@@ -153,7 +188,7 @@ def lower_target(run, publish, name, model, source, program, target, options, re
         if publish is not None:
             result["pte"] = publish(name, target, emitted["pte"])
         if verify:
-            report = run("verify", records, pte=emitted["pte"], model=model, source=source)
+            report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -213,6 +248,8 @@ def _verify_errors(report: dict) -> str:
 def _log(manifest: dict) -> None:
     logger = get_run_logger()
     name = manifest["name"]
+    if manifest.get("changed"):
+        logger.info("%s: re-lowered: %s changed", name, ", ".join(manifest["changed"]))
     for target, result in manifest["targets"].items():
         for r in result["stages"]:
             state = "cached" if r["cached"] else r["state"].lower()

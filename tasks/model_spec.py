@@ -1,17 +1,27 @@
 """Model specs: the strings a fleet manifest or the CLI names models by.
 
 * ``path/to/file.py:factory`` — a Python file; ``factory()`` returns ``(nn.Module, example_inputs)``.
+  The file's directory is importable while it loads and while the factory runs,
+  so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
 * ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``.
 
-:func:`source_digest` is what the export stage's cache key uses for the model:
-the sha256 of the file that defines it (the ``.py`` file, the module's source
-file, or the ``.pt2`` bytes).  A factory that reads other files is not tracked
-beyond its own file: give the fleet entry a ``version`` to force a re-export.
+:func:`load_model` loads a spec and fingerprints it (:mod:`tasks.fingerprint`):
+weights, code, attributes, example inputs and options.  The fingerprint is what
+the export stage is keyed on, so new weights in a checkpoint the factory reads,
+or an edited helper module, re-lower the model; the manifest's ``version`` is
+only an extra salt.
+
+Sibling modules a factory imports are tracked: one whose file changed since it
+was imported, or that another factory's directory shadows (two models each
+with their own ``arch.py``), is evicted from ``sys.modules`` before a factory
+runs, so a long-lived process never lowers stale or foreign code.  Modules of
+``package.module`` specs are imported once per process, as Python does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -24,6 +34,7 @@ from typing import Any
 import fsspec
 import torch
 
+from .fingerprint import Fingerprint, fingerprint_module, fingerprint_pt2
 
 _FACTORY_LOCK = threading.RLock()
 
@@ -65,51 +76,147 @@ class ModelSpec:
         return Path(self.location.rsplit("/", 1)[-1]).stem
 
 
-def source_digest(spec: ModelSpec, storage_options: dict | None = None) -> str:
-    """sha256 of the model's defining source (see module docstring)."""
+def check_spec(spec: ModelSpec, storage_options: dict | None = None) -> None:
+    """Raise ModelSpecError unless the spec's file, module or .pt2 can be found."""
     try:
         if spec.kind == "pt2":
-            with fsspec.open(spec.location, "rb", **(storage_options or {})) as f:
-                data = f.read()
+            fs, path = fsspec.core.url_to_fs(spec.location, **(storage_options or {}))
+            if not fs.exists(path):
+                raise ModelSpecError(f"model spec {spec.text!r}: cannot read {spec.location!r}: no such file")
         elif spec.kind == "file":
-            data = Path(spec.location).read_bytes()
-        else:
-            module_spec = importlib.util.find_spec(spec.location)
-            if module_spec is None or module_spec.origin is None:
-                raise ModelSpecError(f"model spec {spec.text!r}: module {spec.location!r} not found")
-            data = Path(module_spec.origin).read_bytes()
+            if not Path(spec.location).is_file():
+                raise ModelSpecError(f"model spec {spec.text!r}: cannot read {spec.location!r}: no such file")
+        elif importlib.util.find_spec(spec.location) is None:
+            raise ModelSpecError(f"model spec {spec.text!r}: module {spec.location!r} not found")
     except ModelSpecError:
         raise
     except Exception as exc:
         raise ModelSpecError(f"model spec {spec.text!r}: cannot read {spec.location!r}: {exc}") from exc
-    return hashlib.sha256(data).hexdigest()
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A loaded spec: the eager module and inputs (None for a .pt2) and its fingerprint."""
+
+    spec: ModelSpec
+    fingerprint: Fingerprint
+    module: torch.nn.Module | None = None
+    inputs: tuple[Any, ...] | None = None
+    pt2: bytes | None = None
+
+
+def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
+    """Load ``spec`` (run its factory, or read its .pt2) and fingerprint it.
+
+    ``options`` (export options and the manifest's ``version``) are part of the
+    fingerprint.  Errors are :class:`ModelSpecError` naming the spec.
+    """
+    if spec.kind == "pt2":
+        data = read_pt2(spec, storage_options)
+        return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
+    with _FACTORY_LOCK:
+        module, inputs, factory_module = _run_factory(spec)
+        try:
+            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options)
+        except Exception as exc:
+            raise ModelSpecError(
+                f"model spec {spec.text!r}: cannot fingerprint the model: {type(exc).__name__}: {exc}"
+            ) from exc
+    return LoadedModel(spec, fp, module, inputs)
 
 
 def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     """Import the spec's factory and call it; checks what it returns."""
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
-    try:
-        module = _import(spec)
-        factory = getattr(module, spec.factory)
-    except ModelSpecError:
-        raise
-    except Exception as exc:
-        raise ModelSpecError(f"model spec {spec.text!r}: cannot import: {type(exc).__name__}: {exc}") from exc
-    try:
-        # Factories seed torch's global generator; concurrent ones (a fleet on
-        # threads) would interleave and build different weights.  One at a
-        # time, and the caller's generator state is left as it was.
-        with _FACTORY_LOCK, torch.random.fork_rng():
-            result = factory()
-    except Exception as exc:
-        raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
+    with _FACTORY_LOCK:
+        module, inputs, _ = _run_factory(spec)
+    return module, inputs
+
+
+def _run_factory(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
+    """(model, inputs, the factory's Python module); the caller holds _FACTORY_LOCK."""
+    directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
+    with _importable(directory):
+        try:
+            module = _import(spec)
+            factory = getattr(module, spec.factory)
+        except ModelSpecError:
+            raise
+        except Exception as exc:
+            raise ModelSpecError(f"model spec {spec.text!r}: cannot import: {type(exc).__name__}: {exc}") from exc
+        try:
+            # Factories seed torch's global generator; concurrent ones (a fleet on
+            # threads) would interleave and build different weights.  One at a
+            # time, and the caller's generator state is left as it was.
+            with torch.random.fork_rng():
+                result = factory()
+        except Exception as exc:
+            raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise ModelSpecError(
             f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs), got {type(result).__name__}"
         )
     model, inputs = result
-    return model, tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    return model, (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), module
+
+
+#: Top-level modules imported from a factory's directory: name -> (file, sha256 when imported).
+_SIBLINGS: dict[str, tuple[str, str]] = {}
+
+
+@contextlib.contextmanager
+def _importable(directory: Path | None):
+    """``directory`` first on sys.path for the block, stale or shadowed siblings evicted first,
+    and the siblings imported during the block recorded."""
+    if directory is None:
+        yield
+        return
+    _evict_siblings(directory)
+    before = set(sys.modules)
+    entry = str(directory)
+    sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        try:
+            sys.path.remove(entry)
+        except ValueError:
+            pass
+        for name in set(sys.modules) - before:
+            if "." in name:
+                continue
+            path = _sibling_file(sys.modules[name], directory)
+            if path is not None:
+                _SIBLINGS[name] = (path, _sha256_file(path))
+
+
+def _sibling_file(mod: Any, directory: Path) -> str | None:
+    path = getattr(mod, "__file__", None)
+    if not path:
+        return None
+    p = Path(path).resolve()
+    if p.parent == directory or (p.name == "__init__.py" and p.parent.parent == directory):
+        return str(p)
+    return None
+
+
+def _evict_siblings(directory: Path) -> None:
+    """Forget tracked sibling modules that changed on disk or that ``directory`` shadows."""
+    for name, (path, digest) in list(_SIBLINGS.items()):
+        shadow = next((c for c in (directory / f"{name}.py", directory / name / "__init__.py") if c.is_file()), None)
+        shadowed = shadow is not None and str(shadow.resolve()) != path
+        if shadowed or not Path(path).is_file() or _sha256_file(path) != digest:
+            for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+                del sys.modules[loaded]
+            del _SIBLINGS[name]
+
+
+def _sha256_file(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
 
 
 def read_pt2(spec: ModelSpec, storage_options: dict | None = None) -> bytes:
@@ -132,3 +239,47 @@ def _import(spec: ModelSpec):
     sys.modules[name] = module
     module_spec.loader.exec_module(module)
     return module
+
+
+# --------------------------------------------------------------------------- live models
+
+#: Models loaded by a running flow, by fingerprint digest: the export and verify
+#: stages use them instead of running the factory again.  Entry -> (model, holders).
+_LIVE: dict[str, list] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def holding(loaded: LoadedModel):
+    """Make ``loaded`` what :func:`live_model` returns for its fingerprint during the block."""
+    digest = loaded.fingerprint.digest
+    with _LIVE_LOCK:
+        entry = _LIVE.setdefault(digest, [loaded, 0])
+        entry[1] += 1
+    try:
+        yield loaded
+    finally:
+        with _LIVE_LOCK:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                _LIVE.pop(digest, None)
+
+
+def live_model(model: str, fingerprint: str, options: dict | None = None) -> LoadedModel:
+    """The loaded model whose fingerprint is ``fingerprint``: the one a running flow holds,
+    else loaded again (a stage retried in another process).  If the model no
+    longer has that fingerprint (its weights or code changed since the flow
+    started), a ModelSpecError says so rather than lowering a different model
+    under the old key."""
+    with _LIVE_LOCK:
+        entry = _LIVE.get(fingerprint)
+    if entry is not None:
+        return entry[0]
+    spec = ModelSpec.parse(model)
+    loaded = load_model(spec, options)
+    if loaded.fingerprint.digest != fingerprint:
+        raise ModelSpecError(
+            f"model spec {spec.text!r} changed while it was being lowered "
+            f"(fingerprint {fingerprint[:12]} -> {loaded.fingerprint.digest[:12]}); run again"
+        )
+    return loaded

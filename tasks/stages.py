@@ -49,7 +49,7 @@ from lowering.targets import partitioner_for
 from lowering.verify import verify as verify_pte
 
 from .cache import CacheConfig, iter_refs, stage_task
-from .model_spec import ModelSpec, load_factory_model, read_pt2
+from .model_spec import live_model
 from .store import ArtifactRef, ArtifactStore
 
 #: Bump a stage's version when its code changes what it produces.
@@ -186,15 +186,15 @@ def _begin(stage: str) -> None:
 # --------------------------------------------------------------------------- stage bodies
 
 
-def run_export(store: ArtifactStore, model: str, source: str, options: dict) -> dict:
-    """Stage 1.  ``source`` (the model file's digest) is only there for the cache key."""
+def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict) -> dict:
+    """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
+    see :mod:`tasks.fingerprint`), never on where its file lives."""
     _begin("export")
-    spec = ModelSpec.parse(model)
-    if spec.kind == "pt2":
-        program = load_pt2(read_pt2(spec, options.get("storage_options")), name=model)
+    loaded = live_model(model, fingerprint, options)
+    if loaded.pt2 is not None:
+        program = load_pt2(loaded.pt2, name=model)
     else:
-        module, inputs = load_factory_model(spec)
-        program = export_module(module, inputs, name=model)
+        program = export_module(loaded.module, loaded.inputs, name=model)
     return {"program": put_program(store, program)}
 
 
@@ -325,14 +325,13 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef) -> d
     return {"pte": store.put_bytes(pte, "pte")}
 
 
-def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, source: str) -> dict:
+def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
     """Run the .pte (our executor; ExecuTorch's runtime too when installed) against eager."""
     _begin("verify")
-    spec = ModelSpec.parse(model)
-    if spec.kind == "pt2":
+    loaded = live_model(model, fingerprint)
+    if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    module, inputs = load_factory_model(spec)
-    return verify_pte(store.get_bytes(pte), module, inputs).to_dict()
+    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks

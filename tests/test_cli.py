@@ -252,7 +252,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
     assert progress == [["broken", "FAILED"], ["mlp", "ok"]]
     rows = {line.split()[0]: line.split() for line in out if line.split()[:1] in (["mlp"], ["broken"])}
     assert rows["mlp"][1:3] == ["portable", "ok"] and rows["mlp"][5] == "0/4"
-    assert rows["broken"][2] == "FAILED" and "export: ModelSpecError" in " ".join(rows["broken"])
+    assert rows["broken"][2] == "FAILED" and "load: ModelSpecError" in " ".join(rows["broken"])
 
     plan = lowerflow("plan", str(manifest), home=home)
     assert plan.returncode == 0, plan.stderr
@@ -260,7 +260,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
     assert [r[2:] for r in table if r[0] == "mlp"] == [
         ["export", "cached"], ["memory_plan", "cached"], ["emit", "cached"], ["verify", "cached"],
     ]
-    assert ["broken", "portable", "export", "run"] in table
+    assert ["broken", "portable", "load", "run"] in table
     assert "4 of " in plan.stdout
 
 
