@@ -200,6 +200,7 @@ class GraphBuilder:
         self._alias_of: dict[torch.fx.Node, torch.fx.Node] = {}
         self._static_cache: dict[torch.fx.Node, torch.Tensor] = {}
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
+        self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
         self.node: torch.fx.Node | None = None
         empty = fbx.ConstantDataOffsetT()
         empty.offset, empty.size, empty.namedKey = 0, 0, ""
@@ -218,6 +219,7 @@ class GraphBuilder:
             self._external_inputs.add(vid)
             self._set(node, vid, NCHW)
         self._plan_batch_norm_folds()
+        self._plan_pad_folds()
         for node in graph.nodes:
             self.node = node
             if node.op != "call_function":
@@ -431,6 +433,27 @@ class GraphBuilder:
                 and (conv.args[2] is None or self.ctx.is_static(conv.args[2]))
             ):
                 self.bn_folds[conv] = node
+
+    def _plan_pad_folds(self) -> None:
+        """Zero pads of H and W whose only user is a (non-transposed) convolution.
+
+        Before::  %pad = constant_pad_nd(%x, [0, 1, 0, 1], 0.0)   %conv = convolution(%pad, %w, ...)
+        After::   Conv2d(x) with padding right/bottom += 1
+        """
+        for node in self.ep.graph.nodes:
+            if node.target is not aten.convolution.default or node.args[6]:
+                continue
+            pad = node.args[0]
+            if (
+                isinstance(pad, torch.fx.Node)
+                and pad.target is aten.constant_pad_nd.default
+                and len(pad.users) == 1
+                and float(pad.args[2] if len(pad.args) > 2 else 0.0) == 0.0
+                and len(pad.args[1]) <= 4
+                and all(int(p) >= 0 for p in pad.args[1])
+                and len(shape(pad)) == 4
+            ):
+                self.pad_folds.add(pad)
 
     def batch_norm_scale_shift(self, bn: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
         """``y = x * scale + shift`` per channel."""
@@ -821,16 +844,29 @@ def _check_pad(node, ctx):
     return None
 
 
-@_rule(aten.constant_pad_nd.default, check=_check_pad)
-def _lower_pad(b: GraphBuilder, node: torch.fx.Node) -> None:
-    source = node.args[0]
-    rank = len(shape(source))
+def _pads(node: torch.fx.Node) -> tuple[list[int], list[int]]:
+    """Per-dim (pre, post) padding of ``constant_pad_nd`` (its pad list runs from the last dim back)."""
+    rank = len(shape(node.args[0]))
     pads = [int(p) for p in node.args[1]]
     pre, post = [0] * rank, [0] * rank
-    for i in range(len(pads) // 2):  # pads go from the last dim backwards
+    for i in range(len(pads) // 2):
         pre[rank - 1 - i], post[rank - 1 - i] = pads[2 * i], pads[2 * i + 1]
-    x = b.get(source, NCHW)
-    out = b.output(node)
+    return pre, post
+
+
+@_rule(aten.constant_pad_nd.default, check=_check_pad)
+def _lower_pad(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """StaticConstantPad in its input's layout (a zero pad of H, W before a convolution is
+    folded into the convolution's padding instead, see ``_plan_pad_folds``)."""
+    if node in b.pad_folds:
+        return
+    source = node.args[0]
+    pre, post = _pads(node)
+    layout = b.layout(source)
+    if layout == NHWC:
+        pre, post = [pre[i] for i in _TO_NHWC], [post[i] for i in _TO_NHWC]
+    x = b.get(source, layout)
+    out = b.output(node, layout)
     body = fbx.XNNStaticConstantPadT()
     body.prePaddings, body.postPaddings = pre, post
     body.paddingValue = float(node.args[2] if len(node.args) > 2 else 0.0)
@@ -912,6 +948,11 @@ def _check_conv(node, ctx):
 def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     x_node, w_node, bias_node = node.args[0], node.args[1], node.args[2]
     stride, padding, dilation = _pair(node.args[3]), _pair(node.args[4]), _pair(node.args[5])
+    top, right, bottom, left = padding[0], padding[1], padding[0], padding[1]
+    if x_node in b.pad_folds:  # a zero pad folded into this convolution
+        pre, post = _pads(x_node)
+        top, bottom, left, right = top + pre[2], bottom + post[2], left + pre[3], right + post[3]
+        x_node = x_node.args[0]
     transposed, output_padding, groups = bool(node.args[6]), _pair(node.args[7]), int(node.args[8])
     weight = b.static_tensor(w_node).double()
     bias = b.static_tensor(bias_node).double() if bias_node is not None else None
@@ -938,8 +979,7 @@ def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
     out = b.output(node, NHWC)
     body = fbx._XNNNodeConvT()
-    body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = (
-        padding[0], padding[1], padding[0], padding[1])
+    body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left
     body.kernelHeight, body.kernelWidth = kernel[2], kernel[3]
     body.subsamplingHeight, body.subsamplingWidth = stride
     body.dilationHeight, body.dilationWidth = dilation

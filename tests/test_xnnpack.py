@@ -1,0 +1,363 @@
+"""The ``xnnpack`` target: programs the stock ExecuTorch runtime runs on its XNNPACK backend.
+
+Every model is lowered by lowerflow, then run by ExecuTorch's runtime (the test
+extra) and by lowerflow's own executor (whose XNNPACK runtime interprets the
+payload on torch ops), and compared with eager.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import lowering
+from examples.models import MODELS
+from lowering.pte import deserialize
+from lowering.runtime import load
+from lowering.targets import partitioner_for
+
+REPO = Path(__file__).resolve().parents[1]
+
+xnn = pytest.importorskip("lowering.backends.xnnpack")
+from lowering.backends.xnnpack import payload as P  # noqa: E402
+from lowering.backends.xnnpack.generated import xnngraph_generated as fbx  # noqa: E402
+
+KIND = P.node_kind_names()
+
+
+def _lower(model, inputs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lowering.lower(model, inputs, partitioner=partitioner_for("xnnpack"))
+
+
+def _eager(factory, calls=1):
+    """Outputs of ``calls`` successive eager calls on a fresh model (state carries over)."""
+    model, inputs = factory()
+    with torch.no_grad():
+        return [torch.utils._pytree.tree_leaves(model(*inputs)) for _ in range(calls)], inputs
+
+
+def _assert_close(actual, expected, what):
+    """atol 1e-3, and relative to the output's magnitude (outputs of random nets may be tiny)."""
+    assert len(actual) == len(expected), what
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert a.shape == e.shape and a.dtype == e.dtype, (what, i, a.shape, e.shape, a.dtype, e.dtype)
+        if not e.dtype.is_floating_point:
+            assert torch.equal(a, e), (what, i)
+            continue
+        diff = float((a - e).abs().max()) if e.numel() else 0.0
+        scale = float(e.abs().max()) if e.numel() else 0.0
+        assert diff <= 1e-3, (what, i, diff)
+        assert diff <= 1e-4 * scale + 1e-6, (what, i, diff, scale)
+
+
+def _run_executorch(pte, inputs, calls=1):
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(pte).load_method("forward")
+    return [list(method.execute(list(inputs))) for _ in range(calls)]
+
+
+def _payloads(pte: bytes):
+    data = deserialize(pte)
+    plan = data.program.executionPlan[0]
+    out = []
+    for d in plan.delegates or []:
+        assert d.id.decode() == "XnnpackBackend"
+        out.append(data.delegate_data[d.processed.index])
+    return data, out
+
+
+def _kernel_calls(pte: bytes) -> int:
+    plan = deserialize(pte).program.executionPlan[0]
+    return sum(1 for ins in plan.chains[0].instructions
+               if ins.instrArgsType == lowering.pte.schema.InstructionArguments.KernelCall)
+
+
+def _node_kinds(payload: bytes) -> Counter:
+    graph, _ = P.deserialize_payload(payload)
+    return Counter(KIND[n.xnodeUnionType] for n in graph.xnodes)
+
+
+# --------------------------------------------------------------------------- every model
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_runs_on_executorch_and_ours(name):
+    pytest.importorskip("executorch")
+    expected, inputs = _eager(MODELS[name], calls=2)
+    model, _ = MODELS[name]()
+    result = _lower(model, inputs)
+    _, payloads = _payloads(result.pte)
+    if name != "integer_inputs":  # nothing float to delegate there
+        assert payloads, f"{name}: nothing delegated"
+    ours = load(result.pte).method("forward")
+    for call in range(2):  # twice: state (buffer_mutation) carries over
+        _assert_close(ours.execute(list(inputs)), expected[call], f"{name} ours call {call}")
+    for call, outputs in enumerate(_run_executorch(result.pte, inputs, calls=2)):
+        _assert_close(outputs, expected[call], f"{name} executorch call {call}")
+
+
+def _hf(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "mobilenet_v2":
+        model = transformers.MobileNetV2Model(
+            transformers.MobileNetV2Config(image_size=64, depth_multiplier=0.35)
+        ).eval()
+        with torch.no_grad():  # non-trivial batch norms and weights: outputs of a visible size
+            for m in model.modules():
+                if isinstance(m, torch.nn.BatchNorm2d):
+                    m.running_mean.uniform_(-0.5, 0.5)
+                    m.running_var.uniform_(0.5, 1.5)
+                if isinstance(m, torch.nn.Conv2d):
+                    torch.nn.init.kaiming_normal_(m.weight)
+
+        class Pooled(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, x):
+                return self.model(x, return_dict=True).pooler_output
+
+        return Pooled().eval(), (torch.randn(1, 3, 64, 64),)
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=32, attn_implementation="sdpa",
+    )
+    model = transformers.BertModel(config).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(ids, attention_mask=mask, return_dict=True).last_hidden_state
+
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    return Hidden().eval(), (torch.randint(0, 128, (2, 12)), mask)
+
+
+@pytest.mark.parametrize("name", ["mobilenet_v2", "bert"])
+def test_transformers_models(name):
+    pytest.importorskip("executorch")
+    model, inputs = _hf(name)
+    with torch.no_grad():
+        expected = torch.utils._pytree.tree_leaves(model(*inputs))
+    assert max(float(e.abs().max()) for e in expected) > 1e-2  # not a vanishing output
+    result = _lower(model, inputs)
+    _, payloads = _payloads(result.pte)
+    if name == "mobilenet_v2":
+        assert len(payloads) == 1 and _kernel_calls(result.pte) == 0
+        kinds = _node_kinds(payloads[0])
+        assert "XNNDepthwiseConv2d" in kinds and kinds["XNNStaticTranspose"] <= 2, kinds
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"{name} ours")
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"{name} executorch")
+
+
+# --------------------------------------------------------------------------- payload
+
+
+def test_mlp_payload_header_and_graph():
+    model, inputs = MODELS["mlp"]()
+    result = _lower(model, inputs)
+    data, (payload,) = _payloads(result.pte)
+    # Header: zero, magic, length 30, flatbuffer at 32, constants right after it (none inline).
+    assert payload[:4] == b"\0\0\0\0" and payload[4:8] == b"XH00"
+    header = P.read_header(payload)
+    assert int.from_bytes(payload[8:10], "little") == 30
+    assert header.flatbuffer_offset == 32 and header.constant_data_size == 0
+    assert header.constant_data_offset == 32 + header.flatbuffer_size + (-header.flatbuffer_size) % 16
+    assert payload[36:40] == b"XN01"
+    graph, inline = P.deserialize_payload(payload)
+    assert inline == b""
+    # Round trip: the decoded graph serializes to the same payload.
+    assert P.serialize_payload(graph) == payload
+    assert graph.numExterns == 2 and list(graph.inputIds) == [0] and len(graph.outputIds) == 1
+    fcs = [n for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+    assert len(fcs) == len(graph.xnodes) == 3
+    assert [(n.outputMinMax.outputMin, n.outputMinMax.outputMax) if n.outputMinMax else None for n in fcs] == [
+        (0.0, float("inf")), (0.0, float("inf")), None]  # relus fused
+    for value in graph.xvalues:
+        t = value.xvalueUnion
+        assert t.idOut == graph.xvalues.index(value)
+        assert (t.flags == 0) == (t.externalId == P.INVALID_ID)
+    # Weights: named data keyed by sha256, stored once each in the program.
+    keys = [e.namedKey.decode() for e in graph.constantData[1:]]
+    assert len(keys) == 6 and set(keys) == set(data.named_data)
+    for key, blob in data.named_data.items():
+        assert hashlib.sha256(blob).hexdigest() == key
+    assert data.named_data[keys[0]] == model.fc1.weight.detach().t().contiguous().numpy().tobytes()
+
+
+def test_named_data_segments_deduplicated_and_aligned():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+            self.b = torch.nn.Linear(16, 16)
+            with torch.no_grad():
+                self.b.weight.copy_(self.a.weight)
+                self.b.bias.zero_()
+                self.a.bias.zero_()
+
+        def forward(self, x):
+            return self.b(torch.sin(self.a(x)))  # sin is delegated too; equal weights anyway
+
+    torch.manual_seed(0)
+    model, inputs = Twice().eval(), (torch.randn(2, 16),)
+    pte = _lower(model, inputs).pte
+    data = deserialize(pte)
+    keys = list(data.named_data)
+    assert len(keys) == 2  # one weight, one (zero) bias: equal bytes, one key
+    program = load(pte).pte.program
+    del program
+    from lowering.pte.generated import program_generated as fb
+
+    raw = fb.ProgramT.InitFromPackedBuf(pte[:int.from_bytes(pte[16:24], "little")], 0)
+    assert len({n.segmentIndex for n in raw.namedData}) == len(raw.namedData)
+    for segment in raw.segments:
+        assert segment.offset % 128 == 0
+    _assert_close(_run_executorch(pte, inputs)[0], [model(*inputs).detach()], "dedup")
+
+
+def test_cnn_batch_norm_folded_activations_fused_two_transposes():
+    model, inputs = MODELS["cnn"]()
+    result = _lower(model, inputs)
+    _, (payload,) = _payloads(result.pte)
+    kinds = _node_kinds(payload)
+    assert kinds == Counter({"XNNConv2d": 3, "XNNStaticTranspose": 2, "XNNMaxPooling2d": 1, "XNNAdd": 1,
+                             "XNNAvgPooling2d": 1, "XNNStaticReshape": 1, "XNNFullyConnected": 1}), kinds
+    graph, _ = P.deserialize_payload(payload)
+    convs = [n for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNConv2d"]
+    assert [bool(n.outputMinMax) for n in convs] == [True, True, True]
+    filt = graph.xvalues[convs[0].xnodeUnion.filterId].xvalueUnion
+    assert list(filt.dims) == [16, 3, 3, 3]  # OHWI
+
+
+def test_scalar_ops_squeeze_and_repeated_cat_are_delegated():
+    class Beyond(torch.nn.Module):
+        def forward(self, x):
+            y = (x * 0.5) / 4.0
+            z = torch.cat([y, y], dim=1).unsqueeze(0).squeeze(0)
+            return torch.softmax(z, -1), x.clone()
+
+    model, inputs = Beyond().eval(), (torch.randn(3, 8),)
+    result = _lower(model, inputs)
+    assert _kernel_calls(result.pte) == 0
+    _, (payload,) = _payloads(result.pte)
+    graph, _ = P.deserialize_payload(payload)
+    # x.clone() is returned: a Copy node, never the input value itself as an output.
+    assert not set(graph.outputIds) & set(graph.inputIds)
+    assert "XNNCopy" in _node_kinds(payload)
+    with torch.no_grad():
+        expected = list(model(*inputs))
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "beyond executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "beyond ours")
+
+
+# --------------------------------------------------------------------------- partition constraints
+
+
+def test_weight_used_outside_the_delegate_keeps_its_conv_out():
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+
+        def forward(self, x):
+            y = torch.nn.functional.conv2d(x, self.w)
+            return torch.relu(y) + self.w.sum(dim=(0, 1, 2, 3), keepdim=False)  # sum stays portable
+
+    torch.manual_seed(0)
+    model, inputs = Shared().eval(), (torch.randn(1, 3, 8, 8),)
+    result = _lower(model, inputs)
+    top = Counter(str(n.target) for n in result.exported_program.graph.nodes if n.op == "call_function")
+    assert top["aten.convolution.default"] == 1  # not delegated: its filter would be a runtime input
+    with torch.no_grad():
+        expected = [model(*inputs)]
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "shared weight")
+
+
+def test_non_float_ops_stay_outside():
+    model, inputs = MODELS["integer_inputs"]()
+    result = _lower(model, inputs)
+    _, payloads = _payloads(result.pte)
+    assert payloads == []
+
+
+def test_partitioner_reasons_name_the_constraint():
+    from lowering.backends.xnnpack.preprocess import Context, check_node
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, 1), torch.nn.functional.gelu(x, approximate="tanh"), x + 2 * x
+
+    ep = lowering.export(M(), (torch.randn(2, 3, 4),))
+    ctx = Context(ep)
+    reasons = {n.target: check_node(n, ctx) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "last" in reasons[torch.ops.aten._softmax.default]
+    assert "tanh" in reasons[torch.ops.aten.gelu.default]
+
+
+def test_preprocess_error_names_the_node():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return x.sum(dim=1)
+
+    ep = lowering.export(M(), (torch.randn(2, 3),))
+    with pytest.raises(lowering.BackendError, match=r"node 'sum\w*'.*no XNNPACK lowering for aten.sum"):
+        lowering.to_backend("XnnpackBackend", ep, ())
+
+
+# --------------------------------------------------------------------------- storage, determinism
+
+
+def test_delegated_program_with_named_data_round_trips_through_serialize():
+    from lowering.emit import emit_program
+    from lowering.memory_plan import memory_plan
+    from lowering.serialize import deserialize_delegated_program, serialize_delegated_program
+
+    model, inputs = MODELS["cnn"]()
+    result = _lower(model, inputs)
+    stored = serialize_delegated_program(result.exported_program, keep_stack_traces=False)
+    again = deserialize_delegated_program(stored.manifest, stored.get_blob)
+    lowered = [m for m in again.graph_module.children() if hasattr(m, "named_data")]
+    assert lowered and all(m.named_data for m in lowered)
+    assert emit_program(again, memory_plan(again)) == result.pte
+    # Blobs are content-addressed: each named blob is stored under its own digest.
+    for m in lowered:
+        for key, blob in m.named_data.items():
+            assert stored.blobs[hashlib.sha256(blob).hexdigest()] == blob
+
+
+_LOWER_IN_SUBPROCESS = """
+import sys, warnings, hashlib
+warnings.simplefilter("ignore")
+import lowering
+from lowering.targets import partitioner_for
+from examples.models import MODELS
+model, inputs = MODELS[sys.argv[1]]()
+pte = lowering.lower(model, inputs, partitioner=partitioner_for("xnnpack")).pte
+print(hashlib.sha256(pte).hexdigest())
+"""
+
+
+def test_bytes_identical_across_processes():
+    model, inputs = MODELS["cnn"]()
+    here = hashlib.sha256(_lower(model, inputs).pte).hexdigest()
+    there = subprocess.run(
+        [sys.executable, "-c", _LOWER_IN_SUBPROCESS, "cnn"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    assert here == there
