@@ -276,7 +276,12 @@ def run_preprocess(
     _begin("preprocess")
     lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
     processed = store.put_bytes(lowered.processed_bytes, "processed")
-    return {"processed": processed, "backend_id": lowered.backend_id}
+    result = {"processed": processed, "backend_id": lowered.backend_id}
+    if lowered.named_data:  # weights the payload refers to by key, one stored blob each
+        result["named_data"] = [
+            {"key": key, "blob": store.put_bytes(blob, "named_data")} for key, blob in lowered.named_data.items()
+        ]
+    return result
 
 
 def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions: list) -> dict:
@@ -291,7 +296,8 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
         original = get_program(store, part["program"])
         delegated_nodes += sum(1 for n in original.graph.nodes if n.op == "call_function")
         lowered = LoweredBackendModule(
-            original, part["backend_id"], store.get_bytes(part["processed"]), _specs(part["compile_specs"])
+            original, part["backend_id"], store.get_bytes(part["processed"]), _specs(part["compile_specs"]),
+            {entry["key"]: store.get_bytes(entry["blob"]) for entry in part.get("named_data", [])},
         )
         insert_lowered_module(program, call, lowered, io)
     delegated = adjust_original_program(program)
