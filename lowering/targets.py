@@ -1,9 +1,11 @@
 """Lowering targets: a name for "what to delegate, to which backend".
 
 * ``portable`` — nothing delegated; every op runs on the runtime's portable kernels.
-* a backend name (``reference``, ``ReferenceBackend``, or any backend registered in
-  the ``lowerflow.backends`` entry-point group or defined as a ``BackendDetails``
-  subclass) — partitioned by the backend's ``partitioner(**options)`` classmethod.
+* a backend name (``reference``, ``xnnpack``, ``ReferenceBackend``, ``XnnpackBackend``,
+  or any backend registered in the ``lowerflow.backends`` entry-point group or defined
+  as a ``BackendDetails`` subclass) — partitioned by the backend's
+  ``partitioner(**options)`` classmethod.  ``xnnpack`` programs run on ExecuTorch's
+  XNNPACK backend (fp32).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from .errors import BackendError
-from .lowered_module import find_backend
+from .delegation import find_backend
 from .partition import Partitioner
 
 PORTABLE = "portable"
