@@ -1,6 +1,6 @@
 """The demo: lower the demo fleet (``examples/fleet.yaml``) and show what came out.
 
-    python -m examples.demo [--verbose]   # what ``./run demo`` runs
+    python -m examples.demo [--verbose] [--debug]   # what ``./run demo`` runs
 
 Runs the ``lower-fleet`` flow on Prefect's ephemeral server (nothing to start),
 prints a line per model as it finishes, the fleet table, and where the ``.pte``
@@ -17,15 +17,25 @@ FLEET = Path(__file__).resolve().parent / "fleet.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    verbose = "--verbose" in (sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else argv
+    verbose, debug = "--verbose" in args, "--debug" in args
     from flows.cli import CLIError, configure_environment, error_message, run_fleet
 
     configure_environment(verbose)  # before Prefect is imported
     try:
         summary = run_fleet(str(FLEET), verbose=verbose)
-    except CLIError as exc:
+    except KeyboardInterrupt:
+        print("demo: error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one line, never a traceback (unless --debug)
+        if debug:
+            import traceback
+
+            traceback.print_exc()
         print(f"demo: error: {error_message(exc)}", file=sys.stderr)
-        return exc.code
+        if not debug and not isinstance(exc, CLIError):
+            print("demo: (run again with --debug for the traceback)", file=sys.stderr)
+        return exc.code if isinstance(exc, CLIError) else 1
     print(f"\nstore: {summary['store']}")
     for name, manifest in summary["models"].items():
         for target, entry in manifest["targets"].items():

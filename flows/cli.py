@@ -126,38 +126,61 @@ def check_targets(targets: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- environment
 
 
+#: Seconds Prefect's ephemeral API server gets to start (Prefect's default is 20):
+#: its first start creates and migrates the database, which took longer than 20 s
+#: on a 2-core machine whose cores were busy.  (``flows/__init__.py`` sets the same.)
+EPHEMERAL_STARTUP_TIMEOUT = "180"
+#: Loggers whose records the console shows unless ``--verbose``: lowerflow's own.
+OWN_LOGGERS = ("lowerflow", "lowering", "tasks", "flows")
+#: Libraries whose warnings say nothing about the user's run (unless ``--verbose``).
+QUIET_WARNINGS = r"(torch|torchao|executorch|transformers|prefect|pydantic)(\..*)?$"
+
+
 def configure_environment(verbose: bool, store: str | None = None) -> None:
     """Settings read when Prefect and the stage tasks are imported, so set first.
 
     * no Prefect analytics (SQLite locks up under fan-out otherwise);
+    * the ephemeral server's startup timeout (:data:`EPHEMERAL_STARTUP_TIMEOUT`);
     * Prefect's console handler at WARNING unless ``verbose`` (its API logs are kept),
-      and no Future/DeprecationWarnings;
+      and no warnings from torch, the oracle and the other libraries;
     * ``--store`` becomes ``$LOWERFLOW_STORE``, so result records and locks follow it.
 
     Values the user already set in the environment win.
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
         # Deprecation notices of torch/Prefect internals say nothing about the user's run.
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
     if store:
         os.environ["LOWERFLOW_STORE"] = store
 
 
-class _NotPrefect(logging.Filter):
-    """Drops the records of Prefect's own loggers (``prefect``, ``prefect.*``)."""
+class _OwnRecords(logging.Filter):
+    """Keeps the records of lowerflow's own loggers (:data:`OWN_LOGGERS`), drops the rest."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "prefect" or record.name.startswith("prefect."))
+        return any(record.name == n or record.name.startswith(n + ".") for n in OWN_LOGGERS)
 
 
-def quiet_prefect_console(verbose: bool) -> None:
-    """Unless ``verbose``, Prefect's console handler drops Prefect's own records.
+class _Nothing(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
 
-    A failed model is reported by our table, not by Prefect's traceback; the records
-    still reach the Prefect API (the UI shows them).  Other libraries' warnings stay.
+
+def quiet_console(verbose: bool) -> None:
+    """Unless ``verbose``, the console shows lowerflow's own records only.
+
+    * Prefect's console handler drops everyone else's records (Prefect's own, a
+      failed model's traceback, torchao's and transformers' import warnings): a
+      failed model is reported by our table.  The records still reach the Prefect
+      API (the UI shows them).
+    * torch's own handlers (torch logs on a handler of its own, e.g. the fake-tensor
+      traceback of a model whose inputs have the wrong shape) show nothing.
+
     Call after importing Prefect (its import sets up the handlers).
     """
     if verbose:
@@ -165,8 +188,13 @@ def quiet_prefect_console(verbose: bool) -> None:
     from prefect.logging.handlers import PrefectConsoleHandler
 
     for handler in logging.getLogger().handlers:
-        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _NotPrefect) for f in handler.filters):
-            handler.addFilter(_NotPrefect())
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _OwnRecords) for f in handler.filters):
+            handler.addFilter(_OwnRecords())
+    torch_loggers = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    for name in torch_loggers:  # torch gives many of its loggers a stderr handler of their own
+        for handler in getattr(logging.getLogger(name), "handlers", []):
+            if not any(isinstance(f, _Nothing) for f in handler.filters):
+                handler.addFilter(_Nothing())
 
 
 def say(line: str = "") -> None:
@@ -187,7 +215,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     from flows.lower_model import ModelLoweringFailed, lower_model
 
-    quiet_prefect_console(args.verbose)
+    quiet_console(args.verbose)
     try:
         manifest = lower_model(model=args.spec, targets=targets, store=args.store)
     except ModelLoweringFailed as exc:
@@ -258,8 +286,17 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
     summary = run_fleet(args.manifest, verbose=args.verbose)
     if summary.get("failed"):
-        raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}")
+        reasons = "; ".join(f"{name} ({model_error(summary['models'].get(name) or {})})" for name in summary["failed"])
+        raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {reasons}")
     return EXIT_OK
+
+
+def model_error(manifest: dict) -> str:
+    """The first error of a model's manifest: ``"<target> <stage>: <Type>: <message>"``."""
+    for target, entry in (manifest.get("targets") or {}).items():
+        if entry.get("error"):
+            return f"{target} {entry['error']}"
+    return manifest.get("error") or "failed"
 
 
 def run_fleet(manifest: str, *, verbose: bool = False) -> dict:
@@ -269,7 +306,7 @@ def run_fleet(manifest: str, *, verbose: bool = False) -> dict:
     from flows.lower_fleet import FleetFailed, lower_fleet
     from flows.reports import fleet_text_table
 
-    quiet_prefect_console(verbose)
+    quiet_console(verbose)
     say(f"lowering {len(fleet.models)} models into {fleet.store or 'the default store'}")
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
@@ -363,7 +400,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from flows.lower_fleet import plan_fleet
     from flows.reports import text_table
 
-    quiet_prefect_console(args.verbose)
+    quiet_console(args.verbose)
     rows = plan_fleet(args.manifest)
     say(text_table(("model", "target", "stage", "would"),
                    [(r["model"], r["target"], r["stage"], "cached" if r["cached"] else "run") for r in rows]))
@@ -417,11 +454,32 @@ def first_line(text: str) -> str:
     return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
 
 
+#: Failures whose cause is outside lowerflow, and what to do about them.
+HINTS = (
+    ("ephemeral Prefect API server",
+     "Prefect's temporary API server did not start in time (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="
+     "{timeout}); raise it, or run 'prefect server start' and set PREFECT_API_URL=http://127.0.0.1:4200/api"),
+    ("database is locked",
+     "Prefect's SQLite database is locked by another process; set PREFECT_SERVER_ANALYTICS_ENABLED=false, "
+     "or run a Prefect server on PostgreSQL (see deployments/README.md)"),
+    ("All connection attempts failed",
+     "cannot reach the Prefect API at PREFECT_API_URL={api}; start it ('prefect server start') or unset "
+     "PREFECT_API_URL to use a temporary server"),
+)
+
+
 def error_message(exc: BaseException) -> str:
-    """One line: a CLIError's message, else ``<ExceptionType>: <first line of its message>``."""
+    """One line: a CLIError's message; for a known outside cause, what to do;
+    else ``<ExceptionType>: <first line of its message>``."""
     line = first_line(str(exc))
     if isinstance(exc, CLIError):
         return line
+    for needle, hint in HINTS:
+        if needle in str(exc):
+            return hint.format(
+                timeout=os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20"),
+                api=os.environ.get("PREFECT_API_URL", "(unset)"),
+            )
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
@@ -440,6 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         print(f"{PROG}: error: {error_message(exc)}", file=sys.stderr)
+        if not debug and not isinstance(exc, CLIError):
+            print(f"{PROG}: (run again with --debug for the traceback)", file=sys.stderr)
         return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
 
 

@@ -37,6 +37,7 @@ constants so that they neither run nor occupy the arena at runtime.
 
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import logging
@@ -132,11 +133,28 @@ def export(
             model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False
         )
     except Exception as exc:  # torch raises many unrelated types here
-        raise ExportError(
-            f"model {label!r}: torch.export.export failed: {type(exc).__name__}: "
-            f"{_first_line(exc)}"
-        ) from exc
+        raise ExportError(f"model {label!r}: {_export_failure(model, example_inputs, exc)}") from exc
     return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants)
+
+
+def _export_failure(model: torch.nn.Module, example_inputs: Sequence[Any], exc: Exception) -> str:
+    """Why torch.export failed, in one line: if the model fails in eager on its example
+    inputs too (a wrong input shape or dtype), say that, with eager's own message
+    (clearer than the fake-tensor one); otherwise torch.export's reason."""
+    try:
+        with torch.no_grad():
+            copy.deepcopy(model)(*example_inputs)
+    except Exception as eager:
+        shapes = ", ".join(
+            f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}" if isinstance(x, torch.Tensor)
+            else type(x).__name__
+            for x in example_inputs
+        )
+        return (
+            f"the model fails on its example inputs ({shapes}) in eager mode too: "
+            f"{type(eager).__name__}: {_first_line(eager)}"
+        )
+    return f"torch.export.export failed: {type(exc).__name__}: {_first_line(exc)}"
 
 
 def load(

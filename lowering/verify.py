@@ -7,8 +7,10 @@ program too; it is looked up by name at call time so nothing here depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
+import logging
 import threading
 from typing import Any, Sequence
 
@@ -16,6 +18,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .runtime import load
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -136,20 +140,55 @@ _EXECUTORCH_LOCK = threading.Lock()
 
 def _executorch_runner():
     try:
-        runtime_module = importlib.import_module("executorch.runtime")
+        with _native_output_to_log():
+            runtime_module = importlib.import_module("executorch.runtime")
     except ImportError:
         return None
 
     class Runner:
         def __call__(self, pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
-            with _EXECUTORCH_LOCK:
+            with _EXECUTORCH_LOCK, _native_output_to_log():
                 program = runtime_module.Runtime.get().load_program(pte)
                 method = program.load_method("forward")
                 return [list(method.execute(list(inputs))) for _ in range(calls)]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:
-            with _EXECUTORCH_LOCK:
+            with _EXECUTORCH_LOCK, _native_output_to_log():
                 registry = runtime_module.Runtime.get().backend_registry
                 return [b for b in backend_ids if not registry.is_available(b)]
 
     return Runner()
+
+
+@contextlib.contextmanager
+def _native_output_to_log():
+    """The oracle's import and its C++ runtime print diagnostics straight to file
+    descriptor 2 (cpuinfo probes, torchao's optional kernels).  Around those calls
+    fd 2 goes to a temporary file, and what was written is logged at DEBUG on
+    ``lowering.verify``, so it is there for whoever asks and stays off the console.
+    Python-level warnings and log records raised meanwhile are unaffected."""
+    import os
+    import sys
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (embedded interpreters)
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except ValueError:
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode(errors="replace").strip()
+            if text:
+                log.debug("executorch runtime output:\n%s", text)

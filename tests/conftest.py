@@ -25,7 +25,8 @@ def prefect_api():
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    # Prefect's default 30 s is too short for a first start on a busy 2-core machine.
+    with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
 
 
