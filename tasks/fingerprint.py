@@ -125,20 +125,23 @@ def fingerprint_pt2(data: bytes, options: Mapping[str, Any] | None = None) -> Fi
 def weights_digest(module: torch.nn.Module) -> tuple[str, dict[str, Any]]:
     """blake3 over every named tensor of the model (name, dtype, shape, bytes).
 
-    Tied tensors (one storage under two names) are hashed once.  Returns the
+    Tied tensors (one storage under two names) are hashed once, and the tie is
+    recorded (a tied and an untied model export differently).  Returns the
     digest and ``{"tensors": n, "bytes": total}``.
     """
     import blake3
 
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple, tuple[str, str]] = {}  # identity -> (digest, first name)
     entries = []
     total = 0
     for name, tensor in named_tensors(module):
         key = _tensor_identity(tensor)
         if key not in seen:
-            seen[key] = tensor_digest(tensor)
+            seen[key] = (tensor_digest(tensor), name)
             total += tensor.numel() * tensor.element_size()
-        entries.append([name, str(tensor.dtype), list(tensor.shape), seen[key]])
+        digest, first = seen[key]
+        # Which names share one tensor is part of the program (one input or two).
+        entries.append([name, str(tensor.dtype), list(tensor.shape), digest, first if first != name else None])
     digest = blake3.blake3(_canonical(entries)).hexdigest()
     return digest, {"tensors": len(entries), "bytes": total}
 
