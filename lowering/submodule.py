@@ -17,13 +17,27 @@ at the end (ExecuTorch sorts the whole graph once per partition, which makes
 96 partitions cost seconds).  Placeholders are never fused: a tagged constant
 stays a placeholder of the top-level graph, and its copy inside the submodule
 keeps the tag, which is how stage 4 knows the partition consumes it.
+
+The fused graph is a function of the tagged graph's nodes alone, whether it
+is the live program or one read back from the store, in any process:
+
+* names: the nodes fusion creates (``fused_<i>``, ``getitem_<n>``) are named
+  from the graph's current node names, never from names its history used
+  (:func:`fresh_namespace`);
+* order: each call's getitems follow it directly, in index order — the order
+  torch's deserializer gives them — so the fused and the delegated program
+  read back from the store as the same graph (the memory planner numbers
+  graph steps: a getitem elsewhere gives another plan and other ``.pte`` bytes).
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+import operator
+
 import torch
+from torch.fx.graph import _Namespace
 from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm
 
@@ -39,6 +53,7 @@ def create_submodules(
     Submodules are named ``fused_<i>`` in the order of ``sorted(tags)``.
     A tag whose nodes would form a dependency cycle raises :class:`SubmoduleError`
     naming the nodes inside and outside the partition that close the cycle.
+    The result depends only on the graph's nodes and tags (see the module docstring).
     """
     tags = sorted(tags)
     members = nodes_by_tag(graph_module.graph, tags)
@@ -46,16 +61,50 @@ def create_submodules(
         if not members[tag]:
             raise SubmoduleError(f"partition tag {tag!r} has no operator nodes to delegate")
         check_no_cycle(tag, members[tag])
+    fresh_namespace(graph_module.graph)
     calls = {}
     for i, tag in enumerate(tags):
         calls[tag] = fuse_partition(graph_module, members[tag], f"fused_{i}")
     # One sort for all partitions.  It copies the graph into new nodes (same
     # names), so the calls are looked up again by name.
     stable_topological_sort(graph_module)
+    by_name = {n.name: n for n in graph_module.graph.nodes if n.op == "call_module"}
+    calls = {tag: by_name[call.name] for tag, call in calls.items()}
+    for call in calls.values():
+        place_getitems_after(call)
     graph_module.graph.lint()
     graph_module.recompile()
-    by_name = {n.name: n for n in graph_module.graph.nodes if n.op == "call_module"}
-    return {tag: by_name[call.name] for tag, call in calls.items()}
+    return calls
+
+
+def fresh_namespace(graph: torch.fx.Graph) -> None:
+    """Forget the names ``graph`` used before (in place): only its current nodes' names are taken.
+
+    torch.fx never frees a name: a graph that erased ``getitem_7`` on its way
+    (export, decompositions) names its next getitem differently from a copy
+    of it or one read back from the store.  After this, names of new nodes
+    depend on the current nodes alone.  (torch.fx has no public API for it.)
+    """
+    namespace = _Namespace()
+    for node in graph.nodes:
+        name = namespace.create_name(node.name, None)
+        if name != node.name:  # cannot happen: node names are unique identifiers
+            raise SubmoduleError(f"node name {node.name!r} is not unique in the graph")
+        namespace.associate_name_with_obj(name, node)
+    graph._graph_namespace = namespace
+
+
+def place_getitems_after(node: torch.fx.Node) -> None:
+    """Move the getitems of a multi-output ``node`` right after it, in index order (in place).
+
+    Always valid (a getitem needs only ``node``), and the order a program
+    read back from the store has, so live and stored programs plan alike.
+    """
+    anchor = node
+    for item in getitems_of(node):
+        if anchor.next is not item:
+            anchor.append(item)
+        anchor = item
 
 
 def nodes_by_tag(graph: torch.fx.Graph, tags: list[str]) -> dict[str, list[torch.fx.Node]]:
@@ -122,3 +171,9 @@ def _cycle_message(tag, end, parent, inside) -> str:
         f"{' -> '.join(n.name for n in path)} leaves the partition through "
         f"{outside} and comes back; untag {outside} into the partition or split it"
     )
+
+
+def getitems_of(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The getitem users of ``node``, by index."""
+    items = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem]
+    return sorted(items, key=lambda u: u.args[1])

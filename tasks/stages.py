@@ -22,10 +22,11 @@ which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -43,7 +44,7 @@ from lowering.partition import (
 )
 from lowering.program import copy_program, strip_debug_metadata
 from lowering.serialize import canonical_json
-from lowering.submodule import create_submodules, nodes_by_tag
+from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
 from lowering.verify import verify as verify_pte
@@ -56,11 +57,11 @@ from .store import ArtifactRef, ArtifactStore
 STAGE_VERSIONS = {
     "export": "1",
     "partition": "1",
-    "create_submodule": "1",
-    "build_programs": "1",
+    "create_submodule": "2",
+    "build_programs": "2",
     "preprocess": "1",
-    "adjust": "1",
-    "memory_plan": "1",
+    "adjust": "2",
+    "memory_plan": "2",
     "emit": "1",
     "verify": "1",
 }
@@ -110,6 +111,22 @@ class LiveObjects:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Within: nothing is kept and every input is read back from the store.
+
+        For tests: a stage must give the same result whether its input is the
+        live object or what the store returns, and this is the store's side.
+        """
+        with self._lock:
+            capacity, self.capacity = self.capacity, 0
+            self._items.clear()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.capacity = capacity
 
 
 LIVE = LiveObjects()
@@ -220,17 +237,25 @@ def run_partition(store: ArtifactStore, program: ArtifactRef, target: str, optio
 
 
 def _tagged_program(store: ArtifactStore, tagged: dict):
-    """A private copy of the stage-2 program with its tags applied (safe to fuse)."""
+    """A private copy of the stage-2 program with its tags applied (safe to fuse).
+
+    The copy is the same graph whether the program is this process's live
+    object or was read back from the store (:func:`lowering.serialize.deserialize_program`
+    restores the stored nodes), so fusing it gives the same plan either way.
+    """
     program = copy_program(get_program(store, tagged["program"]))
     doc = get_doc(store, tagged["tags"])
     apply_partition_tags(program.graph, doc["tags"])
     return program, doc
 
 
-def run_create_submodule(store: ArtifactStore, tagged: dict) -> dict:
-    """Stage 3: fuse each tag into a submodule (checks cycles) and store the plan."""
-    _begin("create_submodule")
-    program, doc = _tagged_program(store, tagged)
+def _fuse(program, doc: dict) -> tuple[dict, dict]:
+    """Fuse every tag of ``doc`` (in place): ({tag: call node}, the plan of what was fused).
+
+    The plan records, per tag, the submodule, its nodes, the top-level values it
+    takes and the getitems that carry its outputs: all of it is a function of
+    the stored tagged program and tags (fusion order: ``sorted`` tags).
+    """
     members = nodes_by_tag(program.graph, sorted(doc["partitions"]))
     calls = create_submodules(program.graph_module, doc["partitions"])
     plan = {
@@ -238,22 +263,58 @@ def run_create_submodule(store: ArtifactStore, tagged: dict) -> dict:
             "module": call.target,
             "nodes": [n.name for n in members[tag]],
             "inputs": [a.name for a in call.args],
-            "outputs": len(call.meta["val"]),
+            "outputs": [u.name for u in getitems_of(call)],
         }
         for tag, call in calls.items()
     }
+    return calls, plan
+
+
+def run_create_submodule(store: ArtifactStore, tagged: dict) -> dict:
+    """Stage 3: fuse each tag into a submodule (checks cycles) and store the plan."""
+    _begin("create_submodule")
+    program, doc = _tagged_program(store, tagged)
+    _, plan = _fuse(program, doc)
     return {"plan": put_doc(store, plan, "submodule_plan")}
 
 
 def _fused(store: ArtifactStore, tagged: dict, plan_ref: ArtifactRef):
-    """Re-apply the stage-3 plan to the tagged program: (program, {tag: call node}, tag doc)."""
+    """Re-apply the stage-3 plan to the tagged program: (program, {tag: call node}, tag doc).
+
+    Fusing is cheap and deterministic, so stages 4 and 6 redo it rather than
+    store the fused graph; the stored plan proves they fused what stage 3 did.
+    """
     program, doc = _tagged_program(store, tagged)
-    plan = get_doc(store, plan_ref)
-    calls = create_submodules(program.graph_module, doc["partitions"])
-    for tag, call in calls.items():
-        if call.target != plan[tag]["module"] or [a.name for a in call.args] != plan[tag]["inputs"]:
-            raise RuntimeError(f"partition {tag!r}: fusing again does not reproduce the stored plan")
+    calls, plan = _fuse(program, doc)
+    check_plan(get_doc(store, plan_ref), plan, tagged)
     return program, calls, doc
+
+
+def check_plan(stored: dict, fused: dict, tagged: dict) -> None:
+    """Raise, naming the partition and what differs, unless ``fused`` is the ``stored`` plan."""
+    if stored == fused:
+        return
+    where = f"tagged program {tagged['program'].sha256[:12]}, tags {tagged['tags'].sha256[:12]}"
+    if set(stored) != set(fused):
+        raise RuntimeError(
+            f"fusing the stored partitions again gives tags {sorted(fused)}, the stored plan has "
+            f"{sorted(stored)} ({where})"
+        )
+    for tag in sorted(stored):
+        for field in ("module", "nodes", "inputs", "outputs"):
+            was, now = stored[tag].get(field), fused[tag].get(field)
+            if was != now:
+                raise RuntimeError(
+                    f"partition {tag!r}: fusing again does not reproduce the stored plan: {field} "
+                    f"{_short(now)}, stage create_submodule recorded {_short(was)} ({where})"
+                )
+
+
+def _short(value: Any, limit: int = 6) -> str:
+    """A list shown with at most ``limit`` items (plans of big partitions are long)."""
+    if isinstance(value, list) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} items)"
+    return repr(value)
 
 
 def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) -> dict:
