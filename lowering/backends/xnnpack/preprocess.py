@@ -113,7 +113,8 @@ class Context:
         return arg.op == "call_function" and arg.target in _FOLDABLE and self.is_static(arg.args[0])
 
 
-_FOLDABLE = (aten.permute_copy.default, aten.view_copy.default, aten.clone.default, aten.alias_copy.default)
+_FOLDABLE = (aten.permute_copy.default, aten.view_copy.default, aten.clone.default, aten.alias_copy.default,
+             aten.expand_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dims)
 
 
 def val(node: Any) -> Any:
@@ -198,6 +199,7 @@ class GraphBuilder:
         self._multi: dict[torch.fx.Node, list[Any]] = {}  # multi-output node -> per-index (node-like) values
         self._external_inputs: set[int] = set()
         self._alias_of: dict[torch.fx.Node, torch.fx.Node] = {}
+        self._reshape_of: dict[torch.fx.Node, torch.fx.Node] = {}  # reshape node -> its input
         self._static_cache: dict[torch.fx.Node, torch.Tensor] = {}
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
@@ -365,7 +367,9 @@ class GraphBuilder:
                 source = self.static_tensor(node.args[0])
                 if node.target is aten.permute_copy.default:
                     t = source.permute(node.args[1])
-                elif node.target is aten.view_copy.default:
+                elif node.target is aten.expand_copy.default:
+                    t = source.expand(shape(node))
+                elif node.target in (aten.view_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dims):
                     t = source.reshape(shape(node))
                 else:
                     t = source
@@ -395,19 +399,25 @@ class GraphBuilder:
         (``source`` and every alias between it and the producer have one user each)."""
         if source not in self._primary:
             return False
-        chain = source
+        chain = source  # through aliases and reshapes (a clamp commutes with both)
         while True:
             if len(chain.users) != 1:
                 return False
-            if chain not in self._alias_of:
+            if chain in self._alias_of:
+                chain = self._alias_of[chain]
+            elif chain in self._reshape_of:
+                chain = self._reshape_of[chain]
+            else:
                 break
-            chain = self._alias_of[chain]
+        if chain not in self._primary:
+            return False
+        produced = self._primary[chain]
+        index = self._producer.get(produced.id)
+        if index is None or self.values[produced.id].xvalueUnion.flags:
+            return False
+        if self._by_layout.get((chain, produced.layout)) != produced.id:
+            return False
         primary = self._primary[source]
-        index = self._producer.get(primary.id)
-        if index is None or self.values[primary.id].xvalueUnion.flags:
-            return False
-        if self._by_layout.get((chain, primary.layout)) != primary.id:
-            return False
         xnode = self.nodes[index]
         if xnode.outputMinMax is not None:
             lo, hi = max(lo, xnode.outputMinMax.outputMin), min(hi, xnode.outputMinMax.outputMax)
@@ -691,6 +701,19 @@ def _lower_reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.get(source, NCHW)
     out = b.output(node)
     b._node(fbx.NodeUnion.XNNStaticReshape, _reshape(shape(node) or [1], x, out))
+    b._reshape_of[node] = source
+
+
+def _check_expand(node, ctx):
+    if shape(node) != shape(node.args[0]) and not ctx.is_static(node.args[0]):
+        return "broadcast of a runtime value (XNNPACK has no broadcast node)"
+    return None
+
+
+@_rule(aten.expand_copy.default, check=_check_expand)
+def _lower_expand(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """An expand to the same shape is its input (an expand of static data is folded, never lowered)."""
+    b.alias(node, node.args[0])
 
 
 @_rule(aten.permute_copy.default)
@@ -915,8 +938,31 @@ def _lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
         b._node(fbx.NodeUnion.XNNAdd, _node2x1(out, b.get(add_bias, NCHW), result), fusable_output=result)
 
 
+def _batch_broadcast_weight(b: "GraphBuilder", arg: Any) -> torch.Tensor | None:
+    """The [K, N] matrix a static [B, K, N] operand repeats over its batch, if it does."""
+    if not b.ctx.is_static(arg):
+        return None
+    t = b.static_tensor(arg)
+    first = t[0]
+    return first if bool((t == first.unsqueeze(0)).all()) else None
+
+
 @_rule(aten.bmm.default)
 def _lower_bmm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """BatchMatrixMultiply; with a static right operand repeated over the batch (an
+    expanded weight), a FullyConnected over the flattened batch instead::
+
+        bmm(%x [B,M,K], expand_copy(%w [K,N], [B,K,N]))  ->  FullyConnected(x, w, TRANSPOSE_WEIGHTS)
+    """
+    weight = _batch_broadcast_weight(b, node.args[1])
+    if weight is not None:
+        x = b.get(node.args[0], NCHW)
+        out = b.output(node)
+        body = fbx.XNNFullyConnectedT()
+        body.input1Id, body.filterId, body.biasId, body.outputId = x, b.constant(weight), P.INVALID_ID, out
+        body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+        b._node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out)
+        return
     x, y = b.get(node.args[0], NCHW), b.get(node.args[1], NCHW)
     out = b.output(node)
     b._node(fbx.NodeUnion.XNNBatchMatrixMultiply, _node2x1(x, y, out))
