@@ -361,3 +361,28 @@ def test_bytes_identical_across_processes():
         [sys.executable, "-c", _LOWER_IN_SUBPROCESS, "cnn"], cwd=REPO, capture_output=True, text=True, check=True
     ).stdout.split()[-1]
     assert here == there
+
+
+def test_transformer_expanded_weights_become_fully_connected():
+    """``bmm(x, expand(W))`` is a FullyConnected on W; same-shape expands vanish; relu after
+    ``view(addmm)`` is fused into the FullyConnected."""
+    model, inputs = MODELS["transformer"]()
+    result = _lower(model, inputs)
+    top = Counter(str(n.target) for n in result.exported_program.graph.nodes if n.op == "call_function")
+    assert "aten.expand_copy.default" not in top and "aten.bmm.default" not in top
+    data, payloads = _payloads(result.pte)
+    kinds = sum((_node_kinds(p) for p in payloads), Counter())
+    assert kinds["XNNFullyConnected"] == 4 and kinds["XNNBatchMatrixMultiply"] == 2, kinds
+    assert "XNNClamp" not in kinds
+    # The expanded in-projection weight is stored once, unexpanded ([64, 192] fp32).
+    assert max(len(b) for b in data.named_data.values()) == 64 * 192 * 4
+
+
+def test_partition_over_the_extern_limit_is_left_out(monkeypatch):
+    """More inputs + outputs than the runtime allows: the partition is dropped, not delegated."""
+    model, inputs = MODELS["multi_output"]()  # one partition: 2 inputs, 4 outputs
+    monkeypatch.setattr(P, "MAX_EXTERNS", 5)
+    result = _lower(model, inputs)
+    assert _payloads(result.pte)[1] == []
+    monkeypatch.setattr(P, "MAX_EXTERNS", 6)
+    assert len(_payloads(_lower(model, inputs).pte)[1]) == 1
