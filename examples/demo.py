@@ -19,7 +19,7 @@ FLEET = Path(__file__).resolve().parent / "fleet.yaml"
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     verbose, debug = "--verbose" in args, "--debug" in args
-    from flows.cli import CLIError, configure_environment, error_message, run_fleet
+    from flows.cli import configure_environment, print_error, run_fleet
 
     configure_environment(verbose)  # before Prefect is imported
     try:
@@ -28,14 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print("demo: error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # one line, never a traceback (unless --debug)
-        if debug:
-            import traceback
-
-            traceback.print_exc()
-        print(f"demo: error: {error_message(exc)}", file=sys.stderr)
-        if not debug and not isinstance(exc, CLIError):
-            print("demo: (run again with --debug for the traceback)", file=sys.stderr)
-        return exc.code if isinstance(exc, CLIError) else 1
+        return print_error("demo", exc, debug)
     print(f"\nstore: {summary['store']}")
     for name, manifest in summary["models"].items():
         for target, entry in manifest["targets"].items():

@@ -4,6 +4,7 @@
     lowerflow fleet MANIFEST
     lowerflow plan MANIFEST
     lowerflow verify FILE.pte --model SPEC
+    lowerflow gc STORE [--keep-days N] [--dry-run]
 
 With no configuration the flows use Prefect's ephemeral server (nothing to
 start) and the store ``$LOWERFLOW_STORE`` or ``./.lowerflow``.  Prefect's own
@@ -51,7 +52,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lowerflow`` argument parser with its four subcommands."""
+    """The ``lowerflow`` argument parser with its subcommands."""
     parser = _Parser(prog=PROG, description="Lower PyTorch models to ExecuTorch .pte files with cached Prefect flows.",
                      parents=[_common_options(False)])
     # Accepted after the subcommand too; SUPPRESS keeps a value given before it.
@@ -84,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
     verify.set_defaults(run=cmd_verify)
+
+    gc = sub.add_parser("gc", parents=[common], help="remove store objects and cache records nothing uses",
+                        description="Remove objects and cache records that no published output references and "
+                                    "that are older than --keep-days (see tasks/gc.py for the rule).")
+    gc.add_argument("store", metavar="STORE", help="artifact store URL (a directory, s3://bucket/prefix, ...)")
+    gc.add_argument("--keep-days", type=float, default=7.0, metavar="N",
+                    help="never remove anything younger than N days (default: 7; keep it above your longest run)")
+    gc.add_argument("--dry-run", action="store_true", help="only report what would be removed")
+    gc.set_defaults(run=cmd_gc)
     return parser
 
 
@@ -213,6 +223,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = parse_spec(args.spec).name
     check_targets(targets)
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
+    for path in outputs.values():
+        check_writable(path)
     from flows.lower_model import ModelLoweringFailed, lower_model
 
     quiet_console(args.verbose)
@@ -266,16 +278,33 @@ def stage_lines(target: str, stages: Sequence[dict]) -> list[str]:
     return lines
 
 
+def check_writable(path: Path) -> None:
+    """Fail before any lowering if ``path`` cannot be written (exit status 2): its
+    directory must exist or be creatable, and accept a file."""
+    directory = path.parent
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".{path.name}.probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CLIError(f"-o {str(path)!r}: cannot write there: {exc.strerror or exc}", EXIT_USAGE) from None
+
+
 def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
     """Copy the target's .pte out of the store (digest-checked) to ``path``; returns its size."""
     from tasks.store import ArtifactRef, ArtifactStore
 
     ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
     data = ArtifactStore(store_url).get_bytes(ref)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CLIError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
     return len(data)
 
 
@@ -446,6 +475,26 @@ def verify_line(check: Any) -> str:
     return f"{check.runtime:<11} {status:<8} {diff}{error}".rstrip()
 
 
+# --------------------------------------------------------------------------- gc
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Mark from the published outputs, sweep what is old and unused (tasks.gc)."""
+    from tasks.gc import collect
+    from tasks.store import ArtifactStore
+
+    if args.keep_days < 0:
+        raise CLIError(f"--keep-days must be >= 0, got {args.keep_days:g}", EXIT_USAGE)
+    store = ArtifactStore(args.store)
+    if store.is_local and not Path(store.root).is_dir():
+        raise CLIError(f"store {args.store!r} does not exist", EXIT_USAGE)
+    report = collect(store, keep_days=args.keep_days, dry_run=args.dry_run)
+    say(report.summary())
+    for missing in report.missing[:10]:
+        say(f"warning: a published manifest needs {missing}, which is not in the store (the next run recomputes it)")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -483,6 +532,16 @@ def error_message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 
+def print_error(prog: str, exc: BaseException, debug: bool) -> int:
+    """``<prog>: error: <one line>`` on stderr (the traceback first with ``debug``); the exit status."""
+    if debug:
+        traceback.print_exc()
+    print(f"{prog}: error: {error_message(exc)}", file=sys.stderr)
+    if not debug and not isinstance(exc, CLIError):
+        print(f"{prog}: (run again with --debug for the traceback)", file=sys.stderr)
+    return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lowerflow`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -495,12 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"{PROG}: error: {error_message(exc)}", file=sys.stderr)
-        if not debug and not isinstance(exc, CLIError):
-            print(f"{PROG}: (run again with --debug for the traceback)", file=sys.stderr)
-        return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
+        return print_error(PROG, exc, debug)
 
 
 if __name__ == "__main__":

@@ -96,12 +96,24 @@ def run_model(
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
     manifest["store"] = stages.store.url
     manifest["changed"] = changed_since_last(stages.store, manifest)
+    unpublish_failed(stages.store, manifest)
     _log(manifest)
     stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
     _publish_report(manifest, stages.store)
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
+
+
+def unpublish_failed(store, manifest: dict) -> None:
+    """Remove what an earlier run published for each target that failed now: outputs/
+    holds the latest run's programs only, never a stale one beside a failed manifest."""
+    from flows.reports import plan_image_name
+
+    for target, result in manifest["targets"].items():
+        if not result["ok"]:
+            store.remove_named(f"{manifest['name']}/{target}.pte")
+            store.remove_named(plan_image_name(manifest["name"], target))
 
 
 def changed_since_last(store, manifest: dict) -> list[str] | None:
@@ -185,13 +197,13 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
         emitted = run("emit", records, program=program, plan=planned["plan"])
-        if publish is not None:
-            result["pte"] = publish(name, target, emitted["pte"])
         if verify:
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
+        if publish is not None:  # only a verified program is published
+            result["pte"] = publish(name, target, emitted["pte"])
         result["ok"] = True
     except Exception as exc:
         result.update(_failed(records, exc, target), pte=result["pte"])

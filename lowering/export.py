@@ -154,6 +154,12 @@ def _export_failure(model: torch.nn.Module, example_inputs: Sequence[Any], exc: 
             f"the model fails on its example inputs ({shapes}) in eager mode too: "
             f"{type(eager).__name__}: {_first_line(eager)}"
         )
+    if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+        return (
+            "the model branches on tensor values (data-dependent control flow), which torch.export "
+            "cannot trace; use torch.cond or make the branch depend on shapes only "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        )
     return f"torch.export.export failed: {type(exc).__name__}: {_first_line(exc)}"
 
 

@@ -193,6 +193,15 @@ class ArtifactStore:
         except FileNotFoundError:
             raise ArtifactMissing(f"named output {name!r} is not in store {self.url}") from None
 
+    def remove_named(self, name: str) -> bool:
+        """Remove the named output ``name`` if present; returns whether it was there."""
+        path = self.named_path(name)
+        try:
+            self.fs.rm_file(path)
+        except FileNotFoundError:
+            return False
+        return True
+
     def put_json(self, name: str, obj: Any, kind: str = "json") -> ArtifactRef:
         """A named JSON output (sorted keys, indented) such as a fleet manifest."""
         text = json.dumps(obj, sort_keys=True, indent=2, allow_nan=False) + "\n"
