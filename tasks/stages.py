@@ -479,6 +479,7 @@ class StageLookup:
             "state": "Cached" if result is not None else "WouldRun",
             "seconds": round(time.perf_counter() - start, 4),
             "bytes": _result_bytes(result) if result is not None else None,
+            "key": key,
         })
         if result is None:
             raise WouldRun(stage)
@@ -490,7 +491,7 @@ class WouldRun(Exception):
 
 
 def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
-    """Run one stage task; append its record (stage, cached?, seconds, state); return its result.
+    """Run one stage task; append its record (stage, cached?, seconds, state, cache key); return its result.
 
     A failed stage re-raises its error after recording it.
     """
@@ -502,6 +503,8 @@ def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
         "cached": state.name == "Cached",
         "seconds": round(time.perf_counter() - start, 4),
         "bytes": None,
+        # The cache record's key: what a published manifest keeps alive (tasks.gc).
+        "key": task.cache_policy.key_for(kwargs),
     }
     records.append(record)
     result = state.result()  # raises the stage's exception if it failed
