@@ -8,10 +8,19 @@ Prefect markdown artifacts and write memory-plan PNGs into the artifact store::
     fleet_report_markdown(fleet_summary)    # one row per model x target
     fleet_rows(fleet_summary)               # the same rows as dicts (the CLI prints them)
     memory_plan_png(plan, title="mlp")      # PNG bytes, identical for identical plans
+    inline_png(png)                         # the same, small enough for an artifact (or None)
 
 A model manifest is ``{"model", "name", "targets": {target: {"ok", "pte", "error",
 "stages", "memory_plan", "delegation", "verify"}}}``; a fleet summary is
-``{"store", "models": {name: model manifest}, "ok", "failed"}``.
+``{"store", "models": {name: model manifest}, "ok", "failed"}``; a published
+model's manifest also has ``"report": {"key", "artifact_id"}``.
+
+In the Prefect UI a model artifact shows each target's memory-plan picture
+inlined as a ``data:image/png;base64,...`` URI (a browser showing the UI cannot
+load the store's ``file://`` or ``s3://`` URIs), reduced to a 256-colour palette
+and at most :data:`INLINE_PNG_LIMIT` bytes (see :func:`inline_png`); the
+full-size PNG stays in the store.  The fleet artifact links each model to its
+artifact and shows per target the delegation coverage and the verify result.
 
 The manifest's ``memory_plan`` entry is a summary (arena bytes, lower bound,
 algorithm).  The picture needs the placements: :func:`publish_model_report`
@@ -43,10 +52,22 @@ STAGE_ORDER = (
 )
 
 #: Columns of :func:`fleet_rows` / the fleet tables.
-FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "error")
+FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "delegated", "verify", "error")
 
 #: Key prefix of the Prefect artifacts this module creates.
 ARTIFACT_PREFIX = "lowerflow"
+
+#: Largest memory-plan picture (PNG bytes, after the palette reduction of
+#: :func:`inline_png`) inlined into a model artifact; base64 makes it 4/3 larger.
+#: The whole markdown is stored in the Prefect database and sent on every view of
+#: the artifact, so it must stay small.  Measured on the demo fleet (800x450 px):
+#: 28-37 kB as drawn, 10-13 kB with a 256-colour palette (the LSTM's 368 tensors
+#: are the largest).  40 kB is three times that, so only plans far busier than
+#: the demo's are left out, and a model artifact stays under ~55 kB per target.
+#: Past it the report says so and names the full PNG in the store instead:
+#: downscaling does not help (the LSTM at 600 px wide: 16 kB, more than at 800 px,
+#: as resampling blurs the flat colours into more distinct pixels).
+INLINE_PNG_LIMIT = 40_000
 
 logger = logging.getLogger("lowerflow.reports")
 
@@ -205,8 +226,12 @@ def check_status(ok: bool | None) -> str:
     return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
-def target_section(target: str, entry: Mapping[str, Any], image: str | None = None) -> str:
-    """The markdown of one target: status, .pte, stages, delegation, memory, verify."""
+def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None) -> str:
+    """The markdown of one target: status, .pte, stages, delegation, memory, verify.
+
+    ``image`` is the URL (a ``data:`` URI in published reports) of the memory-plan
+    picture, ``note`` a line under it (where the full-size PNG is, or why no picture).
+    """
     status = "ok" if entry.get("ok") else "FAILED"
     lines = [f"## {target} — {status}", ""]
     if entry.get("error"):
@@ -219,14 +244,22 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     lines += [f"**memory plan:** {memory_line(entry.get('memory_plan'))}", ""]
     if image:
         lines += [f"![memory plan of {target}]({image})", ""]
+    if note:
+        lines += [note, ""]
     lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
     return "\n".join(lines)
 
 
-def model_report_markdown(model_manifest: Mapping[str, Any], *, images: Mapping[str, str] | None = None) -> str:
+def model_report_markdown(
+    model_manifest: Mapping[str, Any],
+    *,
+    images: Mapping[str, str] | None = None,
+    notes: Mapping[str, str] | None = None,
+) -> str:
     """The report of one model: a section per target (see :func:`target_section`).
 
-    ``images`` maps a target to the URL of its memory-plan picture, shown in its section.
+    ``images`` maps a target to the URL of its memory-plan picture, shown in its
+    section; ``notes`` maps a target to a line shown under it.
     """
     name = model_manifest.get("name") or "?"
     targets = model_manifest.get("targets") or {}
@@ -237,7 +270,7 @@ def model_report_markdown(model_manifest: Mapping[str, Any], *, images: Mapping[
     if not targets:
         lines += ["no targets", ""]
     for target, entry in targets.items():
-        lines.append(target_section(target, entry, (images or {}).get(target)))
+        lines.append(target_section(target, entry, (images or {}).get(target), (notes or {}).get(target)))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -250,18 +283,29 @@ def fleet_rows(fleet_summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     A failed model without a manifest (it failed before any target ran) gets one
     row with target ``—``.
     """
-    rows = []
+    return [
+        _target_row(name, target, entry) if entry is not None else _missing_row(name, error)
+        for name, target, entry, error in _fleet_entries(fleet_summary)
+    ]
+
+
+def fleet_errors(fleet_summary: Mapping[str, Any], limit: int = 400) -> list[tuple[str, str, str]]:
+    """(model, target, first line of the error) of each failed row of :func:`fleet_rows`."""
+    return [(name, target, first_line(error, limit)) for name, target, _, error in _fleet_entries(fleet_summary) if error]
+
+
+def _fleet_entries(fleet_summary: Mapping[str, Any]):
+    """(model, target, target entry or None, error) for each row of the fleet tables."""
     models = fleet_summary.get("models") or {}
     for name, manifest in models.items():
         targets = (manifest or {}).get("targets") or {}
         if not targets:
-            rows.append(_missing_row(name, (manifest or {}).get("error") or "no targets ran"))
+            yield name, "—", None, (manifest or {}).get("error") or "no targets ran"
         for target, entry in targets.items():
-            rows.append(_target_row(name, target, entry))
+            yield name, target, entry, entry.get("error")
     for name in fleet_summary.get("failed") or []:
         if name not in models:
-            rows.append(_missing_row(name, "failed before producing a manifest"))
-    return rows
+            yield name, "—", None, "failed before producing a manifest"
 
 
 def _target_row(name: str, target: str, entry: Mapping[str, Any]) -> dict[str, Any]:
@@ -276,13 +320,40 @@ def _target_row(name: str, target: str, entry: Mapping[str, Any]) -> dict[str, A
         "arena bytes": format_bytes(arena_bytes(plan)),
         "cached": f"{count_cached(stages)}/{len(stages)}",
         "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
+        "delegated": delegation_cell(entry.get("delegation")),
+        "verify": verify_cell(entry.get("verify")),
         "error": first_line(entry.get("error"), 100),
     }
 
 
 def _missing_row(name: str, error: str) -> dict[str, Any]:
     return {"model": name, "target": "—", "ok": "FAILED", "pte bytes": "—", "arena bytes": "—",
-            "cached": "0/0", "seconds": "—", "error": first_line(error, 100)}
+            "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "error": first_line(error, 100)}
+
+
+def delegation_cell(delegation: Mapping[str, Any] | None) -> str:
+    """``"15/20 (75.0%)"`` delegated nodes of all nodes; ``"—"`` without delegation (portable)."""
+    if not delegation:
+        return "—"
+    done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
+    return f"{done}/{total}" + (f" ({100.0 * done / total:.1f}%)" if total else "")
+
+
+def verify_cell(verify: Mapping[str, Any] | None) -> str:
+    """The verify result in a word, with the runtimes it rests on.
+
+    ``"ok (lowerflow, executorch)"``: the runtimes that matched eager (skipped
+    ones are not named); ``"FAILED (executorch)"``: the ones that did not;
+    ``"skipped"``: no runtime ran; ``"—"``: not verified (or failed before).
+    """
+    if not verify:
+        return "—"
+    checks = verify.get("checks") or []
+    ok = verify.get("ok")
+    if ok is None:
+        return "skipped"
+    named = [str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)]
+    return ("ok" if ok else "FAILED") + (f" ({', '.join(named)})" if named else "")
 
 
 #: Right-aligned columns of the fleet tables (indices into FLEET_COLUMNS).
@@ -296,18 +367,65 @@ def fleet_text_table(fleet_summary: Mapping[str, Any]) -> str:
 
 
 def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
-    """The fleet report: a status line and one table row per model x target."""
+    """The fleet report: a status line, one table row per model x target, then the errors.
+
+    A model whose report was published (its manifest's ``"report"``, see
+    :func:`publish_model_report`) links to its artifact (:func:`model_report_link`).
+    Errors are listed under the table, not in a column: a long first line would
+    widen the table past the Prefect UI's content area (the V1 UI then cuts it).
+    """
     rows = fleet_rows(fleet_summary)
+    models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
     status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(failed) or '?'}"
+    columns = [c for c in FLEET_COLUMNS if c != "error"]
+    body = []
+    for r in rows:
+        cells = [_md_cell(r[c]) for c in columns]
+        link = model_report_link((models.get(r["model"]) or {}).get("report"))
+        if link:
+            cells[0] = f"[{_md_text(r['model'])}]({link})"
+        body.append("| " + " | ".join(cells) + " |")
+    rule = "|" + "|".join("---:" if FLEET_COLUMNS.index(c) in _FLEET_RIGHT else "---" for c in columns) + "|"
     lines = [
         "# lowerflow fleet",
         "",
-        f"store `{fleet_summary.get('store', '?')}` · {len(fleet_summary.get('models') or {})} models · {status}",
+        f"store `{fleet_summary.get('store', '?')}` · {len(models)} models · {status}",
         "",
-        markdown_table(FLEET_COLUMNS, [[r[c] for c in FLEET_COLUMNS] for r in rows], right=_FLEET_RIGHT),
+        "| " + " | ".join(columns) + " |",
+        rule,
+        *body,
     ]
+    errors = fleet_errors(fleet_summary)
+    if errors:
+        lines += ["", "**errors**", ""]
+        lines += [f"- {_md_text(model)} / {_md_text(target)}: {_md_text(error)}" for model, target, error in errors]
     return "\n".join(lines) + "\n"
+
+
+def model_report_link(report: Mapping[str, Any] | None) -> str | None:
+    """The link from the fleet artifact to a model's artifact, or None.
+
+    Relative to the fleet artifact's page: the Prefect UI shows an artifact's
+    markdown at ``<ui>/artifacts/artifact/<id>`` (3.8.8: the V1 UI at ``/``, the
+    V2 UI at ``/v2/``, Prefect Cloud under its workspace path), so
+    ``../artifact/<id>`` opens this run's model artifact in whichever UI shows
+    the fleet, at any serve base.  An absolute ``PREFECT_UI_URL`` link would
+    switch V2 users to the V1 UI.  Without an id, ``../key/<key>`` (the key's
+    page: every version of the model's report, newest first).
+    """
+    if not report:
+        return None
+    if report.get("artifact_id"):
+        return f"../artifact/{report['artifact_id']}"
+    if report.get("key"):
+        return f"../key/{report['key']}"
+    return None
+
+
+def _md_text(text: Any) -> str:
+    """``text`` as literal markdown text on one line (ASCII punctuation backslash-escaped)."""
+    return re.sub(r"([\\`*_{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
 
 
 # --------------------------------------------------------------------------- memory plan picture
@@ -390,6 +508,31 @@ def png_size(data: bytes) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+def inline_png(png: bytes, *, limit: int = INLINE_PNG_LIMIT) -> bytes | None:
+    """``png`` made small enough to inline in an artifact, or None past ``limit`` bytes.
+
+    The picture is reduced to a 256-colour palette (median cut, no dithering): a
+    plan picture is flat colours, lines and anti-aliased text, so it looks the same
+    at a third of the bytes (measured: 10-13 kB instead of 28-37 kB).  The same
+    PNG gives the same bytes.
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        small = image.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    small.save(out, format="PNG", optimize=True)
+    data = out.getvalue()
+    return data if len(data) <= limit else None
+
+
+def png_data_uri(png: bytes) -> str:
+    """``data:image/png;base64,...`` of ``png``."""
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
 # --------------------------------------------------------------------------- publishing
 
 
@@ -432,12 +575,19 @@ def publish_model_report(
     store: Any = None,
     *,
     plans: Mapping[str, MemoryPlan | Mapping[str, Any]] | None = None,
+    inline_limit: int = INLINE_PNG_LIMIT,
 ) -> dict[str, Any]:
     """Write each target's memory-plan PNG to ``store`` and create the model's markdown artifact.
 
     ``store`` is an :class:`~tasks.store.ArtifactStore` or a URL (None: the default
     store).  ``plans`` maps targets to their plans; otherwise :func:`find_plan`
-    looks in the manifest.  Returns ``{"key", "markdown", "images": {target: uri}}``.
+    looks in the manifest.  Each picture is inlined in the artifact as a ``data:``
+    URI (:func:`inline_png`, at most ``inline_limit`` bytes; past it, a note names
+    the PNG in the store instead).
+
+    Returns ``{"key", "artifact_id", "markdown", "images": {target: store uri},
+    "inlined": {target: inlined PNG bytes}}``, and records ``{"key", "artifact_id"}``
+    as the manifest's ``"report"`` (when it is a dict) for the fleet report's links.
     """
     from prefect.artifacts import create_markdown_artifact
 
@@ -446,18 +596,38 @@ def publish_model_report(
     store = store if isinstance(store, ArtifactStore) else ArtifactStore(store)
     name = str(model_manifest.get("name") or "model")
     images: dict[str, str] = {}
+    inline: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    inlined: dict[str, int] = {}
     for target, entry in (model_manifest.get("targets") or {}).items():
-        uri = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
-        if uri is not None:
-            images[target] = uri
-    markdown = model_report_markdown(model_manifest, images=images)
+        published = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
+        if published is None:
+            continue
+        uri, png = published
+        images[target] = uri
+        full = f"full-size picture ({format_bytes(len(png))} B): `{uri}`"
+        try:
+            small = inline_png(png, limit=inline_limit)
+        except Exception as exc:  # never fail a lowering over its report's picture
+            logger.warning("memory-plan picture of %s/%s not inlined: %s: %s", name, target, type(exc).__name__, exc)
+            notes[target] = f"memory-plan picture not shown ({type(exc).__name__}); {full}"
+            continue
+        if small is not None:
+            inline[target], inlined[target] = png_data_uri(small), len(small)
+            notes[target] = full
+        else:
+            notes[target] = f"memory-plan picture not shown: over the {format_bytes(inline_limit)} B inline limit of the report; {full}"
+    markdown = model_report_markdown(model_manifest, images=inline, notes=notes)
     key = artifact_key("model", name)
-    create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
-    return {"key": key, "markdown": markdown, "images": images}
+    artifact_id = create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
+    report = {"key": key, "artifact_id": str(artifact_id) if artifact_id else None}
+    if isinstance(model_manifest, dict):
+        model_manifest["report"] = report
+    return {**report, "markdown": markdown, "images": images, "inlined": inlined}
 
 
-def _publish_plan_image(store: Any, name: str, target: str, plan: Any, entry: Mapping[str, Any]) -> str | None:
-    """Write one target's memory-plan PNG; its URI, or None without a plan.
+def _publish_plan_image(store: Any, name: str, target: str, plan: Any, entry: Mapping[str, Any]) -> tuple[str, bytes] | None:
+    """Write one target's memory-plan PNG; (its URI, its bytes), or None without a plan.
 
     A picture that cannot be made (plan missing from the store, ...) is a warning,
     never a failure of the lowering that publishes the report.
@@ -473,14 +643,14 @@ def _publish_plan_image(store: Any, name: str, target: str, plan: Any, entry: Ma
             except Exception:
                 png = None
             if png is not None:
-                return store.put_named(plan_image_name(name, target), png, "png").uri
+                return store.put_named(plan_image_name(name, target), png, "png").uri, png
         plan = plan if plan is not None else find_plan(entry, store)
         if plan is None:
             return None
         png = memory_plan_png(plan, title=f"{name} / {target}")
         if drawn is not None:
             store.put_named(drawn, png, "png")
-        return store.put_named(plan_image_name(name, target), png, "png").uri
+        return store.put_named(plan_image_name(name, target), png, "png").uri, png
     except Exception as exc:
         logger.warning("no memory-plan picture for %s/%s: %s: %s", name, target, type(exc).__name__, exc)
         return None

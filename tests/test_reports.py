@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import logging
 import struct
 import uuid
@@ -17,9 +19,11 @@ from flows.reports import (
     fleet_report_markdown,
     fleet_rows,
     fleet_text_table,
+    inline_png,
     memory_plan_png,
     model_report_markdown,
     plan_image_name,
+    png_data_uri,
     png_size,
     publish_fleet_report,
     publish_model_report,
@@ -143,17 +147,26 @@ def test_model_report_verify_skipped_as_a_whole():
     assert "skipped: a .pt2 model has no eager module to compare with" in model_report_markdown(manifest)
 
 
-def test_model_report_links_images():
-    manifest = {"name": "m", "model": "x.py:m", "targets": {"portable": {"ok": True, "stages": []}}}
-    md = model_report_markdown(manifest, images={"portable": "file:///s/outputs/m/portable.memory_plan.png"})
-    assert "![memory plan of portable](file:///s/outputs/m/portable.memory_plan.png)" in md
+def test_model_report_shows_images_and_notes():
+    manifest = {"name": "m", "model": "x.py:m", "targets": {"portable": {"ok": True, "stages": []},
+                                                           "reference": {"ok": True, "stages": []}}}
+    md = model_report_markdown(manifest, images={"portable": "data:image/png;base64,AAAA"},
+                               notes={"portable": "full size: `s3://b/p.png`", "reference": "too large"})
+    portable = md[md.index("## portable"):md.index("## reference")]
+    assert "![memory plan of portable](data:image/png;base64,AAAA)\n\nfull size: `s3://b/p.png`" in portable
+    reference = md[md.index("## reference"):]
+    assert "![" not in reference and "too large" in reference
 
 
 def test_markdown_cells_are_escaped():
-    manifest = {"name": "m", "targets": {"t": {"ok": False, "error": "a | b", "stages": []}}}
+    manifest = {"name": "m", "targets": {"t": {"ok": False, "error": "a | b in __init__ [x](y)\nmore", "stages": []}}}
     summary = {"store": "memory://s", "models": {"m": manifest}, "ok": False, "failed": ["m"]}
     md = fleet_report_markdown(summary)
-    assert "a \\| b" in md
+    assert "- m / t: a \\| b in \\_\\_init\\_\\_ \\[x\\]\\(y\\)\n" in md
+    assert "more" not in md
+    rows = table_rows(model_report_markdown({"name": "m", "targets": {"t": {"ok": True, "stages": [
+        {"stage": "a|b", "cached": True, "seconds": 1.0}]}}}), "| stage | cached? | seconds | bytes |")
+    assert rows[0][0] == "a\\|b"
 
 
 # --------------------------------------------------------------------------- fleet report
@@ -179,8 +192,12 @@ def test_fleet_rows_one_per_model_and_target(cnn_plan):
         ("mlp", "portable"), ("cnn", "reference"), ("cnn", "portable"), ("broken", "—"),
     ]
     assert rows[0] == {"model": "mlp", "target": "portable", "ok": "ok", "pte bytes": "70,000",
-                       "arena bytes": "8,192", "cached": "2/3", "seconds": "1.75", "error": ""}
+                       "arena bytes": "8,192", "cached": "2/3", "seconds": "1.75",
+                       "delegated": "—", "verify": "—", "error": ""}
     assert rows[1]["cached"] == "2/9" and rows[1]["pte bytes"] == "123,456"
+    assert rows[1]["delegated"] == "15/20 (75.0%)"
+    assert rows[1]["verify"] == "ok (lowerflow, executorch)"  # `other` was skipped: not named
+    assert rows[3]["delegated"] == rows[3]["verify"] == "—"
     assert rows[2]["ok"] == "FAILED" and rows[2]["error"] == "MemoryPlanError: op foo has no out variant"
     assert rows[2]["arena bytes"] == f"{cnn_plan.arena_bytes:,}"
     assert rows[3]["ok"] == "FAILED"
@@ -190,14 +207,42 @@ def test_fleet_markdown_and_text_tables(cnn_plan):
     summary = fleet_summary(cnn_plan)
     md = fleet_report_markdown(summary)
     assert "store `memory://fleet` · 2 models · FAILED: cnn, broken" in md
-    header = "| model | target | ok | pte bytes | arena bytes | cached | seconds | error |"
+    header = "| model | target | ok | pte bytes | arena bytes | cached | seconds | delegated | verify |"
     rows = table_rows(md, header)
-    assert rows[0] == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", ""]
+    assert rows[0] == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", "—", "—"]
+    assert rows[1][7:9] == ["15/20 (75.0%)", "ok (lowerflow, executorch)"]
     assert len(rows) == 4
+    # Errors under the table, whole first lines (a column would widen the table past the UI).
+    errors = md[md.index("**errors**"):].splitlines()[2:]
+    assert errors == ["- cnn / portable: MemoryPlanError: op foo has no out variant",
+                      "- broken / —: failed before producing a manifest"]
     text = fleet_text_table(summary).splitlines()
-    assert text[0].split() == ["model", "target", "ok", "pte", "bytes", "arena", "bytes", "cached", "seconds", "error"]
-    assert text[2].split() == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75"]
+    assert text[0].split() == ["model", "target", "ok", "pte", "bytes", "arena", "bytes", "cached", "seconds",
+                               "delegated", "verify", "error"]
+    assert text[2].split() == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", "—", "—"]
     assert len(text) == 2 + 4
+
+
+def test_fleet_markdown_links_published_models_to_their_artifacts(cnn_plan):
+    summary = fleet_summary(cnn_plan)
+    summary["models"]["mlp"]["report"] = {"key": "lowerflow-model-mlp", "artifact_id": "0f0e-id"}
+    summary["models"]["cnn"]["report"] = {"key": "lowerflow-model-cnn", "artifact_id": None}
+    rows = table_rows(fleet_report_markdown(summary),
+                      "| model | target | ok | pte bytes | arena bytes | cached | seconds | delegated | verify |")
+    # By id (this run's report) from the fleet's page /artifacts/artifact/<id>; by key without an id;
+    # no link for a model that never published a report.
+    assert [r[0] for r in rows] == ["[mlp](../artifact/0f0e-id)", "[cnn](../key/lowerflow-model-cnn)",
+                                    "[cnn](../key/lowerflow-model-cnn)", "broken"]
+
+
+def test_verify_cell():
+    from flows.reports import verify_cell
+
+    failed = {"ok": False, "checks": [{"runtime": "lowerflow", "ok": True}, {"runtime": "executorch", "ok": False}]}
+    assert verify_cell(failed) == "FAILED (executorch)"
+    assert verify_cell({"ok": None, "checks": [], "skipped": "a .pt2"}) == "skipped"
+    assert verify_cell({"ok": True, "checks": []}) == "ok"
+    assert verify_cell(None) == "—"
 
 
 def test_fleet_all_ok_status():
@@ -251,6 +296,24 @@ def test_memory_plan_png_refuses_a_summary():
 def test_png_size_refuses_other_bytes():
     with pytest.raises(ValueError, match="not a PNG"):
         png_size(b"GIF89a" + bytes(30))
+
+
+def test_inline_png_is_a_smaller_palette_png_of_the_same_picture(cnn_plan):
+    from PIL import Image, ImageChops
+
+    png = memory_plan_png(cnn_plan, title="cnn / portable")
+    small = inline_png(png)
+    assert small is not None and png_size(small) == png_size(png) == (800, 450)
+    assert len(small) < len(png) / 2, (len(small), len(png))
+    assert inline_png(png) == small
+    with Image.open(io.BytesIO(small)) as a, Image.open(io.BytesIO(png)) as b:
+        assert a.mode == "P"
+        # The same picture: no pixel off by more than a few levels per channel.
+        diff = ImageChops.difference(a.convert("RGB"), b.convert("RGB"))
+        assert max(high for _, high in diff.getextrema()) <= 48
+    assert inline_png(png, limit=len(small)) == small
+    assert inline_png(png, limit=len(small) - 1) is None
+    assert png_data_uri(small).startswith("data:image/png;base64,iVBORw0KGgo")
 
 
 # --------------------------------------------------------------------------- publishing
@@ -339,10 +402,31 @@ def test_publish_model_report_writes_pngs_and_a_markdown_artifact(prefect_api, c
         png = store.get_named(plan_image_name(name, target))
         assert png_size(png) == (800, 450)
         assert uri == store.uri(store.named_path(f"{name}/{target}.memory_plan.png"))
-        assert f"![memory plan of {target}]({uri})" in published["markdown"]
+        # The artifact inlines the picture (a browser cannot load the store's URI) and names the file.
+        inlined = inline_png(png)
+        assert published["inlined"][target] == len(inlined)
+        assert f"![memory plan of {target}](data:image/png;base64,{base64.b64encode(inlined).decode()})" in published["markdown"]
+        assert f"full-size picture ({len(png):,} B): `{uri}`" in published["markdown"]
+    assert "](memory://" not in published["markdown"] and "](file:" not in published["markdown"]
     artifacts = read_markdown_artifact(published["key"])
     assert [a.data for a in artifacts] == [published["markdown"]]
     assert artifacts[0].type == "markdown"
+    # The manifest records the artifact, for the fleet report's link.
+    assert manifest["report"] == {"key": published["key"], "artifact_id": str(artifacts[0].id)}
+
+
+def test_publish_model_report_past_the_inline_limit_names_the_file(prefect_api, cnn_plan):
+    from tasks.store import ArtifactStore
+
+    store = ArtifactStore(f"memory://reports-{uuid.uuid4().hex}")
+    manifest = {"name": f"big_{uuid.uuid4().hex[:8]}", "targets": {"portable": {
+        "ok": True, "stages": [], "memory_plan": cnn_plan.to_dict()}}}
+    published = in_flow(publish_model_report, manifest, store, inline_limit=1000)
+    assert published["inlined"] == {} and list(published["images"]) == ["portable"]
+    assert "data:image" not in published["markdown"]
+    assert (f"memory-plan picture not shown: over the 1,000 B inline limit of the report; "
+            f"full-size picture (") in published["markdown"]
+    assert f"`{published['images']['portable']}`" in published["markdown"]
 
 
 def test_publish_fleet_report(prefect_api, cnn_plan):

@@ -1,0 +1,311 @@
+"""The run reports as a person sees them: the Prefect UI in a real browser.
+
+A ``prefect server start`` on 127.0.0.1 (its own PREFECT_HOME, a free port), a
+real ``lowerflow fleet`` run against it, then headless Debian Chromium, driven
+over the DevTools protocol (``websockets``, which Prefect already depends on),
+opens the fleet artifact in both UIs Prefect 3.8.8 serves (V1 at ``/``, V2 at
+``/v2/``), follows the link of a model's row, and checks that every image of
+the model artifact loaded (``naturalWidth`` > 0) and the fleet table shows the
+delegation and verify cells of ``outputs/fleet.json``.  Screenshots of each page
+are written to ``$LOWERFLOW_UI_SCREENSHOTS`` (default: the test's tmp dir).
+
+Skipped when ``chromium`` is not installed (``.ci/run`` installs it).
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="chromium is not installed (Debian: apt-get install -y chromium); CI installs it in .ci/run",
+)
+
+#: Window of the headless browser: tall enough for a model artifact with two targets.
+WINDOW = (1400, 2400)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without Prefect/lowerflow settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO), **extra)
+    return env
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a process started with ``start_new_session`` (and its children, if any)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(15)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"prefect server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/api/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"prefect server not up after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.25)
+
+
+#: ``lowerflow fleet ARGS`` once the server at argv[1] answers; the heavy imports
+#: (torch, prefect) run while the server starts, which saves ~10 s of the test.
+FLEET_WHEN_UP = """
+import sys, time, urllib.request
+import flows.cli, flows.lower_fleet
+deadline = time.monotonic() + 120
+while True:
+    try:
+        urllib.request.urlopen(sys.argv[1] + "/api/health", timeout=2).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit("lowerflow fleet: no Prefect server at " + sys.argv[1])
+        time.sleep(0.25)
+sys.exit(flows.cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet_run(tmp_path_factory):
+    """``prefect server start`` on 127.0.0.1 (own PREFECT_HOME, free port) and a real
+    ``lowerflow fleet`` run against it: mlp (portable, reference) and a model whose
+    factory raises.  Yields ``(server URL, fleet summary from the store, fleet
+    artifact id)``; stops the server afterwards."""
+    home = tmp_path_factory.mktemp("prefect-server-home")
+    work = tmp_path_factory.mktemp("fleet")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    # The UI asks the API at PREFECT_UI_API_URL (default 127.0.0.1:4200).
+    env = clean_env(PREFECT_HOME=str(home), PREFECT_API_URL=f"{url}/api", PREFECT_UI_API_URL=f"{url}/api")
+    log_path = home / "server.log"
+    log = open(log_path, "wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        (work / "broken.py").write_text("def broken():\n    raise RuntimeError('no model today')\n")
+        manifest = work / "fleet.yaml"
+        manifest.write_text(textwrap.dedent(
+            f"""
+            store: {work / 'store'}
+            defaults: {{targets: [portable, reference]}}
+            models:
+              - name: mlp
+                model: {REPO}/examples/models.py:mlp
+              - name: broken
+                model: broken.py:broken
+                targets: [portable]
+            """
+        ))
+        client_env = clean_env(PREFECT_HOME=str(work / "client-home"), PREFECT_API_URL=f"{url}/api")
+        run = subprocess.run([sys.executable, "-c", FLEET_WHEN_UP, url, "fleet", str(manifest)],
+                             cwd=REPO, env=client_env, capture_output=True, text=True, timeout=300)
+        wait_healthy(url, server, log_path, timeout=5)
+        assert run.returncode == 1, run.stderr[-3000:]  # `broken` failed, on purpose
+        assert "1 of 2 models failed: broken" in run.stderr
+        summary = json.loads((work / "store" / "outputs" / "fleet.json").read_text())
+        body = {"artifacts": {"key": {"any_": ["lowerflow-fleet"]}}, "sort": "CREATED_DESC", "limit": 1}
+        request = urllib.request.Request(f"{url}/api/artifacts/filter", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as r:
+            (fleet_artifact,) = json.load(r)
+        yield url, summary, fleet_artifact["id"]
+    finally:
+        stop(server)
+        log.close()
+
+
+# --------------------------------------------------------------------------- browser
+
+
+class Browser:
+    """Headless Chromium with one page, driven over the DevTools protocol."""
+
+    FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--hide-scrollbars", "--remote-debugging-port=0", "--remote-allow-origins=*")
+
+    def __enter__(self) -> "Browser":
+        from websockets.sync.client import connect
+
+        self.profile = tempfile.mkdtemp(prefix="lowerflow-chromium-")
+        self.proc = subprocess.Popen(
+            [CHROMIUM, *self.FLAGS, f"--user-data-dir={self.profile}", f"--window-size={WINDOW[0]},{WINDOW[1]}",
+             "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        try:
+            port = self._devtools_port()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
+                page = next(t for t in json.load(r) if t["type"] == "page")
+            self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        except BaseException:
+            self._close_process()
+            raise
+        self.ids = itertools.count(1)
+        self.call("Emulation.setDeviceMetricsOverride", width=WINDOW[0], height=WINDOW[1],
+                  deviceScaleFactor=1, mobile=False)
+        return self
+
+    def _devtools_port(self) -> int:
+        """Chromium writes the port it chose to ``DevToolsActivePort`` in its profile."""
+        path = Path(self.profile) / "DevToolsActivePort"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"chromium exited with {self.proc.returncode}")
+            lines = path.read_text().split() if path.exists() else []
+            if lines:
+                return int(lines[0])
+            time.sleep(0.05)
+        raise RuntimeError("chromium wrote no DevToolsActivePort in 30 s")
+
+    def _close_process(self) -> None:
+        stop(self.proc)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.ws.close()
+        finally:
+            self._close_process()
+
+    def call(self, method: str, **params):
+        mid = next(self.ids)
+        self.ws.send(json.dumps({"id": mid, "method": method, "params": params}))
+        while True:  # events (none enabled) and stale replies are skipped
+            message = json.loads(self.ws.recv(timeout=30))
+            if message.get("id") == mid:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message["result"]
+
+    def eval(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression[:80]}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def open(self, url: str) -> None:
+        self.call("Page.navigate", url=url)
+
+    def wait_for(self, expression: str, what: str, timeout: float = 30.0):
+        """Poll ``expression`` until truthy (the UI renders after its API calls)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.eval(expression)
+            if value:
+                return value
+            if time.monotonic() > deadline:
+                text = self.eval("document.body ? document.body.innerText.slice(0, 2000) : ''")
+                raise AssertionError(f"{what}: not seen in {timeout:.0f} s at {self.eval('location.href')}; page text:\n{text}")
+            time.sleep(0.25)
+
+    def screenshot(self, path: Path) -> Path:
+        data = base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"])
+        path.write_bytes(data)
+        return path
+
+
+#: Every <img> of the page: its state (``complete`` is also true once a load failed).
+#: Left out: the V2 UI's raw-data view (CodeMirror) holds src-less ``cm-widgetBuffer``
+#: images, cursor helpers that are not pictures.
+IMAGES_JS = """[...document.querySelectorAll('img:not(.cm-widgetBuffer)')].map(i => ({
+    src: (i.getAttribute('src') || '').slice(0, 40), alt: i.alt, complete: i.complete,
+    width: i.naturalWidth, height: i.naturalHeight}))"""
+
+TABLE_JS = """[...document.querySelectorAll('table tr')].map(tr => [...tr.cells].map(c => c.innerText.trim()))"""
+
+
+def link_js(href: str) -> str:
+    """The resolved URL of the page's link whose href attribute is ``href`` (null if none yet)."""
+    return f"(() => {{ const a = [...document.querySelectorAll('a')].find(a => a.getAttribute('href') === {json.dumps(href)}); return a ? a.href : null; }})()"
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory) -> Path:
+    path = Path(os.environ.get("LOWERFLOW_UI_SCREENSHOTS") or tmp_path_factory.mktemp("ui-screenshots"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.mark.parametrize("ui", ["v1", "v2"])
+def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run, screenshots):
+    from flows.reports import fleet_rows, png_size
+
+    prefect_server, summary, fleet_id = fleet_run
+    mlp = summary["models"]["mlp"]
+    model_id = mlp["report"]["artifact_id"]
+    base = prefect_server + ("/v2" if ui == "v2" else "")
+
+    with Browser() as browser:
+        # The fleet artifact: a row per model x target, the model linked to its artifact.
+        browser.open(f"{base}/artifacts/artifact/{fleet_id}")
+        href = f"../artifact/{model_id}"
+        link = browser.wait_for(link_js(href), f"link {href} in the fleet artifact")
+        assert link == f"{base}/artifacts/artifact/{model_id}"
+        browser.wait_for(f"{TABLE_JS}.some(r => r[0] === 'broken')", "the fleet table")
+        shown = sorted([r[0], r[1], r[2], r[7], r[8]] for r in browser.eval(TABLE_JS) if r and r[0] in ("mlp", "broken"))
+        expected = sorted([r[c] for c in ("model", "target", "ok", "delegated", "verify")] for r in fleet_rows(summary))
+        assert shown == expected
+        # The reference target delegated something; both of mlp's targets were verified.
+        cells = {(r[0], r[1]): r[3:] for r in expected}
+        assert cells[("mlp", "portable")][0] == "—" and cells[("mlp", "reference")][0].split("/")[0] not in ("0", "—")
+        assert all(cells[("mlp", t)][1].startswith("ok (lowerflow") for t in ("portable", "reference"))
+        # broken's error, listed whole under the table (its last words are past the CLI's 100 characters).
+        assert "RuntimeError: no model today" in browser.eval("document.body.innerText")
+        assert browser.eval(f"{IMAGES_JS}.filter(i => !(i.complete && i.width > 0))") == []
+        browser.screenshot(screenshots / f"{ui}-fleet.png")
+
+        # Follow the link (V1 opens it in a new tab: the same URL) to the model artifact.
+        browser.open(link)
+        pictures = browser.wait_for(
+            f"(() => {{ const i = {IMAGES_JS}; const p = i.filter(x => x.alt.startsWith('memory plan of'));"
+            f" return p.length === 2 && i.every(x => x.complete) ? i : null; }})()",
+            "both memory-plan pictures, loaded",
+        )
+        shot = browser.screenshot(screenshots / f"{ui}-model-mlp.png")
+    assert [i for i in pictures if i["width"] == 0] == [], "broken <img> on the model artifact page"
+    plans = [i for i in pictures if i["alt"].startswith("memory plan of")]
+    assert sorted(i["alt"] for i in plans) == ["memory plan of portable", "memory plan of reference"]
+    assert all(i["src"].startswith("data:image/png;base64,") for i in plans)
+    assert all((i["width"], i["height"]) == (800, 450) for i in plans)
+    assert png_size(shot.read_bytes()) == WINDOW
+    print(f"screenshots of the {ui} UI: {screenshots}")
