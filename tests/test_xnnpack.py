@@ -372,7 +372,8 @@ def test_transformer_expanded_weights_become_fully_connected():
     assert "aten.expand_copy.default" not in top and "aten.bmm.default" not in top
     data, payloads = _payloads(result.pte)
     kinds = sum((_node_kinds(p) for p in payloads), Counter())
-    assert kinds["XNNFullyConnected"] == 4 and kinds["XNNBatchMatrixMultiply"] == 2, kinds
+    # 4 projections + 2 per layer norm (its means)
+    assert kinds["XNNFullyConnected"] == 8 and kinds["XNNBatchMatrixMultiply"] == 2, kinds
     assert "XNNClamp" not in kinds
     # The expanded in-projection weight is stored once, unexpanded ([64, 192] fp32).
     assert max(len(b) for b in data.named_data.values()) == 64 * 192 * 4
@@ -386,3 +387,29 @@ def test_partition_over_the_extern_limit_is_left_out(monkeypatch):
     assert _payloads(result.pte)[1] == []
     monkeypatch.setattr(P, "MAX_EXTERNS", 6)
     assert len(_payloads(_lower(model, inputs).pte)[1]) == 1
+
+
+def test_layer_norm_and_powers_are_delegated():
+    """Beyond ExecuTorch 1.5.1's partitioner: layer norm (means as FullyConnected by 1/K) and
+    x**3 / x**0.5 (GPT-2's tanh GELU uses x**3)."""
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(32)
+            with torch.no_grad():
+                self.norm.weight.uniform_(0.5, 1.5)
+                self.norm.bias.uniform_(-0.5, 0.5)
+
+        def forward(self, x):
+            y = self.norm(x * 3.0 + 1.0)
+            return y + 0.044715 * torch.pow(y, 3), torch.pow(y.abs(), 0.5)
+
+    torch.manual_seed(0)
+    model, inputs = M().eval(), (torch.randn(2, 5, 32),)
+    result = _lower(model, inputs)
+    assert _kernel_calls(result.pte) == 0
+    with torch.no_grad():
+        expected = list(model(*inputs))
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "layer norm executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "layer norm ours")

@@ -587,15 +587,12 @@ _UNARY = {
     aten.sin.default: fbx.NodeUnion.XNNSin,
     aten.cos.default: fbx.NodeUnion.XNNCos,
     aten.gelu.default: fbx.NodeUnion.XNNGelu,
-    aten.pow.Tensor_Scalar: fbx.NodeUnion.XNNSquare,
 }
 
 
 def _check_unary(node, ctx):
     if node.target is aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
         return "tanh-approximate GELU (XNNPACK's Gelu is exact)"
-    if node.target is aten.pow.Tensor_Scalar and node.args[1] != 2:
-        return "exponent other than 2"
     return None
 
 
@@ -606,6 +603,89 @@ def _lower_unary(b: GraphBuilder, node: torch.fx.Node) -> None:
     x = b.get(source, layout)
     out = b.output(node, layout)
     b._node(_UNARY[node.target], _node1x1(x, out))
+
+
+_POWERS = {2: "square", 3: "cube", 0.5: "sqrt", -0.5: "rsqrt"}
+
+
+def _check_pow(node, ctx):
+    exponent = node.args[1]
+    if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or exponent not in _POWERS:
+        return f"exponent {exponent!r} (XNNPACK takes 2, 3, 0.5, -0.5)"
+    return None
+
+
+@_rule(aten.pow.Tensor_Scalar, check=_check_pow)
+def _lower_pow(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """x**2 -> Square; x**3 -> Square, Multiply by x; x**0.5 -> SquareRoot; x**-0.5 -> ReciprocalSquareRoot."""
+    source = node.args[0]
+    layout = b.layout(source)
+    x = b.get(source, layout)
+    kind = _POWERS[node.args[1]]
+    if kind == "cube":
+        square = b._define(b._dims[x])
+        b._node(fbx.NodeUnion.XNNSquare, _node1x1(x, square))
+        b._node(fbx.NodeUnion.XNNMultiply, _node2x1(square, x, b.output(node, layout)))
+        return
+    op = {"square": fbx.NodeUnion.XNNSquare, "sqrt": fbx.NodeUnion.XNNSquareRoot,
+          "rsqrt": fbx.NodeUnion.XNNReciprocalSquareRoot}[kind]
+    b._node(op, _node1x1(x, b.output(node, layout)))
+
+
+def _check_layer_norm(node, ctx):
+    if len(node.args[1]) != 1:
+        return "normalization over more than the last dim"
+    return _only_getitem0(node)
+
+
+@_rule(aten.native_layer_norm.default, check=_check_layer_norm)
+def _lower_layer_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Layer norm over the last dim from XNNPACK's nodes (1.5.1 has no LayerNorm node); the
+    means are FullyConnected by a constant [K, 1] of 1/K::
+
+        mean = FC(x, 1/K)   d = x - mean   var = FC(d*d, 1/K)
+        out = d * rsqrt(var + eps) [* weight] [+ bias]
+    """
+    source, (k,), weight, bias, eps = node.args[:5]
+    x = b.get(source, NCHW)
+    dims = b._dims[x]
+    reduced = dims[:-1] + [1]
+    averaging = b.constant(torch.full((k, 1), 1.0 / k))
+
+    def define(d):
+        return b._define(list(d))
+
+    def fc(inp):
+        out = define(reduced)
+        body = fbx.XNNFullyConnectedT()
+        body.input1Id, body.filterId, body.biasId, body.outputId = inp, averaging, P.INVALID_ID, out
+        body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+        b._node(fbx.NodeUnion.XNNFullyConnected, body)
+        return out
+
+    mean = fc(x)
+    centered = define(dims)
+    b._node(fbx.NodeUnion.XNNSubtract, _node2x1(x, mean, centered))
+    squared = define(dims)
+    b._node(fbx.NodeUnion.XNNSquare, _node1x1(centered, squared))
+    var = fc(squared)
+    shifted = define(reduced)
+    b._node(fbx.NodeUnion.XNNAdd, _node2x1(var, b.scalar(eps), shifted))
+    inv = define(reduced)
+    b._node(fbx.NodeUnion.XNNReciprocalSquareRoot, _node1x1(shifted, inv))
+    steps = [(fbx.NodeUnion.XNNMultiply, inv)]
+    if weight is not None:
+        steps.append((fbx.NodeUnion.XNNMultiply, b.get(weight, NCHW)))
+    if bias is not None:
+        steps.append((fbx.NodeUnion.XNNAdd, b.get(bias, NCHW)))
+    value = centered
+    for i, (kind, operand) in enumerate(steps):
+        out = b._define(dims) if i < len(steps) - 1 else None
+        if out is None:
+            out = b._define(dims)
+            b._set(node, out, NCHW)
+        b._node(kind, _node2x1(value, operand, out))
+        value = out
 
 
 @_rule(aten.leaky_relu.default)
@@ -1068,7 +1148,7 @@ def _lower_batch_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 
 _MULTI_OUTPUT_EXTRA_OK.update({aten._native_batch_norm_legit_no_training.default,
-                               aten.max_pool2d_with_indices.default})
+                               aten.max_pool2d_with_indices.default, aten.native_layer_norm.default})
 
 
 # --------------------------------------------------------------------------- pooling
@@ -1171,7 +1251,8 @@ def _lower_getitem_impl(b: GraphBuilder, node: torch.fx.Node) -> None:
         item = b._multi[source][index]
         vid, layout = item if isinstance(item, tuple) else (item, NCHW)
         b._set(node, vid, layout)
-    elif index == 0 and source.target is aten._native_batch_norm_legit_no_training.default:
+    elif index == 0 and source.target in (aten._native_batch_norm_legit_no_training.default,
+                                          aten.native_layer_norm.default):
         b.alias(node, source)
     else:
         raise XnnpackPreprocessError(f"node {node.name!r}: result {index} of {source.name!r} has no XNNPACK value")
