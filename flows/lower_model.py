@@ -245,12 +245,25 @@ def _failed(records: list[dict], exc: BaseException, target: str) -> dict:
         return {"ok": None, "pte": None, "stages": records, "error": None,
                 "memory_plan": None, "delegation": None, "verify": None}
     stage = next((r["stage"] for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    message = one_line(str(exc)) or type(exc).__name__
     return {
         "ok": False, "pte": None, "stages": records,
         "error": f"{stage or 'verify'}: {type(exc).__name__}: {message}",
         "memory_plan": None, "delegation": None, "verify": None,
     }
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    """A message as one line: its first line, and when that line only announces what
+    follows (ends with ':', as torch's ``load_state_dict`` errors do), the lines after
+    it joined with '; ', cut at ``limit`` characters."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    out = lines[0]
+    if out.endswith(":") and len(lines) > 1:
+        out = f"{out} {'; '.join(lines[1:])}"
+    return out if len(out) <= limit else out[: limit - 1] + "…"
 
 
 def _verify_errors(report: dict) -> str:
