@@ -855,7 +855,10 @@ def fold_constant_views(program: ExportedProgram) -> int:
     slice, ...) whose tensor inputs are all parameters or tensor constants is
     evaluated now; its result (contiguous) becomes a ``CONSTANT_TENSOR`` input
     named ``_folded_<node>``.  Ops that would grow the data (``expand_copy``)
-    and nodes the graph returns are left alone.  The same view of the same
+    and nodes the graph returns are left alone, and so is a view of a weight
+    something else reads too (a tied weight: an embedding and its LM head):
+    folding it would store the weight twice, growing the file by what the
+    arena saves at most, so file + arena would not shrink.  The same view of the same
     weight (e.g. an LSTM's transposed weight at every time step) is folded
     once.  Returns the count of nodes removed; a parameter nothing else reads
     is then removed by :func:`remove_unused_constants`.
@@ -923,10 +926,17 @@ def _foldable(node: torch.fx.Node, spec_of: Mapping[torch.fx.Node, InputSpec]) -
         return False
     if any(user.op == "output" for user in node.users):
         return False
+    if any(not _same_view(user, node) for a in inputs for user in a.users):
+        return False  # the weight stays (it has other readers): folding would store it twice
     out, ins = node.meta.get("val"), [a.meta.get("val") for a in inputs]
     if not isinstance(out, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in ins):
         return False
     return out.numel() <= sum(v.numel() for v in ins)
+
+
+def _same_view(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether ``a`` computes the same view as ``b`` (then both fold into one constant)."""
+    return a is b or (a.target is b.target and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs)
 
 
 def _constant_value(program: ExportedProgram, node: torch.fx.Node, spec_of) -> torch.Tensor:

@@ -413,3 +413,38 @@ def test_layer_norm_and_powers_are_delegated():
         expected = list(model(*inputs))
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, "layer norm executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, "layer norm ours")
+
+
+class _TiedHead(torch.nn.Module):
+    """An embedding and an LM head sharing its weight (GPT-2 style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+
+    def forward(self, ids, y):
+        h = torch.relu(self.emb(ids) + y)
+        return h @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("target", ["portable", "xnnpack"])
+def test_tied_weight_stored_once(target):
+    """The transposed view of a weight something else reads is not folded into a second
+    constant; the XNNPACK head takes the weight as a runtime input (FullyConnected, no transpose)."""
+    torch.manual_seed(0)
+    model, inputs = _TiedHead().eval(), (torch.randint(0, 64, (2, 5)), torch.randn(2, 5, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = lowering.lower(model, inputs, partitioner=partitioner_for(target))
+    weight = model.emb.weight.detach().numpy().tobytes()
+    transposed = model.emb.weight.detach().t().contiguous().numpy().tobytes()
+    assert result.pte.count(weight) == 1 and result.pte.count(transposed) == 0
+    if target == "xnnpack":
+        _, (payload,) = _payloads(result.pte)
+        graph, _ = P.deserialize_payload(payload)
+        (fc,) = [n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+        assert fc.flags == 0 and graph.xvalues[fc.filterId].xvalueUnion.flags == P.EXTERNAL_INPUT
+    with torch.no_grad():
+        expected = [model(*inputs)]
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"tied {target} executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"tied {target} ours")

@@ -30,8 +30,6 @@ BACKEND_ID = "XnnpackBackend"
 
 #: Operand positions that must be static data owned by the partition.
 _STATIC_OPERANDS = {
-    aten.addmm.default: (2,),
-    aten.mm.default: (1,),
     aten.convolution.default: (1, 2),
     aten._native_batch_norm_legit_no_training.default: (1, 2, 3, 4),
 }

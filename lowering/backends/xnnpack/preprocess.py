@@ -203,6 +203,7 @@ class GraphBuilder:
         self._static_cache: dict[torch.fx.Node, torch.Tensor] = {}
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
+        self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
         self.node: torch.fx.Node | None = None
         empty = fbx.ConstantDataOffsetT()
         empty.offset, empty.size, empty.namedKey = 0, 0, ""
@@ -222,6 +223,7 @@ class GraphBuilder:
             self._set(node, vid, NCHW)
         self._plan_batch_norm_folds()
         self._plan_pad_folds()
+        self._plan_weight_views()
         for node in graph.nodes:
             self.node = node
             if node.op != "call_function":
@@ -443,6 +445,25 @@ class GraphBuilder:
                 and (conv.args[2] is None or self.ctx.is_static(conv.args[2]))
             ):
                 self.bn_folds[conv] = node
+
+    def _plan_weight_views(self) -> None:
+        """Transposes of runtime 2-D values used only as FullyConnected weights.
+
+        Before::  %t = permute_copy(%w, [1, 0])    %mm = mm(%x, %t)      (%w a delegate input)
+        After::   FullyConnected(x, w) without the transpose-weights flag: w is [N, K] already
+        """
+        weight_arg = {aten.mm.default: 1, aten.addmm.default: 2}
+        for node in self.ep.graph.nodes:
+            if (
+                node.target is aten.permute_copy.default
+                and not self.ctx.is_static(node)
+                and len(shape(node)) == 2
+                and [int(p) % 2 for p in node.args[1]] == [1, 0]
+                and node.users
+                and all(weight_arg.get(u.target) is not None and u.args[weight_arg[u.target]] is node
+                        and node not in u.args[:weight_arg[u.target]] for u in node.users)
+            ):
+                self.weight_views.add(node)
 
     def _plan_pad_folds(self) -> None:
         """Zero pads of H and W whose only user is a (non-transposed) convolution.
@@ -798,6 +819,8 @@ def _lower_expand(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 @_rule(aten.permute_copy.default)
 def _lower_permute(b: GraphBuilder, node: torch.fx.Node) -> None:
+    if node in b.weight_views:
+        return  # read untransposed by the FullyConnected nodes using it
     source = node.args[0]
     rank = len(shape(source))
     perm = [int(p) % rank for p in node.args[1]]
@@ -984,8 +1007,8 @@ def _check_addmm(node, ctx):
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return "alpha/beta != 1"
     weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
-    if not ctx.is_static(weight):
-        return "weight is not a static parameter"
+    if not ctx.is_static(weight) and val(weight).dim() != 2:
+        return "weight is not 2-D"
     if node.target is aten.addmm.default:
         bias = node.args[0]
         if val(bias).numel() != val(node).shape[-1]:
@@ -998,9 +1021,15 @@ def _lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
     is_addmm = node.target is aten.addmm.default
     x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
-    weight = b.static_tensor(w_node)
     x = b.get(x_node, NCHW)
-    filter_id = b.constant(weight)
+    flags = P.FLAG_TRANSPOSE_WEIGHTS
+    if b.ctx.is_static(w_node):
+        filter_id = b.constant(b.static_tensor(w_node))
+    elif w_node in b.weight_views:
+        # A runtime weight (e.g. tied to an embedding the top level keeps): its [N, K] source as the filter.
+        filter_id, flags = b.get(w_node.args[0], NCHW), 0
+    else:
+        filter_id = b.get(w_node, NCHW)
     bias_id, add_bias = P.INVALID_ID, None
     if is_addmm:
         bias_node = node.args[0]
@@ -1011,7 +1040,7 @@ def _lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     out = b.output(node) if add_bias is None else b._define(shape(node))
     body = fbx.XNNFullyConnectedT()
     body.input1Id, body.filterId, body.biasId, body.outputId = x, filter_id, bias_id, out
-    body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+    body.flags = flags
     b._node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out if add_bias is None else None)
     if add_bias is not None:
         result = b.output(node)
