@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import lowering
 from examples.models import MODELS
@@ -448,3 +450,66 @@ def test_tied_weight_stored_once(target):
         expected = [model(*inputs)]
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"tied {target} executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"tied {target} ours")
+
+
+class _ConvZoo(nn.Module):
+    """Strides, dilation, depthwise with a multiplier, groups, transposed convolutions, BN after
+    one (decomposed), fused and unfused activations, NHWC mean, pools with padding, a 7-way cat."""
+
+    def __init__(s):
+        super().__init__()
+        s.c1 = nn.Conv2d(4, 8, 3, stride=2, padding=1)
+        s.dw = nn.Conv2d(8, 16, 3, padding=2, dilation=2, groups=8)   # depthwise, multiplier 2
+        s.g = nn.Conv2d(16, 16, 1, groups=4)
+        s.ct = nn.ConvTranspose2d(16, 8, 3, stride=2, padding=1, output_padding=1)
+        s.ctg = nn.ConvTranspose2d(8, 8, 2, stride=2, groups=2)
+        s.bn = nn.BatchNorm2d(8)
+        s.c1x = nn.Conv2d(1, 4, 3, padding=1)
+        with torch.no_grad():
+            s.bn.running_mean.uniform_(-1, 1); s.bn.running_var.uniform_(0.5, 2)
+    def forward(s, x, m):
+        y = F.hardswish(s.c1(x))
+        y = F.relu6(s.dw(y))
+        y = F.leaky_relu(s.g(y), 0.1)
+        y = s.bn(s.ct(y))           # bn not after a conv: transposed conv -> decomposed
+        y = torch.sigmoid(s.ctg(y)) * y.mean((2, 3), keepdim=True)
+        z = F.max_pool2d(y, 3, 2, padding=1)
+        w = F.avg_pool2d(y, 3, 2, padding=1, count_include_pad=False)
+        u = torch.cat([z, w, z, w, z, w, z], 1)
+        v = F.adaptive_avg_pool2d(u, 1).flatten(1)
+        q = s.c1x(m)
+        return v, q.permute(0, 2, 3, 1), F.silu(q)[:, 1:3], torch.clamp(q, -0.5, 0.3)
+
+class _Elementwise(nn.Module):
+    """Unary and binary elementwise ops, softmax, split, pad, select, bmm, scalar ops."""
+
+    def forward(s, x, y):
+        a = torch.maximum(x, y) - torch.minimum(x, y) / 2
+        b = torch.exp(-x.abs()) + torch.log(y.abs() + 1) + torch.sqrt(y.abs() + 0.1) + torch.rsqrt(x.abs() + 1)
+        c = torch.floor(x * 3) + torch.ceil(y * 3) + torch.sin(x) * torch.cos(y) + torch.tanh(x)
+        d = F.gelu(a) + F.hardsigmoid(b) + F.hardtanh(c, -2, 2)
+        e = torch.softmax(d, -1)
+        parts = torch.split(e, [3, 5], dim=1)
+        f = F.pad(parts[1], (1, 2), value=0.5)
+        g = e.select(1, 2).unsqueeze(1)
+        return f * g, torch.bmm(x.unsqueeze(0), y.t().unsqueeze(0)), -x, x / 3.0 - 1
+
+def _zoo():
+    torch.manual_seed(0)
+    return _ConvZoo().eval(), (torch.randn(1, 4, 16, 16), torch.randn(2, 1, 6, 6))
+
+def _elementwise():
+    torch.manual_seed(0)
+    return _Elementwise().eval(), (torch.randn(4, 8), torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("factory", [_zoo, _elementwise], ids=["conv_zoo", "elementwise"])
+def test_op_zoo_whole_model_delegated(factory):
+    pytest.importorskip("executorch")
+    model, inputs = factory()
+    with torch.no_grad():
+        expected = list(model(*inputs))
+    result = _lower(model, inputs)
+    assert _kernel_calls(result.pte) == 0 and len(_payloads(result.pte)[1]) == 1
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "zoo executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "zoo ours")
