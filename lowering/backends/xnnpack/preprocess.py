@@ -130,8 +130,19 @@ def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
     rule = OPS.get(node.target)
     if rule is None:
         return f"no XNNPACK lowering for {node.target}"
-    reason = _check_dtypes(node)
+    reason = _check_dtypes(node) or _check_zero_dim(node, ctx)
     return reason or rule.check(node, ctx)
+
+
+def _check_zero_dim(node: torch.fx.Node, ctx: Context) -> str | None:
+    """0-dim values could cross the delegate boundary, where the runtime sees no dims: keep
+    them inside (static scalars are fine: they become 1-element constants)."""
+    if isinstance(val(node), torch.Tensor) and val(node).dim() == 0:
+        return "0-dim result"
+    for a in node.all_input_nodes:
+        if val(a).dim() == 0 and not ctx.is_static(a):
+            return f"0-dim input {a.name!r}"
+    return None
 
 
 def _check_dtypes(node: torch.fx.Node) -> str | None:
