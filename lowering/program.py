@@ -27,6 +27,7 @@ def copy_program(exported_program: ExportedProgram) -> ExportedProgram:
     }
     memo = {id(t): t for t in (*state_dict.values(), *constants.values())}
     new_gm = copy.deepcopy(gm, memo)
+    _keep_node_names(gm.graph, new_gm)
     return ExportedProgram(
         root=new_gm,
         graph=new_gm.graph,
@@ -40,6 +41,43 @@ def copy_program(exported_program: ExportedProgram) -> ExportedProgram:
     )
 
 
+def _keep_node_names(original: torch.fx.Graph, copied: torch.fx.GraphModule) -> None:
+    """Give the copy's nodes the original's names.
+
+    fx's namespace never hands out a builtin's name, so copying renames a
+    placeholder that torch.export called ``input`` (``nn.Sequential``'s argument)
+    to ``input_1``, and the copy no longer matches its graph signature::
+
+        before copy: %input : placeholder   signature: USER_INPUT 'input'
+        after copy:  %input_1 : placeholder signature: USER_INPUT 'input'   (SpecViolationError)
+        after this:  %input : placeholder   signature: USER_INPUT 'input'
+    """
+    renamed = False
+    for old, new in zip(original.nodes, copied.graph.nodes):
+        if new.name != old.name:
+            new.name = old.name
+            renamed = True
+    if renamed:
+        copied.recompile()
+
+
+def _restore_input_names(gm: torch.fx.GraphModule, sig) -> None:
+    """Placeholders take the names their input specs give them (graph rewrites that copy
+    nodes, e.g. a topological sort, rename a builtin-named ``input`` to ``input_1``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    taken = {n.name for n in gm.graph.nodes}
+    renamed = False
+    for node, spec in zip(placeholders, sig.input_specs):
+        want = getattr(spec.arg, "name", None)
+        if want and node.name != want and want not in taken:
+            taken.discard(node.name)
+            node.name = want
+            taken.add(want)
+            renamed = True
+    if renamed:
+        gm.recompile()
+
+
 def rebuild_program(exported_program: ExportedProgram) -> ExportedProgram:
     """A new ExportedProgram over the (rewritten) graph of ``exported_program``.
 
@@ -49,6 +87,7 @@ def rebuild_program(exported_program: ExportedProgram) -> ExportedProgram:
     """
     gm = exported_program.graph_module
     sig = exported_program.graph_signature
+    _restore_input_names(gm, sig)
     outputs = list(gm.graph.output_node().args[0])
     renamed = {}
     output_specs = []

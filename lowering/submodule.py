@@ -87,10 +87,15 @@ def fresh_namespace(graph: torch.fx.Graph) -> None:
     """
     namespace = _Namespace()
     for node in graph.nodes:
-        name = namespace.create_name(node.name, None)
-        if name != node.name:  # cannot happen: node names are unique identifiers
+        if node.name in namespace._used_names:  # cannot happen: node names are unique identifiers
             raise SubmoduleError(f"node name {node.name!r} is not unique in the graph")
-        namespace.associate_name_with_obj(name, node)
+        name = namespace.create_name(node.name, None)
+        if name != node.name:
+            # A name fx never hands out, a builtin's (torch.export calls nn.Sequential's
+            # argument 'input'): the node keeps it, and it is taken.
+            namespace._used_names.discard(name)
+            namespace._used_names.add(node.name)
+        namespace.associate_name_with_obj(node.name, node)
     graph._graph_namespace = namespace
 
 

@@ -403,3 +403,19 @@ def test_export_errors_name_the_model():
         export(MODELS["mlp"]()[0], torch.randn(4, 64))
     with pytest.raises(ExportError, match="expected a torch.nn.Module"):
         export(lambda x: x, (torch.randn(1),))
+
+
+def test_sequential_whose_input_is_named_like_a_builtin():
+    """nn.Sequential's argument is 'input': fx renames such nodes when it copies a graph."""
+    from lowering import lower
+    from lowering.runtime import load
+    from lowering.targets import partitioner_for
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    x = torch.randn(2, 4)
+    program = export(model, (x,))
+    assert program.graph_signature.input_specs[-1].arg.name == "input"
+    result = lower(model, (x,), partitioner=partitioner_for("reference"))
+    out = load(result.pte).method("forward").execute([x])[0]
+    assert torch.allclose(out, model(x), atol=1e-6)

@@ -1,0 +1,153 @@
+"""Garbage collection (tasks/gc.py, ``lowerflow gc``) on stores that real flows wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.lower_fleet import lower_fleet
+from tasks import stages
+from tasks.gc import collect
+from tasks.store import ArtifactStore
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models.py"
+
+FACTORY = """
+import pathlib
+import torch
+
+def net():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    m.load_state_dict(torch.load(pathlib.Path(__file__).with_name("w.pt"), weights_only=True))
+    return m.eval(), (torch.ones(2, 4),)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _fresh(prefect_api):
+    stages.LIVE.clear()
+    yield
+    stages.LIVE.clear()
+
+
+def save_weights(directory: Path, seed: int) -> None:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    torch.save(m.state_dict(), directory / "w.pt")
+
+
+def fleet(tmp_path: Path, *names: str) -> dict:
+    models = {"net": f"{tmp_path / 'net' / 'factory.py'}:net", "mlp": f"{MODELS}:mlp"}
+    summary = lower_fleet({
+        "store": str(tmp_path / "store"),
+        "defaults": {"targets": ["portable", "reference"]},
+        "models": [{"name": n, "model": models[n]} for n in names],
+    })
+    stages.LIVE.clear()
+    return summary
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "locks" not in p.parts}
+
+
+def programs(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / "outputs").rglob("*.pte"))}
+
+
+def age(root: Path, days: float) -> None:
+    """Make every object, record and quarantined file look ``days`` old."""
+    stamp = time.time() - days * 86400
+    for sub in ("objects", "prefect/results", "quarantine"):
+        for p in (root / sub).rglob("*"):
+            os.utime(p, (stamp, stamp))
+
+
+@pytest.fixture
+def two_generations(tmp_path):
+    """A store holding two lowerings of `net` (weights retrained in between) and one of mlp."""
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "factory.py").write_text(FACTORY)
+    save_weights(tmp_path / "net", 1)
+    assert fleet(tmp_path, "net", "mlp")["ok"]
+    save_weights(tmp_path / "net", 2)
+    assert fleet(tmp_path, "net", "mlp")["ok"]
+    return tmp_path
+
+
+def test_gc_removes_the_old_generation_and_keeps_everything_published(two_generations):
+    root = two_generations / "store"
+    published = programs(root)
+    age(root, 30)
+    report = collect(ArtifactStore(str(root)), keep_days=7)
+    assert report.removed_objects and report.removed_records and not report.missing
+    # The old export of net is gone (its program manifest and its old weight blobs) ...
+    assert any(r.startswith("export-") for r in report.removed_records)
+    # ... and everything published, and every stage behind it, is still there: a rerun
+    # executes nothing and publishes the same bytes.
+    before = stages.EXECUTIONS.copy()
+    summary = fleet(two_generations, "net", "mlp")
+    assert summary["ok"] and sum((stages.EXECUTIONS - before).values()) == 0
+    assert programs(root) == published
+    # A second collection finds nothing more to remove.
+    age(root, 30)
+    assert not collect(ArtifactStore(str(root)), keep_days=7).removed_objects
+
+
+def test_gc_dry_run_and_recent_files_remove_nothing(two_generations):
+    root = two_generations / "store"
+    files = tree(root)
+    recent = collect(ArtifactStore(str(root)), keep_days=7)  # everything is minutes old
+    assert not recent.removed_objects and not recent.removed_records and recent.kept_recent > 0
+    age(root, 30)
+    dry = collect(ArtifactStore(str(root)), keep_days=7, dry_run=True)
+    assert dry.removed_objects and dry.freed_bytes > 0
+    assert tree(root) == files
+
+
+def test_gc_releases_a_model_whose_outputs_were_deleted(two_generations):
+    root = two_generations / "store"
+    store = ArtifactStore(str(root))
+    for p in (root / "outputs" / "net").iterdir():
+        p.unlink()
+    age(root, 30)
+    report = collect(store, keep_days=7)
+    # Only mlp's stages remain; its rerun is fully cached, net recomputes from scratch.
+    before = stages.EXECUTIONS.copy()
+    assert fleet(two_generations, "mlp")["ok"] and sum((stages.EXECUTIONS - before).values()) == 0
+    before = stages.EXECUTIONS.copy()
+    assert fleet(two_generations, "net")["ok"] and (stages.EXECUTIONS - before)["export"] == 1
+    assert len(report.removed_records) >= 2 * 9  # net's two generations, all stages
+
+
+def test_gc_removes_old_quarantine(two_generations):
+    root = two_generations / "store"
+    (root / "quarantine").mkdir(exist_ok=True)
+    (root / "quarantine" / ("ab" * 32 + ".1")).write_bytes(b"bad")
+    age(root, 30)
+    report = collect(ArtifactStore(str(root)), keep_days=7)
+    assert report.removed_quarantine == ["ab" * 32 + ".1"]
+    assert not any((root / "quarantine").iterdir())
+
+
+def test_gc_command_line(two_generations):
+    root = two_generations / "store"
+    age(root, 30)
+    cli = [sys.executable, "-m", "flows.cli", "gc"]
+    dry = subprocess.run([*cli, str(root), "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert dry.returncode == 0 and "would remove" in dry.stdout, dry.stderr
+    files = tree(root)
+    done = subprocess.run([*cli, str(root), "--keep-days", "7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "removed" in done.stdout and len(tree(root)) < len(files)
+    missing = subprocess.run([*cli, str(root / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[0].startswith("lowerflow: error: store")
+    negative = subprocess.run([*cli, str(root), "--keep-days", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert negative.returncode == 2 and "--keep-days" in negative.stderr
