@@ -513,3 +513,22 @@ def test_op_zoo_whole_model_delegated(factory):
     assert _kernel_calls(result.pte) == 0 and len(_payloads(result.pte)[1]) == 1
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, "zoo executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, "zoo ours")
+
+
+def test_cached_flow_carries_named_data(tmp_path, prefect_api):
+    """Through the Prefect stages (preprocess stores the weights as blobs, adjust reads them
+    back) the .pte is the one lowering in memory gives, and it verifies."""
+    from flows.lower_model import lower_model
+    from tasks import stages
+    from tasks.store import ArtifactStore
+
+    stages.LIVE.clear()
+    try:
+        manifest = lower_model(f"{REPO / 'examples' / 'models.py'}:cnn", ["xnnpack"], store=str(tmp_path / "store"))
+    finally:
+        stages.LIVE.clear()
+    assert manifest["targets"]["xnnpack"]["ok"]
+    pte = ArtifactStore(str(tmp_path / "store")).get_named("cnn/xnnpack.pte")
+    model, inputs = MODELS["cnn"]()
+    assert pte == _lower(model, inputs).pte
+    assert deserialize(pte).named_data
