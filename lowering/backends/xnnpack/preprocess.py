@@ -902,11 +902,7 @@ def _lower_select(b: GraphBuilder, node: torch.fx.Node) -> None:
     b._node(fbx.NodeUnion.XNNStaticReshape, _reshape(shape(node) or [1], sliced, out))
 
 
-def _check_split(node, ctx):
-    return None
-
-
-@_rule(aten.split_with_sizes_copy.default, aten.split_copy.Tensor, check=_check_split)
+@_rule(aten.split_with_sizes_copy.default, aten.split_copy.Tensor)
 def _lower_split(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Each result is a StaticSlice; getitems pick them."""
     source = node.args[0]
@@ -950,7 +946,6 @@ def _lower_cat(b: GraphBuilder, node: torch.fx.Node) -> None:
     layout = NHWC if rank == 4 and active and all(b.layout(a) == NHWC for a in active) else NCHW
     axis = _TO_NHWC.index(dim) if layout == NHWC else dim
     ids = [b.get(a, layout) for a in inputs]
-    out_dims = shape(node)
     while ids:
         take, ids = ids[:5], ids[5:]
         if ids:  # partial result, then continue with it first
@@ -964,12 +959,9 @@ def _lower_cat(b: GraphBuilder, node: torch.fx.Node) -> None:
         body.axis, body.outputId, body.flags = axis, vid, 0
         slots = take + [P.INVALID_ID] * (5 - len(take))
         body.input1Id, body.input2Id, body.input3Id, body.input4Id, body.input5Id = slots
-        if len(take) == 1:
-            raise XnnpackPreprocessError(f"node {node.name!r}: internal error, a 1-input concatenation")
         b._node(_CATS[len(take)], body)
         if ids:
             ids = [vid] + ids
-    del out_dims
 
 
 def _check_pad(node, ctx):
