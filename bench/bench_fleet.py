@@ -165,6 +165,9 @@ def main() -> None:
         print(f"{'orchestrated warm (all cached)':38}{warm_s:9.2f} {warm_s / cold_s:8.3f}  (vs cold; target <= 0.05)")
         print(f"{'  an empty flow run (Prefect floor)':38}{floor:9.2f} {floor / cold_s:8.3f}  (vs cold)")
         print(f"{'  warm above the floor':38}{warm_s - floor:9.2f} {(warm_s - floor) / cold_s:8.3f}  (vs cold)")
+        load_s = sum(m.get("load_seconds", 0.0) for m in warm.get("models", {}).values())
+        print(f"{'  of which factories + fingerprints':38}{load_s:9.2f} {load_s / cold_s:8.3f}  (vs cold; "
+              "the price of keying export on what is exported)")
         print(f"{'orchestration overhead per model':38}{(cold_s - direct) / n:9.2f}")
         ran, ran_s = executed(resumed)
         print(f"{'resume after emit failure':38}{resume_s:9.2f} {resume_s / max(emit_s, 1e-9):8.1f}  (vs emit alone, {emit_s:.3f} s)")

@@ -11,7 +11,8 @@ Its cache key (:meth:`StageCachePolicy.key_for`) is the sha256 of canonical JSON
 * the stage name and stage version (bump the version when the stage's code changes),
 * every task parameter, with each :class:`~tasks.store.ArtifactRef` replaced by its
   sha256 (content, not location) and everything else as canonical JSON,
-* the torch and lowerflow versions.
+* the torch and lowerflow versions, a digest of lowerflow's own source, and the
+  versions of distributions that register backends (:func:`environment_versions`).
 
 It is never keyed on torch objects (a parameter that is not JSON or an ArtifactRef
 is an error unless listed in ``ignore``), on run ids or on source code, so the
@@ -82,12 +83,43 @@ class CacheKeyError(TypeError):
 
 @lru_cache(maxsize=1)
 def environment_versions() -> dict[str, str]:
-    """The versions every key includes: torch and lowerflow."""
+    """What every key includes besides the stage's own inputs: the code that computes it.
+
+    * torch's and lowerflow's versions;
+    * ``lowerflow_source``: a digest of lowerflow's own compiler and stage code (every
+      ``.py`` and ``.fbs`` file of ``lowering/`` and ``tasks/``), so an edited pass
+      never serves a program cached by the code before it, version bump or not;
+    * the distributions that register backends (``lowerflow.backends`` entry points),
+      ``name==version``: an upgraded third-party backend re-lowers what it delegates.
+    """
     try:
         lowerflow = importlib.metadata.version("lowerflow")
     except importlib.metadata.PackageNotFoundError:
         lowerflow = "unknown"
-    return {"torch": torch.__version__, "lowerflow": lowerflow}
+    backends = sorted({
+        f"{ep.dist.name}=={ep.dist.version}"
+        for ep in importlib.metadata.entry_points(group="lowerflow.backends")
+        if ep.dist is not None and ep.dist.name != "lowerflow"
+    })
+    return {
+        "torch": torch.__version__,
+        "lowerflow": lowerflow,
+        "lowerflow_source": source_digest(),
+        **({"backend_distributions": ",".join(backends)} if backends else {}),
+    }
+
+
+def source_digest() -> str:
+    """sha256 over the relative paths and bytes of lowerflow's ``lowering`` and ``tasks`` sources."""
+    import lowering
+
+    digest = hashlib.sha256()
+    for package in (Path(lowering.__file__).parent, Path(__file__).parent):
+        for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".fbs") and p.is_file()):
+            digest.update(f"{package.name}/{path.relative_to(package).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+            digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def key_json(value: Any, where: str = "value") -> Any:
