@@ -503,7 +503,27 @@ def _elementwise():
     return _Elementwise().eval(), (torch.randn(4, 8), torch.randn(4, 8))
 
 
-@pytest.mark.parametrize("factory", [_zoo, _elementwise], ids=["conv_zoo", "elementwise"])
+class _Resample(nn.Module):
+    """Bilinear upsampling (scale and size, align_corners both ways), amax over H, W, means
+    over the last dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        x = self.c(x)
+        y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+        z = F.interpolate(x, size=(5, 7), mode="bilinear", align_corners=True)
+        return y, z, torch.amax(x, (2, 3), keepdim=True), torch.amax(x, (2, 3)), x.mean(-1), x.mean(-1, keepdim=True)
+
+
+def _resample():
+    torch.manual_seed(0)
+    return _Resample().eval(), (torch.randn(1, 4, 6, 6),)
+
+
+@pytest.mark.parametrize("factory", [_zoo, _elementwise, _resample], ids=["conv_zoo", "elementwise", "resample"])
 def test_op_zoo_whole_model_delegated(factory):
     pytest.importorskip("executorch")
     model, inputs = factory()

@@ -46,6 +46,7 @@ EXTERNAL_OUTPUT = 2
 #: Node flags (XNNPACK's values).
 FLAG_TRANSPOSE_WEIGHTS = 0x1
 FLAG_KEEP_DIMS = 0x40
+FLAG_ALIGN_CORNERS = 0x8
 #: The runtime's limit on ``XNNGraph.num_externs``.
 MAX_EXTERNS = 4096
 

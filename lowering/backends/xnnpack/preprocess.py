@@ -1250,20 +1250,49 @@ def _lower_pool(b: GraphBuilder, node: torch.fx.Node) -> None:
         b._set(node, out, NHWC)
 
 
+def _mean_dims(node: torch.fx.Node) -> list[int]:
+    rank = len(shape(node.args[0]))
+    return sorted(int(d) % rank for d in node.args[1])
+
+
 def _check_mean(node, ctx):
-    if len(shape(node.args[0])) != 4:
-        return "input is not 4-D"
-    dims = sorted(int(d) % 4 for d in node.args[1])
-    if dims != [2, 3]:
-        return "mean over dims other than H and W"
+    rank = len(shape(node.args[0]))
     if node.kwargs.get("dtype") is not None:
         return "dtype"
+    if _mean_dims(node) == [rank - 1]:
+        return None  # a FullyConnected by 1/K
+    if rank != 4:
+        return "input is not 4-D"
+    if _mean_dims(node) != [2, 3]:
+        return "mean over dims other than H and W, or the last"
     return None
+
+
+def _keepdim(node: torch.fx.Node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
+def _mean_last(b: "GraphBuilder", node: torch.fx.Node) -> None:
+    """Mean over the last dim: FullyConnected(x, 1/K) -> [..., 1] (then reshaped if not keepdim)."""
+    x = b.get(node.args[0], NCHW)
+    dims = b._dims[x]
+    mean = b._define(dims[:-1] + [1]) if not _keepdim(node) else b.output(node)
+    body = fbx.XNNFullyConnectedT()
+    body.input1Id, body.filterId, body.biasId, body.outputId = (
+        x, b.constant(torch.full((dims[-1], 1), 1.0 / dims[-1])), P.INVALID_ID, mean)
+    body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+    b._node(fbx.NodeUnion.XNNFullyConnected, body)
+    if not _keepdim(node):
+        b._node(fbx.NodeUnion.XNNStaticReshape, _reshape(shape(node) or [1], mean, b.output(node)))
 
 
 @_rule(aten.mean.dim, check=_check_mean)
 def _lower_mean(b: GraphBuilder, node: torch.fx.Node) -> None:
-    """GlobalAvgPooling2d in NHWC ([N,1,1,C]); keepdim=False is a reshape of it to [N,C]."""
+    """GlobalAvgPooling2d in NHWC ([N,1,1,C]); keepdim=False is a reshape of it to [N,C].
+    A mean over the last dim is a FullyConnected by 1/K instead."""
+    if _mean_dims(node) == [len(shape(node.args[0])) - 1]:
+        _mean_last(b, node)
+        return
     x = b.get(node.args[0], NHWC)
     n, c = shape(node.args[0])[:2]
     keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
@@ -1272,6 +1301,52 @@ def _lower_mean(b: GraphBuilder, node: torch.fx.Node) -> None:
     if not keepdim:  # [N,1,1,C] NHWC has the bytes of [N,C]
         out = b.output(node)
         b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, c], pooled, out))
+
+
+def _check_amax(node, ctx):
+    if len(shape(node.args[0])) != 4 or sorted(int(d) % 4 for d in node.args[1]) != [2, 3]:
+        return "max over dims other than H and W of a 4-D tensor"
+    return None
+
+
+@_rule(aten.amax.default, check=_check_amax)
+def _lower_amax(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """amax over H, W: a MaxPooling2d whose window is the whole image (NHWC [N,1,1,C])."""
+    x = b.get(node.args[0], NHWC)
+    n, c, h, w = shape(node.args[0])
+    keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+    pooled = b.output(node, NHWC) if keepdim else b._define([n, 1, 1, c])
+    body = fbx._XNNPooling2DT()
+    body.paddingTop = body.paddingRight = body.paddingBottom = body.paddingLeft = 0
+    body.poolingHeight, body.poolingWidth, body.strideHeight, body.strideWidth = h, w, h, w
+    body.dilationHeight = body.dilationWidth = 1
+    body.inputId, body.outputId, body.flags = x, pooled, P.FLAG_KEEP_DIMS
+    b._node(fbx.NodeUnion.XNNMaxPooling2d, body)
+    if not keepdim:
+        b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, c], pooled, b.output(node)))
+
+
+def _check_upsample(node, ctx):
+    if len(shape(node.args[0])) != 4:
+        return "input is not 4-D"
+    scales = node.args[3] if len(node.args) > 3 else None
+    if scales is not None:  # torch maps coordinates with the given scale, XNNPACK with the size ratio
+        src, dst = shape(node.args[0])[2:], shape(node)[2:]
+        if any(float(d) != float(s) * float(f) for s, d, f in zip(src, dst, scales)):
+            return "scale factor other than output size / input size"
+    return None
+
+
+@_rule(aten.upsample_bilinear2d.vec, check=_check_upsample)
+def _lower_upsample(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """StaticResizeBilinear2D in NHWC (align_corners as XNNPACK's flag)."""
+    x = b.get(node.args[0], NHWC)
+    out = b.output(node, NHWC)
+    body = fbx.XNNStaticResizeBilinear2DT()
+    body.newHeight, body.newWidth = shape(node)[2:]
+    body.inputId, body.outputId = x, out
+    body.flags = P.FLAG_ALIGN_CORNERS if node.args[2] else 0
+    b._node(fbx.NodeUnion.XNNStaticResizeBilinear2D, body)
 
 
 # --------------------------------------------------------------------------- getitem

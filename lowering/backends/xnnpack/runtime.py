@@ -185,6 +185,12 @@ def _pad(body, v):
     return F.pad(v[body.inputId], pads, value=body.paddingValue)
 
 
+def _resize_bilinear(body, v):
+    x = _nchw(v[body.inputId])
+    return _nhwc(F.interpolate(x, size=(body.newHeight, body.newWidth), mode="bilinear",
+                               align_corners=bool(body.flags & P.FLAG_ALIGN_CORNERS)))
+
+
 def _leaky_relu(body, v):
     return F.leaky_relu(v[body.inputId], body.negativeSlope)
 
@@ -232,6 +238,7 @@ _KERNELS: dict[int, Callable] = {
     K.XNNStaticReshape: lambda body, v: v[body.inputId].reshape([int(d) for d in body.newShape]),
     K.XNNStaticSlice: _slice,
     K.XNNStaticConstantPad: _pad,
+    K.XNNStaticResizeBilinear2D: _resize_bilinear,
     K.XNNConcatenate2: _cat,
     K.XNNConcatenate3: _cat,
     K.XNNConcatenate4: _cat,
