@@ -503,6 +503,8 @@ def first_line(text: str) -> str:
     return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
 
 
+_STORE_DOWN = ("cannot reach the artifact store{store}: {cause}; check that it is up and reachable "
+               "(AWS_ENDPOINT_URL_S3 for S3), then run again: finished stages are reused")
 #: Failures whose cause is outside lowerflow, and what to do about them.
 HINTS = (
     ("ephemeral Prefect API server",
@@ -514,6 +516,9 @@ HINTS = (
     ("All connection attempts failed",
      "cannot reach the Prefect API at PREFECT_API_URL={api}; start it ('prefect server start') or unset "
      "PREFECT_API_URL to use a temporary server"),
+    # botocore's EndpointConnectionError / ConnectTimeoutError: the S3 store is down or unreachable.
+    ("Could not connect to the endpoint URL", _STORE_DOWN),
+    ("Connect timeout on endpoint URL", _STORE_DOWN),
 )
 
 
@@ -528,6 +533,8 @@ def error_message(exc: BaseException) -> str:
             return hint.format(
                 timeout=os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20"),
                 api=os.environ.get("PREFECT_API_URL", "(unset)"),
+                store=f" {os.environ['LOWERFLOW_STORE']}" if os.environ.get("LOWERFLOW_STORE") else "",
+                cause=line,
             )
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
@@ -536,9 +543,8 @@ def print_error(prog: str, exc: BaseException, debug: bool) -> int:
     """``<prog>: error: <one line>`` on stderr (the traceback first with ``debug``); the exit status."""
     if debug:
         traceback.print_exc()
-    print(f"{prog}: error: {error_message(exc)}", file=sys.stderr)
-    if not debug and not isinstance(exc, CLIError):
-        print(f"{prog}: (run again with --debug for the traceback)", file=sys.stderr)
+    more = "" if debug or isinstance(exc, CLIError) else " (--debug shows the traceback)"
+    print(f"{prog}: error: {error_message(exc)}{more}", file=sys.stderr)
     return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
 
 

@@ -16,8 +16,10 @@ REPO = Path(__file__).resolve().parents[1]
 MLP = "examples/models.py:mlp"
 
 
-def lowerflow(*args: str, cwd: Path = REPO, home: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``lowerflow ARGS`` with no Prefect configuration (ephemeral server).
+def lowerflow(*args: str, cwd: Path = REPO, home: Path | None = None, timeout: float = 600,
+              env: dict[str, str] | None = None, module: str = "flows.cli") -> subprocess.CompletedProcess:
+    """Run ``lowerflow ARGS`` (or ``python -m <module> ARGS``) with no Prefect configuration
+    (ephemeral server) but ``env``.
 
     ``home``: a PREFECT_HOME of its own, so the ephemeral server's database is not
     shared with other processes on the machine.
@@ -27,8 +29,9 @@ def lowerflow(*args: str, cwd: Path = REPO, home: Path | None = None, timeout: f
     if home is not None:
         base["PREFECT_HOME"] = str(home)
     base["PYTHONPATH"] = str(REPO)
+    base.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
+        [sys.executable, "-m", module, *args],
         cwd=cwd, env=base, capture_output=True, text=True, timeout=timeout,
     )
 
@@ -310,3 +313,59 @@ def test_nightly_deployment_declaration():
         os.chdir(cwd)
     assert flow.name == "lower-fleet"
     assert (REPO / deployment["parameters"]["manifest"]).is_file()
+
+
+# --------------------------------------------------------------------------- first run, quiet console
+
+
+def test_first_run_gives_the_ephemeral_server_time_and_a_user_setting_wins():
+    code = ("import os; from flows.cli import configure_environment; configure_environment(False); "
+            "print(os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS'])")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    default = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert default.stdout.strip() == "180"
+    mine = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                          env={**env, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "45"})
+    assert mine.stdout.strip() == "45"
+    # Importing the flows package first does the same for Python users.
+    flows_first = subprocess.run(
+        [sys.executable, "-c", "import flows, prefect.settings as s; "
+                               "print(s.PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())"],
+        cwd=REPO, env=env, capture_output=True, text=True)
+    assert flows_first.stdout.strip() == "180", flows_first.stderr
+
+
+def test_a_server_that_does_not_start_in_time_is_one_line_saying_what_to_do(tmp_path):
+    """What a newcomer met on a busy machine: now one line naming the setting to raise.
+    (A 1-second budget on a fresh PREFECT_HOME reproduces the time-out for certain.)"""
+    slow = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+    result = lowerflow("lower", MLP, "-o", str(tmp_path / "x.pte"), home=tmp_path / "home", env=slow)
+    line = assert_one_line_error(result, 1, "did not start in time", "STARTUP_TIMEOUT_SECONDS=1",
+                                 "prefect server start")
+    assert "--debug" in line and not (tmp_path / "x.pte").exists()
+    demo = lowerflow(home=tmp_path / "home2", env=slow, module="examples.demo")
+    assert demo.returncode == 1 and "Traceback" not in demo.stderr
+    assert [l for l in demo.stderr.splitlines() if l.strip()][-1].startswith("demo: error: Prefect's temporary API")
+
+
+def test_console_shows_only_lowerflow_lines_unless_verbose(tmp_path):
+    """A wrong-shape model beside a good one: torch's fake-tensor traceback, torchao's and
+    the oracle's import noise stay off the console; --verbose brings them back."""
+    (tmp_path / "models.py").write_text(textwrap.dedent("""
+        import torch
+
+        def wrong():
+            return torch.nn.Linear(4, 3), (torch.randn(2, 5),)
+
+        def good():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU()), (torch.randn(2, 4),)
+        """))
+    (tmp_path / "fleet.yaml").write_text(
+        "store: ./store\nmodels:\n  - {model: models.py:wrong}\n  - {model: models.py:good}\n")
+    quiet = lowerflow("fleet", "fleet.yaml", cwd=tmp_path, home=tmp_path / "home")
+    line = assert_one_line_error(quiet, 1, "1 of 2 models failed: wrong", "fails on its example inputs ((2, 5) float32)")
+    assert [l for l in quiet.stderr.splitlines() if l.strip()] == [line], quiet.stderr
+    assert "[2/2]" in quiet.stdout and "good" in quiet.stdout
+    loud = lowerflow("fleet", "fleet.yaml", "--verbose", cwd=tmp_path, home=tmp_path / "home")
+    assert loud.returncode == 1 and "fake_tensor" in loud.stderr
