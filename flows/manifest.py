@@ -7,7 +7,7 @@
         model: examples/models.py:mlp        # a model spec (tasks.model_spec)
         targets: [portable, reference]       # optional: defaults.targets
         options: {reference: {...}}          # optional: partitioner options per target
-        version: "1"                         # optional: bump to force a re-export
+        version: "1"                         # optional: an extra salt of the export key
         verify: true                         # optional: run the verify stage
 
 The whole manifest is validated before any work starts; every error names the
