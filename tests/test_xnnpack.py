@@ -523,7 +523,29 @@ def _resample():
     return _Resample().eval(), (torch.randn(1, 4, 6, 6),)
 
 
-@pytest.mark.parametrize("factory", [_zoo, _elementwise, _resample], ids=["conv_zoo", "elementwise", "resample"])
+class _Conv1d(nn.Module):
+    """1-D convolutions (as 2-D over H = 1): BN folded, strided, depthwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv1d(4, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+        self.b = nn.Conv1d(8, 8, 5, stride=2, padding=2, groups=8)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-1, 1)
+            self.bn.running_var.uniform_(0.5, 2)
+
+    def forward(self, x):
+        return (self.b(torch.relu(self.bn(self.a(x)))),)
+
+
+def _conv1d():
+    torch.manual_seed(0)
+    return _Conv1d().eval(), (torch.randn(2, 4, 20),)
+
+
+@pytest.mark.parametrize("factory", [_zoo, _elementwise, _resample, _conv1d],
+                         ids=["conv_zoo", "elementwise", "resample", "conv1d"])
 def test_op_zoo_whole_model_delegated(factory):
     pytest.importorskip("executorch")
     model, inputs = factory()

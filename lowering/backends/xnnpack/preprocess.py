@@ -1089,8 +1089,11 @@ def _pair(v: Any) -> list[int]:
 
 
 def _check_conv(node, ctx):
-    if len(shape(node.args[1])) != 4:
-        return "only 2-D convolution"
+    rank = len(shape(node.args[1]))
+    if rank == 3 and node.args[6]:
+        return "1-D transposed convolution"
+    if rank not in (3, 4):
+        return "only 1-D and 2-D convolution"
     if not ctx.is_static(node.args[1]):
         return "weight is not a static parameter"
     if node.args[2] is not None and not ctx.is_static(node.args[2]):
@@ -1102,10 +1105,36 @@ def _check_conv(node, ctx):
     return None
 
 
+def _conv1d_input(b: "GraphBuilder", x_node: torch.fx.Node) -> int:
+    """[N, C, L] -> NHWC [N, 1, L, C]: a transpose and a reshape."""
+    n, c, length = shape(x_node)
+    x = b.get(x_node, NCHW)
+    nlc = b._define([n, length, c])
+    b._node(fbx.NodeUnion.XNNStaticTranspose, _transpose([0, 2, 1], x, nlc))
+    nhwc = b._define([n, 1, length, c])
+    b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, 1, length, c], nlc, nhwc))
+    return nhwc
+
+
+def _conv1d_output(b: "GraphBuilder", node: torch.fx.Node, nhwc: int) -> None:
+    """NHWC [N, 1, L, O] -> [N, O, L]: a reshape and a transpose."""
+    n, o, length = shape(node)
+    nlo = b._define([n, length, o])
+    b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, length, o], nhwc, nlo))
+    b._node(fbx.NodeUnion.XNNStaticTranspose, _transpose([0, 2, 1], nlo, b.output(node)))
+
+
 @_rule(aten.convolution.default, check=_check_conv)
 def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Conv2d / DepthwiseConv2d / ConvTranspose2d in NHWC, filter OHWI ([1,H,W,O] depthwise).
+    A 1-D convolution is a 2-D one over [N, 1, L, C] (H = 1), reshaped in and out."""
     x_node, w_node, bias_node = node.args[0], node.args[1], node.args[2]
-    stride, padding, dilation = _pair(node.args[3]), _pair(node.args[4]), _pair(node.args[5])
+    one_d = len(shape(w_node)) == 3
+    if one_d:
+        stride, dilation = [1, int(node.args[3][0])], [1, int(node.args[5][0])]
+        padding = [0, int(node.args[4][0])]
+    else:
+        stride, padding, dilation = _pair(node.args[3]), _pair(node.args[4]), _pair(node.args[5])
     top, right, bottom, left = padding[0], padding[1], padding[0], padding[1]
     if x_node in b.pad_folds:  # a zero pad folded into this convolution
         pre, post = _pads(x_node)
@@ -1113,6 +1142,8 @@ def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         x_node = x_node.args[0]
     transposed, output_padding, groups = bool(node.args[6]), _pair(node.args[7]), int(node.args[8])
     weight = b.static_tensor(w_node).double()
+    if one_d:
+        weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
     bias = b.static_tensor(bias_node).double() if bias_node is not None else None
     bn = b.bn_folds.get(node)
     if bn is not None:
@@ -1132,10 +1163,10 @@ def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
         w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
         filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
-    x = b.get(x_node, NHWC)
+    x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
     filter_id = b.constant(filt.float())
     bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
-    out = b.output(node, NHWC)
+    out = b._define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)
     body = fbx._XNNNodeConvT()
     body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left
     body.kernelHeight, body.kernelWidth = kernel[2], kernel[3]
@@ -1146,7 +1177,9 @@ def _lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     body.input1Id, body.filterId, body.biasId, body.outputId, body.flags = x, filter_id, bias_id, out, 0
     kind = (fbx.NodeUnion.XNNDepthwiseConv2d if depthwise else
             fbx.NodeUnion.XNNConvTranspose2d if transposed else fbx.NodeUnion.XNNConv2d)
-    b._node(kind, body, fusable_output=out)
+    b._node(kind, body, fusable_output=None if one_d else out)
+    if one_d:
+        _conv1d_output(b, node, out)
     if bn is not None:
         b.alias(bn, node)
 
