@@ -574,3 +574,19 @@ def test_cached_flow_carries_named_data(tmp_path, prefect_api):
     model, inputs = MODELS["cnn"]()
     assert pte == _lower(model, inputs).pte
     assert deserialize(pte).named_data
+
+
+def test_activation_matmul_is_a_dynamic_fully_connected():
+    """``mm`` of two runtime values (ExecuTorch's partitioner leaves it out) runs as a
+    FullyConnected whose filter is a runtime value."""
+
+    class M(nn.Module):
+        def forward(self, x, y):
+            return (torch.relu(x) @ torch.sigmoid(y),)
+
+    model, inputs = M().eval(), (torch.randn(4, 8), torch.randn(8, 6))
+    result = _lower(model, inputs)
+    assert _kernel_calls(result.pte) == 0
+    expected = list(model(*inputs))
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "mm executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "mm ours")
