@@ -142,8 +142,6 @@ def check_targets(targets: Sequence[str]) -> None:
 EPHEMERAL_STARTUP_TIMEOUT = "180"
 #: Loggers whose records the console shows unless ``--verbose``: lowerflow's own.
 OWN_LOGGERS = ("lowerflow", "lowering", "tasks", "flows")
-#: Libraries whose warnings say nothing about the user's run (unless ``--verbose``).
-QUIET_WARNINGS = r"(torch|torchao|executorch|transformers|prefect|pydantic)(\..*)?$"
 
 
 def configure_environment(verbose: bool, store: str | None = None) -> None:
@@ -152,7 +150,7 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
     * no Prefect analytics (SQLite locks up under fan-out otherwise);
     * the ephemeral server's startup timeout (:data:`EPHEMERAL_STARTUP_TIMEOUT`);
     * Prefect's console handler at WARNING unless ``verbose`` (its API logs are kept),
-      and no warnings from torch, the oracle and the other libraries;
+      and no Python warnings (all of them are the libraries');
     * ``--store`` becomes ``$LOWERFLOW_STORE``, so result records and locks follow it.
 
     Values the user already set in the environment win.
@@ -161,10 +159,9 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-        # Deprecation notices of torch/Prefect internals say nothing about the user's run.
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-        warnings.filterwarnings("ignore", module=QUIET_WARNINGS)
+        # lowerflow reports through its own log records, never Python warnings: every
+        # warning is a library's (torch's export notes, deprecations, the oracle's).
+        warnings.simplefilter("ignore")
     if store:
         os.environ["LOWERFLOW_STORE"] = store
 
