@@ -149,7 +149,8 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
 
     * no Prefect analytics (SQLite locks up under fan-out otherwise);
     * the ephemeral server's startup timeout (:data:`EPHEMERAL_STARTUP_TIMEOUT`);
-    * Prefect's console handler at WARNING unless ``verbose`` (its API logs are kept),
+    * Prefect's console handler at WARNING and its ephemeral server's logs at CRITICAL
+      unless ``verbose`` (its API logs are kept),
       and no Python warnings (all of them are the libraries');
     * ``--store`` becomes ``$LOWERFLOW_STORE``, so result records and locks follow it.
 
@@ -159,6 +160,9 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        # The ephemeral API server is a subprocess writing to our stderr; at shutdown it
+        # logs cancelled event flushes with tracebacks.  What matters reaches us as API errors.
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
         # lowerflow reports through its own log records, never Python warnings: every
         # warning is a library's (torch's export notes, deprecations, the oracle's).
         warnings.simplefilter("ignore")
