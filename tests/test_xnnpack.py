@@ -505,17 +505,21 @@ def _elementwise():
 
 class _Resample(nn.Module):
     """Bilinear upsampling (scale and size, align_corners both ways), amax over H, W, means
-    over the last dim."""
+    over the last dim, PReLU (per channel on 4-D, one slope on 2-D)."""
 
     def __init__(self):
         super().__init__()
         self.c = nn.Conv2d(4, 4, 1)
+        self.prelu, self.prelu1 = nn.PReLU(4), nn.PReLU()
+        with torch.no_grad():
+            self.prelu.weight.uniform_(0.1, 0.5)
 
     def forward(self, x):
         x = self.c(x)
         y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
         z = F.interpolate(x, size=(5, 7), mode="bilinear", align_corners=True)
-        return y, z, torch.amax(x, (2, 3), keepdim=True), torch.amax(x, (2, 3)), x.mean(-1), x.mean(-1, keepdim=True)
+        return (y, z, torch.amax(x, (2, 3), keepdim=True), torch.amax(x, (2, 3)), x.mean(-1),
+                x.mean(-1, keepdim=True), self.prelu(x), self.prelu1(x.flatten(1)))
 
 
 def _resample():

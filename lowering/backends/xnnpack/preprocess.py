@@ -130,6 +130,8 @@ def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
     rule = OPS.get(node.target)
     if rule is None:
         return f"no XNNPACK lowering for {node.target}"
+    if node.target in _OWN_DTYPE_CHECK:
+        return rule.check(node, ctx)
     reason = _check_dtypes(node) or _check_zero_dim(node, ctx)
     return reason or rule.check(node, ctx)
 
@@ -170,6 +172,8 @@ def _check_dtypes(node: torch.fx.Node) -> str | None:
 
 
 _MULTI_OUTPUT_EXTRA_OK = set()
+#: Ops whose rule checks dtypes itself (parts of a pattern with a bool value inside).
+_OWN_DTYPE_CHECK: set = set()
 
 
 def _only_getitem0(node: torch.fx.Node) -> str | None:
@@ -215,6 +219,7 @@ class GraphBuilder:
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
         self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
+        self.skip: set[torch.fx.Node] = set()  # nodes a pattern lowers with another node (PReLU's gt, mul)
         self.node: torch.fx.Node | None = None
         empty = fbx.ConstantDataOffsetT()
         empty.offset, empty.size, empty.namedKey = 0, 0, ""
@@ -235,6 +240,7 @@ class GraphBuilder:
         self._plan_batch_norm_folds()
         self._plan_pad_folds()
         self._plan_weight_views()
+        self._plan_prelu()
         for node in graph.nodes:
             self.node = node
             if node.op != "call_function":
@@ -242,8 +248,8 @@ class GraphBuilder:
             if node.target is operator.getitem:
                 self._lower_getitem(node)
                 continue
-            if self.ctx.is_static(node):
-                continue  # folded: a constant, defined where it is used
+            if self.ctx.is_static(node) or node in self.skip:
+                continue  # folded: a constant defined where it is used, or part of a pattern
             rule = OPS.get(node.target)
             if rule is None:
                 raise XnnpackPreprocessError(f"node {node.name!r}: no XNNPACK lowering for {node.target}")
@@ -475,6 +481,13 @@ class GraphBuilder:
                         and node not in u.args[:weight_arg[u.target]] for u in node.users)
             ):
                 self.weight_views.add(node)
+
+    def _plan_prelu(self) -> None:
+        """The comparison and the product of a decomposed PReLU are computed by its PReLU node."""
+        for node in self.ep.graph.nodes:
+            parts = prelu_parts(node, self.ctx) if node.target is aten.where.self else None
+            if parts is not None:
+                self.skip.update(parts[2:])
 
     def _plan_pad_folds(self) -> None:
         """Zero pads of H and W whose only user is a (non-transposed) convolution.
@@ -1334,6 +1347,66 @@ def _lower_mean(b: GraphBuilder, node: torch.fx.Node) -> None:
     if not keepdim:  # [N,1,1,C] NHWC has the bytes of [N,C]
         out = b.output(node)
         b._node(fbx.NodeUnion.XNNStaticReshape, _reshape([n, c], pooled, out))
+
+
+def prelu_parts(node: torch.fx.Node, ctx: Context):
+    """``(x, slope node, gt, mul)`` if ``node`` is a decomposed PReLU, else None::
+
+        %gt = gt.Scalar(%x, 0)   %mul = mul.Tensor(%w, %x)   %where = where.self(%gt, %x, %mul)
+
+    with ``w`` static, one slope per channel (dim 1) or one for all, ``x`` fp32 2-D or 4-D,
+    and ``gt`` and ``mul`` read only by the ``where``.
+    """
+    if node.target is not aten.where.self or len(node.args) != 3:
+        return None
+    cond, x, mul = node.args
+    if not all(isinstance(a, torch.fx.Node) for a in (cond, x, mul)):
+        return None
+    if cond.target is not aten.gt.Scalar or cond.args[0] is not x or cond.args[1] != 0:
+        return None
+    if mul.target is not aten.mul.Tensor or x not in mul.args or len(cond.users) != 1 or len(mul.users) != 1:
+        return None
+    slope = mul.args[0] if mul.args[1] is x else mul.args[1]
+    t = val(x)
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() not in (2, 4):
+        return None
+    if not ctx.is_static(slope) or val(slope).numel() not in (1, t.shape[1]) or val(slope).dtype != torch.float32:
+        return None
+    dims = [1] * (t.dim() - val(slope).dim()) + list(val(slope).shape)  # as broadcast against x
+    if len(dims) != t.dim() or any(d != 1 for i, d in enumerate(dims) if i != 1):
+        return None  # the slopes must run along the channel dim
+    return x, slope, cond, mul
+
+
+def _check_where(node, ctx):
+    return None if prelu_parts(node, ctx) is not None else "where other than a decomposed PReLU"
+
+
+def _check_gt(node, ctx):
+    users = list(node.users)
+    if len(users) == 1 and prelu_parts(users[0], ctx) is not None:
+        return None
+    return "comparison other than a decomposed PReLU's"
+
+
+@_rule(aten.where.self, check=_check_where)
+def _lower_prelu(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """PReLU: channels last (NHWC for 4-D), one slope per channel."""
+    x_node, slope_node, _, _ = prelu_parts(node, b.ctx)
+    channels = shape(x_node)[1]
+    slope = b.static_tensor(slope_node).reshape(-1).expand(channels)
+    layout = NHWC if len(shape(x_node)) == 4 else NCHW
+    x = b.get(x_node, layout)
+    out = b.output(node, layout)
+    b._node(fbx.NodeUnion.XNNPReLU, _node2x1(x, b.constant(slope), out))
+
+
+@_rule(aten.gt.Scalar, check=_check_gt)
+def _lower_gt(b: GraphBuilder, node: torch.fx.Node) -> None:
+    raise XnnpackPreprocessError(f"node {node.name!r}: a comparison is only lowered inside a PReLU")
+
+
+_OWN_DTYPE_CHECK.update({aten.where.self, aten.gt.Scalar})
 
 
 def _check_amax(node, ctx):
