@@ -151,3 +151,32 @@ def test_gc_command_line(two_generations):
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[0].startswith("lowerflow: error: store")
     negative = subprocess.run([*cli, str(root), "--keep-days", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert negative.returncode == 2 and "--keep-days" in negative.stderr
+
+
+def test_gc_on_an_s3_store(monkeypatch, s3_options, tmp_path):
+    """The same rule on S3 (moto server): records live beside the objects, ages are S3's."""
+    import datetime
+    import uuid
+
+    from flows.lower_model import lower_model
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_options["client_kwargs"]["endpoint_url"])
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_options["secret"])
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    url = f"s3://lowerflow/{uuid.uuid4().hex}"
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "factory.py").write_text(FACTORY)
+    spec = f"{tmp_path / 'net' / 'factory.py'}:net"
+    for seed in (1, 2):
+        save_weights(tmp_path / "net", seed)
+        assert lower_model(spec, ["portable"], store=url)["targets"]["portable"]["ok"]
+        stages.LIVE.clear()
+    store = ArtifactStore(url)
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(days=30)
+    assert not collect(store, keep_days=7).removed_objects  # all recent
+    report = collect(store, keep_days=7, now=later)
+    assert report.removed_objects and report.removed_records and not report.missing
+    before = stages.EXECUTIONS.copy()
+    assert lower_model(spec, ["portable"], store=url)["targets"]["portable"]["ok"]
+    assert sum((stages.EXECUTIONS - before).values()) == 0
