@@ -24,6 +24,7 @@ from examples.models import MODELS
 from lowering.pte import deserialize
 from lowering.runtime import load
 from lowering.targets import partitioner_for
+from tests._models import mlp_with_head
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,11 +93,14 @@ def _node_kinds(payload: bytes) -> Counter:
 # --------------------------------------------------------------------------- every model
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+_ALL_MODELS = {**MODELS, "mlp_with_head": mlp_with_head}
+
+
+@pytest.mark.parametrize("name", sorted(_ALL_MODELS))
 def test_model_runs_on_executorch_and_ours(name):
     pytest.importorskip("executorch")
-    expected, inputs = _eager(MODELS[name], calls=2)
-    model, _ = MODELS[name]()
+    expected, inputs = _eager(_ALL_MODELS[name], calls=2)
+    model, _ = _ALL_MODELS[name]()
     result = _lower(model, inputs)
     _, payloads = _payloads(result.pte)
     if name != "integer_inputs":  # nothing float to delegate there
