@@ -136,6 +136,20 @@ def _hf(name):
                 return self.model(x, return_dict=True).pooler_output
 
         return Pooled().eval(), (torch.randn(1, 3, 64, 64),)
+    if name == "gpt2":  # tied LM head, tanh GELU with x**3, layer norms, causal mask
+        config = transformers.GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+                                         use_cache=False, attn_implementation="eager")
+        lm = transformers.GPT2LMHeadModel(config).eval()
+
+        class Logits(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = lm
+
+            def forward(self, ids):
+                return self.model(input_ids=ids, use_cache=False, return_dict=True).logits
+
+        return Logits().eval(), (torch.randint(0, 128, (1, 16)),)
     config = transformers.BertConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=32, attn_implementation="sdpa",
@@ -155,7 +169,7 @@ def _hf(name):
     return Hidden().eval(), (torch.randint(0, 128, (2, 12)), mask)
 
 
-@pytest.mark.parametrize("name", ["mobilenet_v2", "bert"])
+@pytest.mark.parametrize("name", ["mobilenet_v2", "bert", "gpt2"])
 def test_transformers_models(name):
     pytest.importorskip("executorch")
     model, inputs = _hf(name)
@@ -168,6 +182,10 @@ def test_transformers_models(name):
         assert len(payloads) == 1 and _kernel_calls(result.pte) == 0
         kinds = _node_kinds(payloads[0])
         assert "XNNDepthwiseConv2d" in kinds and kinds["XNNStaticTranspose"] <= 2, kinds
+    if name == "gpt2":  # the LM head's weight is the embedding's, stored once
+        assert len(payloads) == 1
+        wte = model.model.transformer.wte.weight.detach().numpy().tobytes()
+        assert result.pte.count(wte) == 1
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"{name} ours")
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"{name} executorch")
 
