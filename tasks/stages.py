@@ -37,6 +37,7 @@ from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
 from lowering.partition import (
+    TAG,
     CompileSpec,
     apply_partition_tags,
     partition,
@@ -85,25 +86,41 @@ _BODY_LOCK = threading.RLock()
 
 
 class LiveObjects:
-    """Objects this process stored, by artifact sha256 (bounded, least recently used out)."""
+    """Objects this process stored, by artifact sha256, least recently used out.
 
-    def __init__(self, capacity: int = 64) -> None:
+    Bounded by count and by the tensor bytes the objects hold (shared tensors are
+    counted once per object: an over-estimate).  The bounds must hold a whole
+    model's working set — its programs and every partition's program, 63 for
+    MobileNetV2 on the reference backend — or the stages re-read their inputs
+    from the store (the flow stays correct, only slower: 64 entries made
+    MobileNetV2's adjust re-read every partition, 7 s of 11).
+
+    An object kept here must be what reading its digest back from the store
+    gives (see :func:`put_program`); stages must not modify the objects they get.
+    """
+
+    def __init__(self, capacity: int = 1024, max_bytes: int = 2 << 30) -> None:
         self.capacity = capacity
-        self._items: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.max_bytes = max_bytes
+        self._items: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def put(self, ref: ArtifactRef, obj: Any) -> None:
+        size = _held_bytes(obj)
         with self._lock:
-            self._items[ref.sha256] = obj
-            self._items.move_to_end(ref.sha256)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
+            if ref.sha256 in self._items:
+                self._bytes -= self._items.pop(ref.sha256)[1]
+            self._items[ref.sha256] = (obj, size)
+            self._bytes += size
+            while self._items and (len(self._items) > self.capacity or self._bytes > self.max_bytes):
+                self._bytes -= self._items.popitem(last=False)[1][1]
 
     def get(self, ref: ArtifactRef, load: Callable[[], Any]) -> Any:
         with self._lock:
             if ref.sha256 in self._items:
                 self._items.move_to_end(ref.sha256)
-                return self._items[ref.sha256]
+                return self._items[ref.sha256][0]
         obj = load()
         self.put(ref, obj)
         return obj
@@ -111,6 +128,7 @@ class LiveObjects:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._bytes = 0
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:
@@ -122,11 +140,35 @@ class LiveObjects:
         with self._lock:
             capacity, self.capacity = self.capacity, 0
             self._items.clear()
+            self._bytes = 0
         try:
             yield
         finally:
             with self._lock:
                 self.capacity = capacity
+
+
+def _held_bytes(obj: Any) -> int:
+    """About how many bytes ``obj`` keeps alive: tensor storages of a program (and of
+    its lowered modules' programs and payloads), or the length of bytes."""
+    if isinstance(obj, (bytes, bytearray)):
+        return len(obj)
+    if not isinstance(obj, torch.export.ExportedProgram):
+        return 0  # JSON documents, memory plans: small
+    storages: dict[int, int] = {}
+    programs, total = [obj], 0
+    while programs:
+        program = programs.pop()
+        for value in (*program.state_dict.values(), *program.constants.values()):
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        for module in program.graph_module.modules():
+            original = getattr(module, "original_module", None)
+            if isinstance(original, torch.export.ExportedProgram):
+                programs.append(original)
+                total += len(getattr(module, "processed_bytes", b""))
+    return total + sum(storages.values())
 
 
 LIVE = LiveObjects()
@@ -140,10 +182,16 @@ def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> 
 
     Debug metadata (source lines, module paths) is dropped first, so the bytes,
     and every downstream cache key, do not depend on where or in which class
-    the model's source lives.
+    the model's source lives.  Partition tags are dropped too (after the store
+    wrote the program, which never holds them; stage 2 stores them apart): the
+    object kept live must be what reading the digest back gives, or the next
+    stage would see another target's tags on a program whose digest is the
+    untagged one's (issue 7: reference's tags on the program xnnpack partitioned).
     """
     strip_debug_metadata(program)
     ref = store.put_program(program, keep_stack_traces=False)
+    for node in program.graph.nodes:
+        node.meta.pop(TAG, None)
     LIVE.put(ref, program)
     return ref
 
