@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -56,38 +57,59 @@ def subprocess_env(prefect_api: str, **extra: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def spawned(args: list[str], env: dict[str, str]) -> Iterator[subprocess.Popen]:
-    """A subprocess (its own process group) that is killed, with its group, on the way out."""
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
+    """A subprocess (its own process group) killed, with its group, on the way out.
+
+    Its stdout and stderr go to temporary files (a pipe nobody reads while the test
+    waits for a marker could fill and block the process): see :func:`output_of`.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
+        proc.output_files = (out, err)
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=30)
+            with contextlib.suppress(ProcessLookupError):  # anything the process itself started
                 os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            proc.communicate(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # anything the process itself started
-            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def output_of(proc: subprocess.Popen) -> tuple[str, str]:
+    """What ``proc`` (from :func:`spawned`) wrote so far: (stdout, stderr)."""
+    texts = []
+    for f in proc.output_files:
+        f.seek(0)
+        texts.append(f.read())
+    return texts[0], texts[1]
 
 
 def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[str, str, float]:
+    """Wait for ``proc``; (stdout, stderr, seconds waited).  A process still running after
+    ``timeout`` (e.g. waiting on a lock forever) fails the test."""
     start = time.monotonic()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{proc.args[:4]} did not finish in {timeout} s (waiting on a lock?)")
-    return out, err, time.monotonic() - start
+        pytest.fail(f"{proc.args[:4]} did not finish in {timeout} s (waiting on a lock?): {output_of(proc)[1][-3000:]}")
+    return (*output_of(proc), time.monotonic() - start)
 
 
 # --------------------------------------------------------------------------- the fleet script
 
-#: ``python -c FLEET_SCRIPT MANIFEST_JSON [BLOCK_JSON]``: lower_fleet, then one line
-#: ``RESULT={ok, failed, executions, started, finished}`` (the flow's wall-clock span).  With BLOCK_JSON ``{"model", "marker", "others"}``
-#: the emit stage body of that model (its first target, portable) blocks: it lets the
-#: other models' stage bodies run (it releases the per-process body lock), waits until
-#: every other model has written its manifest, writes the marker file (its pid) and
-#: sleeps, still inside the emit task (its transaction lock held), until SIGKILLed.
+#: ``python -c FLEET_SCRIPT MANIFEST_JSON [OPTIONS_JSON]``: lower_fleet, then one line
+#: ``RESULT={ok, failed, executions, started, finished}`` (started/finished: the flow's
+#: wall-clock span).  OPTIONS_JSON may have
+#:
+#: * ``"block": {"model", "marker", "others"}``: the emit stage body of that model (its
+#:   first target, portable) blocks: it lets the other models' stage bodies run (it
+#:   releases the per-process body lock), waits until every other model has written
+#:   its manifest, writes the marker file (its pid) and sleeps, inside the emit task
+#:   with its transaction lock held, until SIGKILLed;
+#: * ``"wait_marker": path``: the file is written when the process first waits for a
+#:   stage lock another process holds.
 FLEET_SCRIPT = textwrap.dedent(
     """
     import functools, json, os, sys, threading, time
@@ -95,10 +117,12 @@ FLEET_SCRIPT = textwrap.dedent(
     import flows.lower_fleet as fleet_flow
     from flows.lower_fleet import FleetFailed, lower_fleet
     from tasks import stages
+    from tasks.cache import FileLockManager
 
     manifest = json.loads(sys.argv[1])
-    if len(sys.argv) > 2:
-        block = json.loads(sys.argv[2])
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    if "block" in options:
+        block = options["block"]
         current = threading.local()
         lower_entry, run_emit = fleet_flow.lower_entry, stages.run_emit
 
@@ -118,6 +142,14 @@ FLEET_SCRIPT = textwrap.dedent(
             time.sleep(3600)
 
         fleet_flow.lower_entry, stages.run_emit = named_entry, blocking_emit
+    if "wait_marker" in options:
+        wait_for_lock = FileLockManager.wait_for_lock
+
+        def marked_wait(self, key, timeout=None):
+            Path(options["wait_marker"]).write_text(key)
+            return wait_for_lock(self, key, timeout)
+
+        FileLockManager.wait_for_lock = marked_wait
     started = time.time()
     try:
         summary, ok = lower_fleet(manifest), True
@@ -127,6 +159,18 @@ FLEET_SCRIPT = textwrap.dedent(
                                   "started": started, "finished": time.time()}))
     """
 )
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, what: str) -> str:
+    """The content of ``path`` once ``proc`` has written it; fails if proc exits first."""
+    deadline = time.monotonic() + TIMEOUT
+    while not path.exists() or not path.read_text():
+        if proc.poll() is not None:
+            pytest.fail(f"the fleet exited ({proc.returncode}) before {what}: {output_of(proc)[1][-3000:]}")
+        assert time.monotonic() < deadline, f"the fleet never got to {what}"
+        time.sleep(0.1)
+    time.sleep(0.1)
+    return path.read_text()
 
 
 def run_fleet_result(out: str) -> dict:
@@ -186,54 +230,90 @@ def clean_run(tmp_path_factory, prefect_api) -> dict:
 # --------------------------------------------------------------------------- 1. SIGKILL mid-stage
 
 
+BLOCKED = "buffer_mutation"  # the model whose emit stage is mid-way when the fleet is killed
+
+
+def blocked_fleet(tmp_path: Path, manifest: str) -> tuple[list[str], Path]:
+    """The fleet's command line with :data:`BLOCKED`'s emit blocking, and the marker path."""
+    others = [m for m in FLEET if m != BLOCKED]
+    marker = tmp_path / "blocked"
+    options = {"block": {"model": BLOCKED, "marker": str(marker), "others": others}}
+    return [sys.executable, "-c", FLEET_SCRIPT, manifest, json.dumps(options)], marker
+
+
+def kill_when_blocked(proc: subprocess.Popen, marker: Path) -> None:
+    assert wait_for_file(marker, proc, f"{BLOCKED}'s emit stage") == str(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def assert_blocked_state(store: Path, pid: int, clean_run: dict) -> collections.Counter:
+    """Once the fleet blocked (and after it was killed): its emit lock is there; the
+    other models finished and published clean programs, the blocked one nothing.
+    Returns the finished stages (result records) by stage."""
+    locks = [json.loads(p.read_text()) | {"file": p.name} for p in (store / "prefect" / "locks").glob("*.lock")]
+    dead = [lock["file"] for lock in locks if lock.get("pid") == pid]
+    assert any(name.startswith("emit-") for name in dead), locks
+    after_kill = local_outputs(store)
+    assert {f"{m}/{t}.pte" for m in FLEET if m != BLOCKED for t in TARGETS} <= set(after_kill)
+    assert_outputs_clean(after_kill, clean_run["pte"], absent={f"{BLOCKED}/{t}.pte" for t in TARGETS})
+    finished = result_records(store)
+    assert finished["export"] == len(FLEET)
+    return finished
+
+
+def assert_resumed(store: Path, result: dict, err: str, dead_pid: int, finished: collections.Counter, clean_run: dict):
+    """The run after the kill: ok, ran exactly what had not finished (no export again),
+    removed the dead process's lock, and every program equals a clean run's."""
+    assert result["ok"] and result["failed"] == []
+    expected = {s: n - finished[s] for s, n in clean_run["executions"].items() if n - finished[s]}
+    assert result["executions"] == expected, (result["executions"], finished)
+    assert "export" not in result["executions"]  # every export had finished: reused
+    assert result["executions"]["emit"] >= 1  # the killed stage ran again
+    assert "removing stale lock" in err and f"of dead process {dead_pid}" in err, err[-3000:]
+    assert not [p.name for p in (store / "prefect" / "locks").glob("*.lock")]
+    files = local_outputs(store)
+    assert_outputs_clean(files, clean_run["pte"])
+    assert {k for k in files if k.endswith(".pte")} == set(clean_run["pte"])
+    assert json.loads(files["fleet.json"])["ok"] is True
+
+
 def test_fleet_sigkilled_mid_stage_then_rerun(tmp_path, prefect_api, clean_run):
     store = tmp_path / "store"
     manifest = json.dumps(fleet_manifest(store))
-    blocked = "buffer_mutation"
-    others = [m for m in FLEET if m != blocked]
-    marker = tmp_path / "blocked"
     env = subprocess_env(prefect_api)
-    block = json.dumps({"model": blocked, "marker": str(marker), "others": others})
-    with spawned([sys.executable, "-c", FLEET_SCRIPT, manifest, block], env) as proc:
-        deadline = time.monotonic() + TIMEOUT
-        while not marker.exists():
-            assert proc.poll() is None, f"the fleet exited ({proc.returncode}) before blocking: {proc.communicate()[1][-3000:]}"
-            assert time.monotonic() < deadline, "the blocked model never reached its emit stage"
-            time.sleep(0.1)
-        time.sleep(0.2)  # the marker's content is written
-        assert marker.read_text() == str(proc.pid)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-        assert proc.returncode == -signal.SIGKILL
-
-    # The dead process's locks are still there: at least the blocked emit's.
-    locks = [json.loads(p.read_text()) | {"file": p.name} for p in (store / "prefect" / "locks").glob("*.lock")]
-    dead = [lock["file"] for lock in locks if lock.get("pid") == proc.pid]
-    assert any(name.startswith("emit-") for name in dead), locks
-    # The other models finished and published clean programs; the blocked one published nothing.
-    after_kill = local_outputs(store)
-    assert {f"{m}/{t}.pte" for m in others for t in TARGETS} <= set(after_kill)
-    assert_outputs_clean(after_kill, clean_run["pte"], absent={f"{blocked}/{t}.pte" for t in TARGETS})
-    finished = result_records(store)
-    assert finished["export"] == len(FLEET)
+    command, marker = blocked_fleet(tmp_path, manifest)
+    with spawned(command, env) as proc:
+        kill_when_blocked(proc, marker)
+    finished = assert_blocked_state(store, proc.pid, clean_run)  # the dead process's lock remains
 
     # Rerun: no wait on the stale lock (a wait would never end: the timeout fails it),
     # only what had not finished runs, and every program equals a clean run's.
     with spawned([sys.executable, "-c", FLEET_SCRIPT, manifest], env) as rerun:
         out, err, _ = finish(rerun)
     assert rerun.returncode == 0, err[-3000:]
-    result = run_fleet_result(out)
-    assert result["ok"] and result["failed"] == []
-    expected = {s: n - finished[s] for s, n in clean_run["executions"].items() if n - finished[s]}
-    assert result["executions"] == expected, (result["executions"], finished)
-    assert "export" not in result["executions"]  # every export had finished: reused
-    assert result["executions"]["emit"] >= 1  # the killed stage ran again
-    assert "removing stale lock" in err and f"of dead process {proc.pid}" in err, err[-3000:]
-    assert not [p.name for p in (store / "prefect" / "locks").glob("*.lock")]
-    files = local_outputs(store)
-    assert_outputs_clean(files, clean_run["pte"])
-    assert {k for k in files if k.endswith(".pte")} == set(clean_run["pte"])
-    assert json.loads(files["fleet.json"])["ok"] is True
+    assert_resumed(store, run_fleet_result(out), err, proc.pid, finished, clean_run)
+
+
+def test_fleet_waiting_on_a_lock_whose_holder_is_sigkilled_finishes(tmp_path, prefect_api, clean_run):
+    """A second fleet started meanwhile waits for the blocked emit's lock; the holder is
+    killed: the waiter sees the holder is gone, takes the lock and finishes the fleet."""
+    store = tmp_path / "store"
+    manifest = json.dumps(fleet_manifest(store))
+    env = subprocess_env(prefect_api)
+    command, marker = blocked_fleet(tmp_path, manifest)
+    waiting = tmp_path / "waiting"
+    with spawned(command, env) as holder:
+        assert wait_for_file(marker, holder, f"{BLOCKED}'s emit stage") == str(holder.pid)
+        finished = assert_blocked_state(store, holder.pid, clean_run)
+        waiter_command = [sys.executable, "-c", FLEET_SCRIPT, manifest, json.dumps({"wait_marker": str(waiting)})]
+        with spawned(waiter_command, env) as waiter:
+            assert wait_for_file(waiting, waiter, "a lock wait").startswith("emit-")
+            kill_when_blocked(holder, marker)
+            out, err, _ = finish(waiter)
+    assert waiter.returncode == 0, err[-3000:]
+    assert_resumed(store, run_fleet_result(out), err, holder.pid, finished, clean_run)
 
 
 # --------------------------------------------------------------------------- 2. concurrent fleets
