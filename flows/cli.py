@@ -243,8 +243,10 @@ def cmd_lower(args: argparse.Namespace) -> int:
             say(f"{target}: wrote {path} ({size:,} bytes)")
         else:
             failed.append(f"{target}: {entry.get('error') or 'failed'}")
-    if failed:
-        raise CLIError("; ".join(failed))
+    if manifest.get("store_error"):
+        failed.append(manifest["store_error"])
+    if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
+        raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
 
 
@@ -523,20 +525,29 @@ HINTS = (
 )
 
 
+def hint_for(text: str) -> str | None:
+    """What to do about a failure whose cause is outside lowerflow (:data:`HINTS`), or None."""
+    for needle, hint in HINTS:
+        if needle in text:
+            cause = next((part.strip() for part in text.split("; ") if needle in part), first_line(text))
+            return hint.format(
+                timeout=os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20"),
+                api=os.environ.get("PREFECT_API_URL", "(unset)"),
+                store=f" {os.environ['LOWERFLOW_STORE']}" if os.environ.get("LOWERFLOW_STORE") else "",
+                cause=first_line(cause),
+            )
+    return None
+
+
 def error_message(exc: BaseException) -> str:
     """One line: a CLIError's message; for a known outside cause, what to do;
     else ``<ExceptionType>: <first line of its message>``."""
     line = first_line(str(exc))
     if isinstance(exc, CLIError):
         return line
-    for needle, hint in HINTS:
-        if needle in str(exc):
-            return hint.format(
-                timeout=os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20"),
-                api=os.environ.get("PREFECT_API_URL", "(unset)"),
-                store=f" {os.environ['LOWERFLOW_STORE']}" if os.environ.get("LOWERFLOW_STORE") else "",
-                cause=line,
-            )
+    hint = hint_for(str(exc))
+    if hint is not None:
+        return hint
     return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
 
 

@@ -38,8 +38,10 @@ class ModelLoweringFailed(RuntimeError):
     """Some target of a model failed; ``manifest`` says which stage and why."""
 
     def __init__(self, manifest: dict) -> None:
-        failed = {t: r["error"] for t, r in manifest["targets"].items() if not r["ok"]}
-        super().__init__(f"model {manifest['name']!r}: " + "; ".join(f"{t}: {e}" for t, e in failed.items()))
+        failed = [f"{t}: {r['error']}" for t, r in manifest["targets"].items() if not r["ok"]]
+        if manifest.get("store_error"):
+            failed.append(manifest["store_error"])
+        super().__init__(f"model {manifest['name']!r}: " + "; ".join(failed))
         self.manifest = manifest
 
 
@@ -96,10 +98,14 @@ def run_model(
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
     manifest["store"] = stages.store.url
     manifest["changed"] = changed_since_last(stages.store, manifest)
-    unpublish_failed(stages.store, manifest)
     _log(manifest)
-    stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
-    _publish_report(manifest, stages.store)
+    try:
+        unpublish_failed(stages.store, manifest)
+        stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
+        _publish_report(manifest, stages.store)
+    except Exception as exc:  # the store went away: report the targets' own errors, and this
+        manifest["store_error"] = f"cannot write the manifest to {stages.store.url}: {type(exc).__name__}: {one_line(str(exc))}"
+        raise ModelLoweringFailed(manifest) from exc
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
