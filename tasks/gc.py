@@ -9,12 +9,14 @@ The rule (what ``lowerflow gc STORE [--keep-days N] [--dry-run]`` removes):
   latest lowering of every published model stays fully cached: tonight's run of an
   unchanged model is still all cache hits.
 * **Kept while recent**: any object, cache record or quarantined file modified less
-  than ``keep_days`` ago (default 7).  A running flow only reads objects it wrote
-  during its run or found through a cache record; both are recent unless the run,
-  or the cache record it hit, is older than ``keep_days``.  So: never set
-  ``keep_days`` below your longest run, and run gc while no flow has been running
-  for longer than that.  (A flow that does find an object gone treats the cached
-  stage as a miss and recomputes it; see :class:`tasks.cache.StageCachePolicy`.)
+  than ``keep_days`` ago (default 7), and everything a recent cache record reaches
+  (a running flow's records, not yet published, may name old weight blobs).  On a
+  local store, storing bytes that are already there refreshes the object's time.
+  A running flow only reads objects it wrote during its run or found through a
+  cache record; both are kept unless the run, or the cache record it hit, is older
+  than ``keep_days``.  So: never set ``keep_days`` below your longest run.  (A flow
+  that does find an object gone treats the cached stage as a miss and recomputes
+  it; see :class:`tasks.cache.StageCachePolicy`.)
 * **Removed**: objects and cache records that are neither, and quarantined objects
   older than ``keep_days``.  Records go before objects, so no record is ever
   left naming a removed object.
@@ -81,7 +83,7 @@ def collect(store: ArtifactStore, *, keep_days: float = KEEP_DAYS, dry_run: bool
     report = GCReport(store.url, dry_run, keep_days)
     records_fs, records_dir = records_location(store)
 
-    live_keys, live_objects = mark(store, records_fs, records_dir, report)
+    live_keys, live_objects = mark(store, records_fs, records_dir, report, cutoff)
     report.live_records, report.live_objects = len(live_keys), len(live_objects)
 
     for path in _files(records_fs, records_dir):
@@ -116,11 +118,19 @@ def collect(store: ArtifactStore, *, keep_days: float = KEEP_DAYS, dry_run: bool
     return report
 
 
-def mark(store: ArtifactStore, records_fs, records_dir: str, report: GCReport) -> tuple[set[str], set[str]]:
-    """(cache keys, object digests) reachable from the manifests under ``outputs/``."""
+def mark(store: ArtifactStore, records_fs, records_dir: str, report: GCReport,
+         cutoff: datetime.datetime) -> tuple[set[str], set[str]]:
+    """(cache keys, object digests) reachable from the manifests under ``outputs/`` and
+    from cache records younger than ``cutoff`` (a running flow's, not yet published)."""
     keys: set[str] = set()
     objects: set[str] = set()
     pending: list[ArtifactRef] = []
+    for path in _files(records_fs, records_dir):
+        if _modified(records_fs, path) >= cutoff:
+            try:
+                pending.extend(_record_refs(records_fs.cat_file(path)))
+            except (ValueError, OSError):
+                pass
     for path in _files(store.fs, f"{store.root}/outputs"):
         if not path.endswith(".json"):
             continue

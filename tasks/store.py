@@ -142,6 +142,8 @@ class ArtifactStore:
             size = None
         if size is None:
             self._write_atomic(path, data)
+        elif self.is_local:
+            os.utime(path)  # in use again: garbage collection counts its age from now
         return ArtifactRef(self.uri(path), digest, len(data), kind)
 
     def get_bytes(self, ref: ArtifactRef) -> bytes:

@@ -303,8 +303,16 @@ def test_bad_input_names_the_model():
         export(MODELS["mlp"]()[0], torch.randn(4, 64))
     with pytest.raises(ExportError, match="model 'mine': expected a torch.nn.Module"):
         export("not a model", (torch.randn(1),), name="mine")
-    with pytest.raises(ExportError, match="model 'MLP': torch.export.export failed"):
+    with pytest.raises(ExportError, match=r"model 'MLP': the model fails on its example inputs \(\(4, 3\) float32\) "
+                                          r"in eager mode too: RuntimeError: mat1 and mat2 shapes"):
         export(MODELS["mlp"]()[0], (torch.randn(4, 3),))
+
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x - 1
+
+    with pytest.raises(ExportError, match="model 'Branchy': the model branches on tensor values.*torch.cond"):
+        export(Branchy(), (torch.ones(3),))
 
 
 # --- unused parameters ----------------------------------------------------------------------

@@ -180,3 +180,25 @@ def test_gc_on_an_s3_store(monkeypatch, s3_options, tmp_path):
     before = stages.EXECUTIONS.copy()
     assert lower_model(spec, ["portable"], store=url)["targets"]["portable"]["ok"]
     assert sum((stages.EXECUTIONS - before).values()) == 0
+
+
+def test_a_recent_unpublished_record_keeps_the_old_objects_it_names(two_generations):
+    """A running flow's fresh cache record (nothing published yet) may name weight blobs
+    written long ago: they are kept."""
+    import json
+
+    from tasks.gc import _record_refs
+
+    root = two_generations / "store"
+    summary = json.loads((root / "outputs" / "net" / "manifest.json").read_text())
+    export_key = next(r["key"] for r in summary["targets"]["portable"]["stages"] if r["stage"] == "export")
+    for p in (root / "outputs" / "net").iterdir():
+        p.unlink()  # not published (yet)
+    age(root, 30)
+    record = root / "prefect" / "results" / export_key
+    os.utime(record)  # just written by a running flow
+    report = collect(ArtifactStore(str(root)), keep_days=7)
+    assert report.removed_objects  # the other generation went
+    store = ArtifactStore(str(root))
+    for ref in _record_refs(record.read_bytes()):
+        store.verify(ref, deep=True)  # the program manifest and every blob it names
