@@ -343,6 +343,19 @@ def test_resume_after_a_fault_publishes_the_library_bytes(spec, stage, keep_live
     assert ran.get(stage, 0) >= 1 and ran["emit"] == len(failed)
 
 
+@pytest.mark.parametrize("spec", HF_MODELS)
+def test_the_library_programs_of_the_transformers_models_are_correct(spec):
+    """The bytes every variant above compares with run and match eager (our executor, and
+    ExecuTorch's runtime where it has the backends), so the flow's are correct too."""
+    from lowering.verify import verify
+
+    module, inputs = build(spec)
+    for target, pte in library_ptes(spec).items():
+        report = verify(pte, module, inputs).to_dict()
+        assert report["ok"], f"{spec}/{target}: {report['checks']}"
+        assert any(c["runtime"] == "lowerflow" and c["ok"] for c in report["checks"])
+
+
 # --------------------------------------------------------------------------- the issue's case, by hand
 
 
