@@ -30,6 +30,19 @@ def prefect_api():
         yield PREFECT_API_URL.value()
 
 
+@pytest.fixture
+def fresh_stages(prefect_api):
+    """A test of the cached stages: the Prefect server is up, and the test starts and ends
+    with no live objects and no injected faults (``tasks.stages.LIVE`` / ``FAULTS``)."""
+    from tasks import stages
+
+    stages.LIVE.clear()
+    stages.FAULTS.clear()
+    yield stages
+    stages.FAULTS.clear()
+    stages.LIVE.clear()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on 127.0.0.1 (random port); yields its endpoint URL."""

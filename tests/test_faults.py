@@ -27,13 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_state(prefect_api):
-    stages.LIVE.clear()
-    stages.FAULTS.clear()
-    yield
-    stages.FAULTS.clear()
-    stages.LIVE.clear()
+pytestmark = pytest.mark.usefixtures("fresh_stages")
 
 
 def run_fleet(store: Path, entries: list[dict], targets=("portable",)) -> dict:

@@ -90,14 +90,7 @@ def _available(target: str) -> bool:
 TARGETS = [t for t in (PORTABLE, "reference", "xnnpack") if _available(t)]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_state(prefect_api):
-    """Each test starts with no live objects and no injected faults."""
-    stages.LIVE.clear()
-    stages.FAULTS.clear()
-    yield
-    stages.FAULTS.clear()
-    stages.LIVE.clear()
+pytestmark = pytest.mark.usefixtures("fresh_stages")
 
 
 @pytest.fixture(scope="module", autouse=True)

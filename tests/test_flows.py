@@ -24,14 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_state(prefect_api):
-    """Each test starts with no live objects and no injected faults."""
-    stages.LIVE.clear()
-    stages.FAULTS.clear()
-    yield
-    stages.FAULTS.clear()
-    stages.LIVE.clear()
+pytestmark = pytest.mark.usefixtures("fresh_stages")
 
 
 def executions_during(fn, *args, **kwargs):

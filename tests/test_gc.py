@@ -31,11 +31,7 @@ def net():
 """
 
 
-@pytest.fixture(autouse=True)
-def _fresh(prefect_api):
-    stages.LIVE.clear()
-    yield
-    stages.LIVE.clear()
+pytestmark = pytest.mark.usefixtures("fresh_stages")
 
 
 def save_weights(directory: Path, seed: int) -> None:
