@@ -262,10 +262,9 @@ def classify(mod: types.ModuleType) -> str | tuple[str, str]:
         dists = _top_level_distributions().get(top)
         if dists:
             dist = sorted(dists)[0]
-            try:
-                return dist, importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                pass
+            version = _distribution_version(dist)
+            if version is not None:
+                return dist, version
         return (f"module:{top}", "unknown")
     if any(resolved.startswith(p) for p in _stdlib_prefixes()):
         return "stdlib"
@@ -287,6 +286,16 @@ def _source_file(mod: types.ModuleType) -> str | None:
     if not path or not path.endswith(".py") or not Path(path).is_file():
         return None
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def _distribution_version(dist: str) -> str | None:
+    """An installed distribution's version, read once per process (parsing its
+    METADATA costs ~5 ms; the code a process has imported does not change version)."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
