@@ -607,7 +607,7 @@ def publish_model_report(
         images[target] = uri
         full = f"full-size picture ({format_bytes(len(png))} B): `{uri}`"
         try:
-            small = inline_png(png, limit=inline_limit)
+            small = _inline_once(store, png, inline_limit)
         except Exception as exc:  # never fail a lowering over its report's picture
             logger.warning("memory-plan picture of %s/%s not inlined: %s: %s", name, target, type(exc).__name__, exc)
             notes[target] = f"memory-plan picture not shown ({type(exc).__name__}); {full}"
@@ -654,6 +654,27 @@ def _publish_plan_image(store: Any, name: str, target: str, plan: Any, entry: Ma
     except Exception as exc:
         logger.warning("no memory-plan picture for %s/%s: %s: %s", name, target, type(exc).__name__, exc)
         return None
+
+
+def _inline_once(store: Any, png: bytes, limit: int) -> bytes | None:
+    """:func:`inline_png`, computed once per picture and limit (the palette reduction takes
+    40-60 ms a picture, most of a warm fleet's report cost): kept in the store as
+    ``pictures/inline-<sha256 of png>-<limit>.png``, empty when over the limit."""
+    import hashlib
+
+    name = f"pictures/inline-{hashlib.sha256(png).hexdigest()}-{limit}.png"
+    try:
+        kept = store.get_named(name)
+    except Exception:
+        kept = None
+    if kept is not None:
+        return kept or None
+    small = inline_png(png, limit=limit)
+    try:
+        store.put_named(name, small or b"", "png")
+    except Exception:  # a read-only or flaky store: the next report computes it again
+        pass
+    return small
 
 
 def _slug(text: str) -> str:
