@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import statistics
 import sys
 import time
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+    return statistics.geometric_mean(xs) if xs else float("nan")
 
 
 if __name__ == "__main__":

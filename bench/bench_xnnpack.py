@@ -22,7 +22,6 @@ Targets: KernelCalls <= ExecuTorch's on every model; latency <= 1.05x (geomean),
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+    return statistics.geometric_mean(xs) if xs else float("nan")
 
 
 if __name__ == "__main__":

@@ -166,9 +166,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify)
     except Exception as exc:
         export_records.append({"stage": "load", "state": "Failed", "cached": False,
                                "seconds": round(time.perf_counter() - start, 4), "bytes": None})
-        for target in targets:
-            manifest["targets"][target] = _failed(list(export_records), exc, target)
-        return manifest
+        return _all_failed(manifest, targets, export_records, exc)
     fingerprint = loaded.fingerprint.digest
     manifest["fingerprint"] = loaded.fingerprint.to_json()
     manifest["load_seconds"] = round(time.perf_counter() - start, 4)
@@ -177,9 +175,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify)
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options={"version": version})
         except Exception as exc:
-            for target in targets:
-                manifest["targets"][target] = _failed(list(export_records), exc, target)
-            return manifest
+            return _all_failed(manifest, targets, export_records, exc)
         for target in targets:
             manifest["targets"][target] = lower_target(
                 run, publish, name, model, fingerprint, exported["program"], target,
@@ -238,6 +234,13 @@ def delegate(run: Run, name, program, target, options, records):
         "total_nodes": tagged["total_nodes"],
     }
     return adjusted["program"], summary
+
+
+def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException) -> dict:
+    """Every target failed (or, in a dry run, would run) at the same early stage."""
+    for target in targets:
+        manifest["targets"][target] = _failed(list(records), exc, target)
+    return manifest
 
 
 def _failed(records: list[dict], exc: BaseException, target: str) -> dict:

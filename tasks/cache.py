@@ -455,9 +455,7 @@ class CacheConfig:
             # Lives only in this process, and Prefect's RemoteFileSystem refuses
             # memory:/// paths: records go to a local directory of this URL's
             # (records that outlive the store fail their ref check: recompute).
-            import tempfile
-
-            return dataclasses.replace(config, results=Path(tempfile.gettempdir()) / "lowerflow-results" / digest)
+            return dataclasses.replace(config, results=Path(records_location(store)[1]))
         return dataclasses.replace(config, results=save_results_block(config, name=f"lowerflow-results-{digest}"))
 
     def result_storage(self) -> str | Path:
@@ -498,6 +496,20 @@ class CacheConfig:
             isolation_level="SERIALIZABLE",
             lock_manager=self.locks(),
         )
+
+
+def records_location(store: ArtifactStore) -> tuple[Any, str]:
+    """(filesystem, directory) of the Prefect result records of ``store``'s stages:
+    ``<store>/prefect/results``, or for a ``memory://`` store a local directory of its
+    URL's (see :meth:`CacheConfig.for_store`)."""
+    if store.url.startswith("memory:"):
+        import tempfile
+
+        import fsspec
+
+        digest = hashlib.sha256(store.url.encode()).hexdigest()[:16]
+        return fsspec.filesystem("file"), f"{tempfile.gettempdir()}/lowerflow-results/{digest}"
+    return store.fs, f"{store.root}/prefect/results"
 
 
 def save_results_block(config: CacheConfig, name: str = "lowerflow-results") -> str:

@@ -32,17 +32,18 @@ import dataclasses
 import datetime
 import json
 import posixpath
-import tempfile
 from typing import Any, Iterator
 
 from lowering.serialize import manifest_blobs
 
+from .cache import records_location
 from .store import MANIFEST_KINDS, ArtifactRef, ArtifactStore
 
 #: Default age (days) under which nothing is removed.
 KEEP_DAYS = 7.0
-#: Kinds of objects that are small JSON documents which may name further objects.
-_DOCUMENT_KINDS_SKIPPED = frozenset({"blob", "pte", "processed", "named_data", "named"})
+#: Kinds of objects that name no further objects (everything else is a program
+#: manifest or a JSON document that may).
+_LEAF_KINDS = frozenset({"blob", "pte", "processed", "named_data", "named"})
 _REF_TAG = "__lowerflow_artifact__"
 
 
@@ -154,7 +155,7 @@ def mark(store: ArtifactStore, records_fs, records_dir: str, report: GCReport,
         if ref.sha256 in objects or store._output_name(ref.uri) is not None:
             continue
         objects.add(ref.sha256)
-        if ref.kind in _DOCUMENT_KINDS_SKIPPED and ref.kind not in MANIFEST_KINDS:
+        if ref.kind in _LEAF_KINDS:
             continue
         try:
             data = store.read_object(ref.sha256, what=f"{ref.kind} object")
@@ -169,18 +170,6 @@ def mark(store: ArtifactStore, records_fs, records_dir: str, report: GCReport,
             except ValueError:
                 pass
     return keys, objects
-
-
-def records_location(store: ArtifactStore):
-    """(filesystem, directory) of the store's Prefect cache records (see tasks.cache.CacheConfig)."""
-    import hashlib
-
-    import fsspec
-
-    if store.url.startswith("memory:"):
-        digest = hashlib.sha256(store.url.encode()).hexdigest()[:16]
-        return fsspec.filesystem("file"), f"{tempfile.gettempdir()}/lowerflow-results/{digest}"
-    return store.fs, f"{store.root}/prefect/results"
 
 
 def _stage_keys(doc: Any) -> Iterator[str]:
