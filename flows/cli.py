@@ -1,7 +1,8 @@
 """``lowerflow``: the command line of the lowering flows.
 
     lowerflow lower SPEC --target T [--target T2] [-o OUT] [--store URL]
-    lowerflow fleet MANIFEST
+    lowerflow fleet MANIFEST [--pool POOL]
+    lowerflow worker --pool POOL [--work-queue Q] [--limit N]
     lowerflow plan MANIFEST
     lowerflow verify FILE.pte --model SPEC
     lowerflow gc STORE [--keep-days N] [--dry-run]
@@ -73,7 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = sub.add_parser("fleet", parents=[common], help="lower every model of a fleet manifest",
                            description="Run the lower-fleet flow; exit 1 if any model failed.")
     fleet.add_argument("manifest", metavar="MANIFEST", help="fleet manifest (YAML or JSON)")
+    fleet.add_argument("--pool", metavar="POOL",
+                       help="lower each model as a flow run on this Prefect work pool's workers "
+                            "(deployment lower-model/POOL, created from this checkout if missing; "
+                            "needs PREFECT_API_URL); default: in this process")
     fleet.set_defaults(run=cmd_fleet)
+
+    worker = sub.add_parser("worker", parents=[common], help="run a work pool's flow runs, forked from a warm process",
+                            description="A Prefect process worker whose flow runs start from a process that has "
+                                        "imported torch, Prefect and lowerflow once (see flows/warm_start.py). "
+                                        "Needs PREFECT_API_URL.")
+    worker.add_argument("--pool", required=True, metavar="POOL", help="the work pool to poll")
+    worker.add_argument("--work-queue", "-q", action="append", dest="work_queues", metavar="Q",
+                        help="a work queue of the pool; repeat for several (default: models)")
+    worker.add_argument("--limit", type=int, default=1, metavar="N",
+                        help="flow runs at once (default: 1, a model lowers on one core; run one worker per core)")
+    worker.set_defaults(run=cmd_worker)
 
     plan = sub.add_parser("plan", parents=[common], help="show which stages of a fleet would run or hit the cache",
                           description="Dry run of a fleet manifest: nothing is lowered.")
@@ -316,11 +332,34 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
-    summary = run_fleet(args.manifest, verbose=args.verbose)
+    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool)
     if summary.get("failed"):
         reasons = "; ".join(f"{name} ({model_error(summary['models'].get(name) or {})})" for name in summary["failed"])
         raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {reasons}")
     return EXIT_OK
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Poll the pool until interrupted (see :mod:`flows.warm_start`)."""
+    from flows.warm_start import run_worker
+
+    if not prefect_api_url():
+        raise CLIError("a worker needs the Prefect server its flow runs are on: set PREFECT_API_URL "
+                       "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+    if args.limit < 1:
+        raise CLIError(f"--limit must be at least 1, not {args.limit}", EXIT_USAGE)
+    queues = args.work_queues or ["models"]
+    say(f"worker on pool {args.pool} (queues {', '.join(queues)}, {args.limit} run(s) at once) at "
+        f"{prefect_api_url()}; Ctrl-C stops it")
+    run_worker(args.pool, queues, args.limit)
+    return EXIT_OK
+
+
+def prefect_api_url() -> str | None:
+    """The Prefect API the flows talk to (environment or profile); None: an ephemeral one."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url
 
 
 def model_error(manifest: dict) -> str:
@@ -331,19 +370,30 @@ def model_error(manifest: dict) -> str:
     return manifest.get("error") or "failed"
 
 
-def run_fleet(manifest: str, *, verbose: bool = False) -> dict:
+def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None) -> dict:
     """``lower_fleet`` with a progress line per model as it finishes, then the summary
     table; returns the fleet summary, failed models included (the demo uses this too)."""
     fleet = load_fleet(manifest)
-    from flows.lower_fleet import FleetFailed, lower_fleet
+    from flows.lower_fleet import FleetFailed, PoolNotReady, ensure_model_deployment, lower_fleet
     from flows.reports import fleet_text_table
 
     quiet_console(verbose)
-    say(f"lowering {len(fleet.models)} models into {fleet.store or 'the default store'}")
+    if pool is not None:
+        if not prefect_api_url():
+            raise CLIError(f"--pool {pool} needs a Prefect server that the pool's workers reach: set "
+                           "PREFECT_API_URL (e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+        try:
+            deployment = ensure_model_deployment(pool)
+        except PoolNotReady as exc:
+            raise CLIError(str(exc), EXIT_USAGE) from exc
+        say(f"lowering {len(fleet.models)} models on work pool {pool} ({deployment}) into "
+            f"{fleet.store or 'the default store'}")
+    else:
+        say(f"lowering {len(fleet.models)} models into {fleet.store or 'the default store'}")
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(str(manifest))
+            summary = lower_fleet(str(manifest), pool=pool)
         except FleetFailed as exc:
             summary = exc.summary
     say()

@@ -5,16 +5,27 @@
       └─► model_2's stages ├─► summary (outputs/fleet.json, a Prefect artifact)
       └─► …                ┘
 
-Each model's DAG runs on a thread of its own with a copy of the flow's
-context, so its stage tasks are top-level tasks of the fleet run.  (Inside a
-wrapping task they would be nested transactions: their results would commit,
-and their locks be released, only when the wrapper succeeded — a failed model
-would lose its finished stages and leave their locks held.)
+Two ways to run the models' DAGs:
+
+* **In process** (``pool=None``, the embedded default): each model's DAG runs on
+  a thread of its own with a copy of the flow's context, so its stage tasks are
+  top-level tasks of the fleet run.  (Inside a wrapping task they would be nested
+  transactions: their results would commit, and their locks be released, only
+  when the wrapper succeeded — a failed model would lose its finished stages and
+  leave their locks held.)
+* **On a work pool** (``pool="P"``): each model is a ``lower-model`` flow run of
+  the deployment ``lower-model/P``, submitted with ``run_deployment`` and run by
+  whichever worker of the pool picks it up; the fleet run waits for them and
+  reads each model's manifest from the store.  A retry of a failed fleet run
+  (``prefect flow-run retry``) re-submits only the models whose run did not
+  complete; a re-submitted model's finished stages are cache hits, so it resumes
+  where it failed.
 """
 
 from __future__ import annotations
 
 import contextvars
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,7 +33,7 @@ from prefect import flow, get_run_logger
 
 from tasks.store import ArtifactStore
 
-from .lower_model import ModelLoweringFailed, plan_model, run_model
+from .lower_model import ModelLoweringFailed, one_line, plan_model, run_model
 from .manifest import FleetManifest, ModelEntry, load_manifest
 
 
@@ -39,33 +50,38 @@ class FleetFailed(RuntimeError):
 MAX_CONCURRENT_MODELS = 4
 
 
-def lower_entry(entry: ModelEntry, store: str | None) -> dict:
-    """One model of the fleet (see the module docstring for why not a task)."""
-    return run_model(
-        model=entry.model, targets=list(entry.targets), store=store,
-        options={k: dict(v) for k, v in entry.options.items()},
-        name=entry.name, version=entry.version, verify=entry.verify,
-    )
+def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> dict[str, Any]:
+    """The parameters of one model's ``lower-model`` run (JSON: they travel to a worker)."""
+    return {
+        "model": entry.model, "targets": list(entry.targets), "store": store_url,
+        "options": {k: dict(v) for k, v in entry.options.items()},
+        "name": entry.name, "version": entry.version, "verify": entry.verify,
+        **({"locks": locks} if locks is not None else {}),  # else each worker's LOWERFLOW_LOCKS
+    }
 
 
 @flow(name="lower-fleet")
-def lower_fleet(manifest: str | dict) -> dict:
+def lower_fleet(manifest: str | dict, pool: str | None = None) -> dict:
     """Lower every model of ``manifest`` (a YAML/JSON path or dict); returns the fleet summary.
 
+    ``pool``: lower each model as a flow run of deployment ``lower-model/<pool>`` on
+    that work pool's workers (see the module docstring); None lowers them in this process.
     Raises :class:`FleetFailed` (after writing the summary) if any model failed.
     """
     fleet = load_manifest(manifest)
     logger = get_run_logger()
     store = ArtifactStore(fleet.store)
+    members = {e.name: member_parameters(e, store.url, getattr(fleet, 'locks', None)) for e in fleet.models}
+    if pool is None:
+        outcomes = lower_in_process(members)
+    else:
+        outcomes = lower_on_pool(members, pool, store)
     summary: dict[str, Any] = {"store": store.url, "models": {}, "failed": []}
-    with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_MODELS, thread_name_prefix="lowerflow-model") as pool:
-        futures = {
-            e.name: pool.submit(contextvars.copy_context().run, lower_entry, e, fleet.store)
-            for e in fleet.models
-        }
-        for entry in fleet.models:
-            summary["models"][entry.name] = _outcome(futures[entry.name], entry, summary)
-            logger.info("%s: %s", entry.name, "ok" if entry.name not in summary["failed"] else "FAILED")
+    for entry in fleet.models:
+        ok, summary["models"][entry.name] = outcomes[entry.name]
+        if not ok:
+            summary["failed"].append(entry.name)
+        logger.info("%s: %s", entry.name, "ok" if ok else "FAILED")
     summary["ok"] = not summary["failed"]
     store.put_json("fleet.json", summary)
     _publish_report(summary)
@@ -74,19 +90,186 @@ def lower_fleet(manifest: str | dict) -> dict:
     return summary
 
 
-def _outcome(future, entry: ModelEntry, summary: dict) -> dict:
+# --------------------------------------------------------------------------- in process
+
+
+def lower_member(params: dict) -> dict:
+    """One model of the fleet, in this process (see the module docstring for why not a task)."""
+    return run_model(**params)
+
+
+def lower_in_process(members: dict[str, dict]) -> dict[str, tuple[bool, dict]]:
+    """Each model's DAG on a thread of this process: name → (ok, model manifest)."""
+    with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_MODELS, thread_name_prefix="lowerflow-model") as threads:
+        futures = {
+            name: threads.submit(contextvars.copy_context().run, lower_member, params)
+            for name, params in members.items()
+        }
+        return {name: _outcome(future, members[name]) for name, future in futures.items()}
+
+
+def _outcome(future, params: dict) -> tuple[bool, dict]:
     try:
-        return future.result()
+        return True, future.result()
     except ModelLoweringFailed as exc:
-        summary["failed"].append(entry.name)
-        return exc.manifest
+        return False, exc.manifest
     except Exception as exc:  # the model's flow itself broke (e.g. a bad spec)
-        summary["failed"].append(entry.name)
-        error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        return {"model": entry.model, "name": entry.name, "error": error,
-                "targets": {t: {"ok": False, "error": error, "stages": [], "pte": None,
-                                "memory_plan": None, "delegation": None, "verify": None}
-                            for t in entry.targets}}
+        return False, failed_manifest(params, f"{type(exc).__name__}: {one_line(str(exc))}")
+
+
+def failed_manifest(params: dict, error: str) -> dict:
+    """The manifest of a model that failed before it could write its own."""
+    return {"model": params["model"], "name": params["name"], "error": error,
+            "targets": {t: {"ok": False, "error": error, "stages": [], "pte": None,
+                            "memory_plan": None, "delegation": None, "verify": None}
+                        for t in params["targets"]}}
+
+
+# --------------------------------------------------------------------------- on a work pool
+
+#: Seconds between two looks at the model runs a fleet waits for.
+POLL_SECONDS = 0.5
+#: Seconds between two "still waiting" log lines (a pool with no worker waits forever).
+WAITING_LOG_SECONDS = 60.0
+
+
+def model_deployment(pool: str) -> str:
+    """The per-model deployment a fleet on ``pool`` submits to: ``lower-model/<pool>``."""
+    return f"lower-model/{pool}"
+
+
+class PoolNotReady(RuntimeError):
+    """The work pool (or the Prefect server it needs) is not there: what to do, in one line."""
+
+
+def ensure_model_deployment(pool: str) -> str:
+    """The deployment ``lower-model/<pool>``, created from this checkout if missing.
+
+    An existing one (``prefect deploy`` of deployments/prefect.yaml) is used as it is.
+    A created one runs ``flows/lower_model.py`` from this directory on the pool's
+    workers (queue ``models``): workers on other machines need the same checkout at
+    the same path.  Raises :class:`PoolNotReady` if the pool does not exist.
+    """
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    from .lower_model import lower_model
+
+    name = model_deployment(pool)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(pool)
+        except ObjectNotFound:
+            raise PoolNotReady(f"no work pool {pool!r} on the Prefect server: create it with "
+                               f"'prefect work-pool create {pool} --type process' and start its workers "
+                               f"('prefect worker start --pool {pool} --work-queue models --limit 1')") from None
+        try:
+            client.read_deployment_by_name(name)
+            return name
+        except ObjectNotFound:
+            pass
+    root = Path(__file__).resolve().parent.parent
+    lower_model.from_source(source=str(root), entrypoint="flows/lower_model.py:lower_model").deploy(
+        name=pool, work_pool_name=pool, work_queue_name="models", print_next_steps=False,
+        job_variables={"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}},
+        description="One model of a lowerflow fleet (created by `lowerflow fleet --pool`).",
+    )
+    return name
+
+
+def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore) -> dict[str, tuple[bool, dict]]:
+    """Each model as a flow run of ``lower-model/<pool>``: submit all, wait for all,
+    read their manifests.  Models whose run of this fleet run already completed (a
+    retried fleet run) are not submitted again."""
+    from prefect.deployments import run_deployment
+
+    logger = get_run_logger()
+    deployment = model_deployment(pool)
+    done = completed_members(members)
+    runs = {}
+    for name, params in members.items():
+        if name in done:
+            logger.info("%s: completed in an earlier try of this fleet run (%s)", name, done[name])
+            continue
+        runs[name] = run_deployment(deployment, parameters=params, timeout=0, flow_run_name=name,
+                                    tags=["lowerflow", "fleet-member"]).id
+    logger.info("submitted %d model runs to %s (%d done before)", len(runs), deployment, len(done))
+    final = wait_for_runs(runs, members, store)
+    outcomes = {name: (True, _read_manifest(store, name, run_id)) for name, run_id in done.items()}
+    outcomes.update(final)
+    return {name: outcomes[name] for name in members}
+
+
+def completed_members(members: dict[str, dict]) -> dict[str, str]:
+    """name → id of the child run of this fleet run (earlier tries) that completed with
+    the same parameters.  Empty on a first try or outside a flow run."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.runtime import flow_run
+
+    if flow_run.get_run_count() <= 1 or flow_run.get_id() is None:
+        return {}
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.get_id()])))
+    done = {}
+    for child in sorted(children, key=lambda r: r.created or 0):
+        params = members.get(child.name)
+        if params is not None and child.state is not None and child.state.is_completed() \
+                and all(child.parameters.get(k) == v for k, v in params.items()):
+            done[child.name] = str(child.id)
+    return done
+
+
+def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: ArtifactStore) -> dict[str, tuple[bool, dict]]:
+    """Poll the submitted runs until each is final; name → (ok, manifest), logging each
+    model's targets as ``"<name>/<target> ok|FAILED ..."`` when it finishes (what the
+    CLI's progress lines listen to)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    logger = get_run_logger()
+    pending = {run_id: name for name, run_id in runs.items()}
+    outcomes: dict[str, tuple[bool, dict]] = {}
+    last_log = time.monotonic()
+    with get_client(sync_client=True) as client:
+        while pending:
+            for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(pending)))):
+                if run.state is None or not run.state.is_final():
+                    continue
+                name = pending.pop(run.id)
+                outcomes[name] = _finished(run, members[name], store)
+                for target, result in outcomes[name][1]["targets"].items():
+                    logger.info("%s/%s %s", name, target, "ok" if result.get("ok") else f"FAILED {result.get('error')}")
+            if pending:
+                if time.monotonic() - last_log > WAITING_LOG_SECONDS:
+                    last_log = time.monotonic()
+                    logger.info("waiting for %d model runs: %s", len(pending), ", ".join(sorted(pending.values())))
+                time.sleep(POLL_SECONDS)
+    return outcomes
+
+
+def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:
+    """(ok, manifest) of a final model run: its own manifest from the store when the run
+    wrote one, else a failed manifest carrying the run's state message."""
+    manifest = _read_manifest(store, params["name"], str(run.id))
+    if run.state.is_completed() and manifest is not None:
+        return True, manifest
+    if manifest is not None:
+        return False, manifest
+    message = one_line(run.state.message or "") or f"the model run ended {run.state.name}"
+    return False, failed_manifest(params, f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
+
+
+def _read_manifest(store: ArtifactStore, name: str, run_id: str) -> dict | None:
+    """The model's manifest in the store if run ``run_id`` wrote it (not an older run's)."""
+    try:
+        manifest = store.get_json(f"{name}/manifest.json")
+    except Exception:
+        return None
+    return manifest if manifest.get("flow_run") == run_id else None
 
 
 def plan_fleet(manifest: str | dict) -> list[dict]:

@@ -97,6 +97,7 @@ def run_model(
 
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
     manifest["store"] = stages.store.url
+    manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
     _log(manifest)
     try:
@@ -277,6 +278,12 @@ def one_line(text: str, limit: int = 400) -> str:
 
 def _verify_errors(report: dict) -> str:
     return "; ".join(f"{c['runtime']}: {c.get('error')}" for c in report.get("checks", []) if c["ok"] is False)
+
+
+def _flow_run_id() -> str | None:
+    from prefect.runtime import flow_run
+
+    return flow_run.get_id()
 
 
 def _log(manifest: dict) -> None:

@@ -124,11 +124,11 @@ FLEET_SCRIPT = textwrap.dedent(
     if "block" in options:
         block = options["block"]
         current = threading.local()
-        lower_entry, run_emit = fleet_flow.lower_entry, stages.run_emit
+        lower_member, run_emit = fleet_flow.lower_member, stages.run_emit
 
-        def named_entry(entry, store):  # remember which model this thread lowers
-            current.model = entry.name
-            return lower_entry(entry, store)
+        def named_member(params):  # remember which model this thread lowers
+            current.model = params["name"]
+            return lower_member(params)
 
         @functools.wraps(run_emit)  # the task's parameters, and so its cache keys, stay emit's
         def blocking_emit(store, *args, **kwargs):
@@ -141,7 +141,7 @@ FLEET_SCRIPT = textwrap.dedent(
             Path(block["marker"]).write_text(str(os.getpid()))
             time.sleep(3600)
 
-        fleet_flow.lower_entry, stages.run_emit = named_entry, blocking_emit
+        fleet_flow.lower_member, stages.run_emit = named_member, blocking_emit
     if "wait_marker" in options:
         wait_for_lock = FileLockManager.wait_for_lock
 

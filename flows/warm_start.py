@@ -1,0 +1,328 @@
+"""Warm starts for flow runs on a work pool: fork a model's run from a process that
+has already imported torch, Prefect and lowerflow.
+
+A Prefect process worker starts every flow run as a new ``python -m prefect.engine``
+process.  For a lowering run that costs ~5 s of imports before the first stage
+(prefect 1.3 s, torch 1.6 s, torch.export's serializer and lowerflow 1 s, the
+ExecuTorch runtime and transformers more) — as much as lowering a small model.
+``lowerflow worker`` avoids it:
+
+    lowerflow worker --pool P
+      ├─ warm parent   (python -m flows.warm_start serve SOCKET)  imports everything once,
+      │                 then forks one child per flow run
+      └─ Prefect process worker (WarmProcessWorker)   polls the pool; its job command,
+                        python -m flows.warm_start run prefect.engine,   is a stdlib-only client
+                        that asks the warm parent for a child and relays its exit status
+
+The child is a fork of the warm parent with the client's environment, working
+directory and stdin/stdout/stderr (passed over the socket); it runs
+``prefect.engine`` as ``python -m prefect.engine`` would.  Signals the worker sends
+the client (cancellation) are forwarded to the child.
+
+The warm parent never serves stale code: before each fork it checks the files of
+every module it imported (path, size, mtime).  If one changed, that request and any
+later one fall back to a cold start, and the parent re-executes itself (reloading
+everything) as soon as none of its children is running.  With no warm parent (plain
+``prefect worker start``, or the socket gone), the client execs ``python -m
+prefect.engine``: warm starts only ever make a run faster, never different.
+
+The warm parent is single-threaded when it forks (torch's import starts one native
+thread, which torch's own fork handlers expect, as DataLoader workers do); it never
+runs a tensor op, opens a Prefect client or starts an event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+#: The environment variable naming the warm parent's socket (set by ``lowerflow worker``).
+SOCKET_ENV = "LOWERFLOW_WARM_SOCKET"
+#: Modules the warm parent imports (a missing optional one is skipped).
+PRELOAD = (
+    "torch",
+    "prefect.engine",
+    "prefect.flow_engine",
+    "torch._export.serde.serialize",
+    "flows.lower_model",
+    "lowering.backends.reference",
+    "lowering.backends.xnnpack",
+)
+#: Imported too when installed: the ExecuTorch runtime (verify) and transformers (HF models).
+OPTIONAL_PRELOAD = ("executorch.runtime", "transformers")
+
+_HEADER = struct.Struct("!I")
+
+
+# --------------------------------------------------------------------------- the client (job command)
+
+
+def start(module: str, args: list[str]) -> None:
+    """``python -m flows.warm_start run MODULE [ARGS]``: ``python -m MODULE ARGS`` in a warm
+    child if the warm parent answers, else in this process (exec).  A warm worker's job
+    command is ``run prefect.engine``."""
+    path = os.environ.get(SOCKET_ENV)
+    code = run_warm(path, module, args) if path else None
+    if code is not None:
+        os._exit(code)
+    os.execv(sys.executable, [sys.executable, "-m", module, *args])
+
+
+def run_warm(path: str, module: str, args: list[str]) -> int | None:
+    """Ask the warm parent at ``path`` for a child running ``module`` as ``__main__`` with
+    this process's environment, directory and stdio; the child's exit status, or None
+    if there is no warm parent or it declined (stale code)."""
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+    except OSError:
+        return None
+    request = json.dumps({"env": dict(os.environ), "cwd": os.getcwd(), "module": module, "argv": args}).encode()
+    socket.send_fds(conn, [_HEADER.pack(len(request)) + request], [0, 1, 2])
+    answers = conn.makefile("rb")
+    first = answers.readline()
+    if not first.startswith(b"P"):
+        return None  # declined: cold start
+    pid = int(first[1:])
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _frame: _forward(pid, signum))
+    last = answers.readline()
+    return int(last[1:]) if last.startswith(b"X") else 1
+
+
+def _forward(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+# --------------------------------------------------------------------------- the warm parent
+
+
+def serve(path: str, extra: list[str] = ()) -> None:
+    """Import :data:`PRELOAD` (and ``extra`` modules), listen on ``path`` and fork a child
+    per request, until the process that started it is gone."""
+    import importlib
+    import select
+
+    for name in (*PRELOAD, *extra):
+        importlib.import_module(name)
+    for name in OPTIONAL_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # not installed, or broken: its users import it themselves
+            pass
+    stamps = module_stamps()
+    if os.path.exists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.replace(path + ".new", path)  # clients see the socket only once it accepts
+    children: dict[int, socket.socket] = {}
+    reload_pending = False
+    owner = os.getppid()
+    while os.getppid() == owner:  # the worker that started it is gone: so is it
+        reap(children)
+        if reload_pending and not children:
+            listener.close()
+            os.execv(sys.executable, [sys.executable, "-m", "flows.warm_start", "serve", path, *extra])
+        ready, _, _ = select.select([listener], [], [], 0.2)
+        if not ready:
+            continue
+        conn, _ = listener.accept()
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError):
+            conn.close()
+            continue
+        if reload_pending or module_stamps(stamps) != stamps:
+            reload_pending = True
+            _close(fds)
+            _send(conn, b"S\n")
+            conn.close()
+            continue
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            run_child(request, fds)  # never returns
+        _close(fds)
+        children[pid] = conn
+        _send(conn, f"P{pid}\n".encode())
+
+
+def run_child(request: dict, fds: list[int]) -> None:
+    """In the forked child: become ``python -m <module>`` of the client (for a flow run,
+    ``prefect.engine`` with the run's environment)."""
+    import runpy
+    import traceback
+
+    for fd, target in zip(fds, (0, 1, 2)):
+        os.dup2(fd, target)
+    _close(fds)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    sys.argv = [request["module"], *request["argv"]]
+    code = 1
+    try:
+        import warnings
+
+        # runpy notes that the module was imported (by the preload) before it runs as __main__.
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package")
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()  # the settings of the run's environment, not the parent's
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def reap(children: dict[int, socket.socket]) -> None:
+    """Tell each finished child's client its exit status (128 + signal if it was killed)."""
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        conn = children.pop(pid, None)
+        if conn is not None:
+            _send(conn, f"X{128 - code if code < 0 else code}\n".encode())
+            conn.close()
+
+
+def module_stamps(previous: dict | None = None) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of the file of every imported module (``previous``'s files when given)."""
+    files = previous.keys() if previous is not None else {
+        f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)
+    }
+    stamps = {}
+    for f in files:
+        try:
+            st = os.stat(f)
+            stamps[f] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            stamps[f] = (-1, -1)
+    return stamps
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+    if len(data) < _HEADER.size:
+        raise ValueError("short request")
+    (size,) = _HEADER.unpack_from(data)
+    body = data[_HEADER.size:]
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ValueError("truncated request")
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+def _send(conn: socket.socket, data: bytes) -> None:
+    try:
+        conn.sendall(data)
+    except OSError:  # the client went away; its child still runs to the end
+        pass
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+def warm_worker_class():
+    """Prefect's ProcessWorker whose flow runs start with ``flows.warm_start run
+    prefect.engine`` (unless a deployment sets its own ``command``)."""
+    from prefect.utilities.processutils import command_to_string
+    from prefect.workers.process import ProcessWorker
+
+    class WarmProcessWorker(ProcessWorker):
+        async def run(self, flow_run, configuration, task_status=None):
+            if not configuration._command_configured:
+                configuration.command = command_to_string(
+                    [sys.executable, "-m", "flows.warm_start", "run", "prefect.engine"])
+                configuration._command_configured = True
+            return await super().run(flow_run, configuration, task_status)
+
+    return WarmProcessWorker
+
+
+def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 1.0) -> None:
+    """``lowerflow worker``: a warm parent and a :func:`warm_worker_class` worker polling
+    ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    directory = tempfile.mkdtemp(prefix="lowerflow-warm-")
+    path = os.path.join(directory, "warm.sock")
+    parent = subprocess.Popen([sys.executable, "-m", "flows.warm_start", "serve", path])
+    try:
+        deadline = time.monotonic() + 300
+        while not os.path.exists(path):
+            if parent.poll() is not None:
+                raise RuntimeError(f"the warm parent exited with status {parent.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError("the warm parent was not ready after 300 s")
+            time.sleep(0.05)
+        os.environ[SOCKET_ENV] = path
+        os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", str(query_seconds))
+        _run_prefect_worker(pool, work_queues, limit)
+    finally:
+        parent.terminate()
+        try:
+            parent.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            parent.kill()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None) -> None:
+    import anyio
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()  # PREFECT_WORKER_QUERY_SECONDS set above
+    worker_class = warm_worker_class()
+
+    async def main() -> None:
+        async with worker_class(work_pool_name=pool, work_queues=work_queues or None, limit=limit) as worker:
+            await worker.start()
+
+    anyio.run(main)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        serve(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:2] == ["run"] and len(sys.argv) > 2:
+        start(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit("usage: python -m flows.warm_start serve SOCKET [MODULE...] | run MODULE [ARGS...]")
