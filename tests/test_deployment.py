@@ -383,19 +383,8 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
         assert (store / "outputs" / "sensor" / f"{t}.pte").read_bytes()[4:8] == b"ET12"
 
 
-def _sqlalchemy_2_1() -> bool:
-    import sqlalchemy
-    from packaging.version import Version
-
-    return Version(sqlalchemy.__version__) >= Version("2.1")
-
-
 # Last in the module: by now the server's scheduler has had minutes to schedule the nightly.
-@pytest.mark.xfail(_sqlalchemy_2_1(), strict=True, reason=(
-    "Prefect 3.8.8's scheduler cannot insert scheduled runs with SQLAlchemy >= 2.1 (the server "
-    "logs 'Can't evaluate bulk DML statement; please supply a bulk_dml decorated function' from "
-    "schedule_recent_deployments: FlowRun.state is a hybrid property without a bulk_dml setter), "
-    "so cron schedules never create runs; SQLAlchemy 2.0.x works"))
+# (Prefect 3.8.8's scheduler creates no run with SQLAlchemy >= 2.1: pinned in pyproject.toml.)
 def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
     import datetime
 
