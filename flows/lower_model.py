@@ -54,12 +54,15 @@ def lower_model(
     name: str | None = None,
     version: str | None = None,
     verify: bool = True,
+    locks: str | None = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
+    ``locks``: the stage lock URL (``file``, ``file:///dir``, ``redis://host:port/db``;
+    None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.cache`).
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
-    return run_model(model, targets, store, options, name, version, verify)
+    return run_model(model, targets, store, options, name, version, verify, locks)
 
 
 def run_model(
@@ -70,6 +73,7 @@ def run_model(
     name: str | None = None,
     version: str | None = None,
     verify: bool = True,
+    locks: str | None = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -80,7 +84,7 @@ def run_model(
     fleet, or a resume where one stage of many failed.  Misses run as tasks
     with SERIALIZABLE isolation, so concurrent runs still compute a stage once.
     """
-    config = CacheConfig.for_store(store)
+    config = CacheConfig.for_store(store, locks=locks)
     stages = StageTasks(config)
     lookup = StageLookup(config)
 
@@ -143,9 +147,10 @@ def plan_model(
     name: str | None = None,
     version: str | None = None,
     verify: bool = True,
+    locks: str | None = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
-    lookup = StageLookup(CacheConfig.for_store(store))
+    lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify)
 
 

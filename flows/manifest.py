@@ -1,6 +1,7 @@
 """Fleet manifests: which models to lower, for which targets, into which store.
 
     store: ./.lowerflow                      # any fsspec URL (default: $LOWERFLOW_STORE or ./.lowerflow)
+    locks: redis://locks.internal:6379/0     # optional stage lock URL (default: $LOWERFLOW_LOCKS or file)
     defaults: {targets: [portable, reference], verify: true}
     models:
       - name: mlp                            # optional: defaults to the factory / file name
@@ -27,11 +28,12 @@ from typing import Any, Mapping
 import yaml
 
 from lowering.targets import PORTABLE
+from tasks.cache import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify"}
-_TOP_KEYS = {"store", "defaults", "models"}
+_TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
 class ManifestError(ValueError):
@@ -52,11 +54,14 @@ class ModelEntry:
 class FleetManifest:
     store: str | None
     models: tuple[ModelEntry, ...]
+    #: The stage lock URL (tasks.cache.parse_lock_url); None: $LOWERFLOW_LOCKS, else file.
+    locks: str | None = None
 
 
 def load_manifest(source: str | os.PathLike | Mapping[str, Any]) -> FleetManifest:
     """Parse and validate a manifest (a YAML/JSON file path or an already-parsed dict)."""
     base = Path.cwd()
+    origin = "manifest"
     if isinstance(source, Mapping):
         doc = source
     else:
@@ -69,10 +74,11 @@ def load_manifest(source: str | os.PathLike | Mapping[str, Any]) -> FleetManifes
         except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ManifestError(f"manifest {str(path)!r} is not valid YAML/JSON: {exc}") from exc
         base = path.resolve().parent
-    return _validate(doc, base)
+        origin = f"manifest {str(path)!r}"
+    return _validate(doc, base, origin)
 
 
-def _validate(doc: Any, base: Path) -> FleetManifest:
+def _validate(doc: Any, base: Path, origin: str = "manifest") -> FleetManifest:
     if not isinstance(doc, Mapping):
         raise ManifestError("manifest must be a mapping with a 'models' list")
     unknown = set(doc) - _TOP_KEYS
@@ -83,6 +89,7 @@ def _validate(doc: Any, base: Path) -> FleetManifest:
         raise ManifestError(f"manifest 'store' must be a URL string, got {store!r}")
     if store is not None and "://" not in store and not os.path.isabs(store):
         store = str((base / store).resolve())
+    locks = _locks(doc.get("locks"), origin)
     defaults = doc.get("defaults") or {}
     if not isinstance(defaults, Mapping):
         raise ManifestError("manifest 'defaults' must be a mapping")
@@ -95,7 +102,18 @@ def _validate(doc: Any, base: Path) -> FleetManifest:
         if entry.name in seen:
             raise ManifestError(f"models[{i}] ({entry.name!r}): name already used by models[{seen[entry.name]}]")
         seen[entry.name] = i
-    return FleetManifest(store, tuple(entries))
+    return FleetManifest(store, tuple(entries), locks)
+
+
+def _locks(value: Any, origin: str) -> str | None:
+    """The manifest's ``locks`` (a lock URL), checked as tasks.cache would check it."""
+    if value is None:
+        return None
+    try:
+        parse_lock_url(value, where=f"{origin}: locks")
+    except LockConfigError as exc:
+        raise ManifestError(str(exc)) from None
+    return value.strip()
 
 
 def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEntry:
