@@ -171,11 +171,11 @@ def ensure_model_deployment(pool: str) -> str:
         except ObjectNotFound:
             pass
     root = Path(__file__).resolve().parent.parent
-    lower_model.from_source(source=str(root), entrypoint="flows/lower_model.py:lower_model").deploy(
-        name=pool, work_pool_name=pool, work_queue_name="models", print_next_steps=False,
+    lower_model.from_source(source=str(root), entrypoint="flows/lower_model.py:lower_model").to_deployment(
+        name=pool, work_pool_name=pool, work_queue_name="models",
         job_variables={"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}},
         description="One model of a lowerflow fleet (created by `lowerflow fleet --pool`).",
-    )
+    ).apply(work_pool_name=pool)  # .deploy() would print tables and advice on the CLI's stdout
     return name
 
 
