@@ -71,7 +71,7 @@ def lower_fleet(manifest: str | dict, pool: str | None = None) -> dict:
     fleet = load_manifest(manifest)
     logger = get_run_logger()
     store = ArtifactStore(fleet.store)
-    members = {e.name: member_parameters(e, store.url, getattr(fleet, 'locks', None)) for e in fleet.models}
+    members = {e.name: member_parameters(e, store.url, fleet.locks) for e in fleet.models}
     if pool is None:
         outcomes = lower_in_process(members)
     else:

@@ -20,7 +20,8 @@ directory and stdin/stdout/stderr (passed over the socket); it runs
 the client (cancellation) are forwarded to the child.
 
 The warm parent never serves stale code: before each fork it checks the files of
-every module it imported (path, size, mtime).  If one changed, that request and any
+every module it imported, every source lowerflow's cache keys digest, and the
+site-packages directories (path, size, mtime; ~3,000 stats, 10 ms).  If one changed, that request and any
 later one fall back to a cold start, and the parent re-executes itself (reloading
 everything) as soon as none of its children is running.  With no warm parent (plain
 ``prefect worker start``, or the socket gone), the client execs ``python -m
@@ -52,8 +53,14 @@ PRELOAD = (
     "lowering.backends.reference",
     "lowering.backends.xnnpack",
 )
-#: Imported too when installed: the ExecuTorch runtime (verify) and transformers (HF models).
-OPTIONAL_PRELOAD = ("executorch.runtime", "transformers")
+#: Imported too when installed: the ExecuTorch runtime (verify), transformers (HF models),
+#: what the run reports draw with, and what Prefect imports on a flow's first call.
+OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "flows.reports", "matplotlib.backends.backend_agg",
+                    "matplotlib.figure", "fastapi.encoders")
+#: Per-process work done once in the warm parent, not in every run: which distribution
+#: each top-level module belongs to (0.7 s) and the digest of lowerflow's sources (0.5 s).
+#: Both are checked for staleness with the modules (see :func:`stamp_files`).
+WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions")
 
 _HEADER = struct.Struct("!I")
 
@@ -117,7 +124,10 @@ def serve(path: str, extra: list[str] = ()) -> None:
             importlib.import_module(name)
         except Exception:  # not installed, or broken: its users import it themselves
             pass
-    stamps = module_stamps()
+    for call in WARM_UP:
+        module, _, function = call.partition(":")
+        getattr(importlib.import_module(module), function)()
+    stamps = file_stamps(stamp_files())
     if os.path.exists(path):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -141,7 +151,7 @@ def serve(path: str, extra: list[str] = ()) -> None:
         except (OSError, ValueError):
             conn.close()
             continue
-        if reload_pending or module_stamps(stamps) != stamps:
+        if reload_pending or file_stamps(stamps) != stamps:
             reload_pending = True
             _close(fds)
             _send(conn, b"S\n")
@@ -210,11 +220,22 @@ def reap(children: dict[int, socket.socket]) -> None:
             conn.close()
 
 
-def module_stamps(previous: dict | None = None) -> dict[str, tuple[int, int]]:
-    """(size, mtime_ns) of the file of every imported module (``previous``'s files when given)."""
-    files = previous.keys() if previous is not None else {
-        f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)
-    }
+def stamp_files() -> list[str]:
+    """What the warm parent's state depends on, to check before each fork: the file of
+    every imported module, every source lowerflow's cache keys digest (imported or
+    not), and the site-packages directories (a distribution installed or removed
+    changes which distribution a module belongs to)."""
+    from tasks.cache import source_files
+    from tasks.fingerprint import _installed_prefixes
+
+    files = {f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
+    files.update(str(path) for _, path in source_files())
+    files.update(_installed_prefixes())
+    return sorted(files)
+
+
+def file_stamps(files) -> dict[str, tuple[int, int]]:
+    """(size, mtime_ns) of each file; (-1, -1) for one that is gone."""
     stamps = {}
     for f in files:
         try:
@@ -325,4 +346,4 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["run"] and len(sys.argv) > 2:
         start(sys.argv[2], sys.argv[3:])
     else:
-        sys.exit("usage: python -m flows.warm_start serve SOCKET [MODULE...] | run MODULE [ARGS...]")
+        sys.exit(f"usage: python -m flows.warm_start serve SOCKET [MODULE...] | run MODULE [ARGS...] (got {sys.argv[1:]})")

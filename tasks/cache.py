@@ -141,15 +141,23 @@ def environment_versions() -> dict[str, str]:
 
 def source_digest() -> str:
     """sha256 over the relative paths and bytes of lowerflow's ``lowering`` and ``tasks`` sources."""
+    digest = hashlib.sha256()
+    for package, path in source_files():
+        digest.update(f"{package.name}/{path.relative_to(package).as_posix()}\0".encode())
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def source_files() -> list[tuple[Path, Path]]:
+    """(package directory, file) of every source :func:`source_digest` reads, in order."""
     import lowering
 
-    digest = hashlib.sha256()
-    for package in (Path(lowering.__file__).parent, Path(__file__).parent):
-        for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".fbs") and p.is_file()):
-            digest.update(f"{package.name}/{path.relative_to(package).as_posix()}\0".encode())
-            digest.update(path.read_bytes())
-            digest.update(b"\0")
-    return digest.hexdigest()
+    return [
+        (package, path)
+        for package in (Path(lowering.__file__).parent, Path(__file__).parent)
+        for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".fbs") and p.is_file())
+    ]
 
 
 def key_json(value: Any, where: str = "value") -> Any:
