@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a work queue of the pool; repeat for several (default: models)")
     worker.add_argument("--limit", type=int, default=1, metavar="N",
                         help="flow runs at once (default: 1, a model lowers on one core; run one worker per core)")
+    worker.add_argument("--name", metavar="NAME", help="the worker's name in Prefect (default: a generated one)")
     worker.set_defaults(run=cmd_worker)
 
     plan = sub.add_parser("plan", parents=[common], help="show which stages of a fleet would run or hit the cache",
@@ -351,7 +352,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     queues = args.work_queues or ["models"]
     say(f"worker on pool {args.pool} (queues {', '.join(queues)}, {args.limit} run(s) at once) at "
         f"{prefect_api_url()}; Ctrl-C stops it")
-    run_worker(args.pool, queues, args.limit)
+    run_worker(args.pool, queues, args.limit, name=args.name)
     return EXIT_OK
 
 

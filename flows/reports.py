@@ -484,7 +484,9 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
         ratio_text = f", ratio {ratio:.3f}" if ratio is not None else ""
         ax.set_title(f"{title}: {len(tensors)} tensors, {plan.algorithm}{ratio_text}", fontsize=10)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-        fig.tight_layout()
+        # Fixed margins (room for 11-character tick labels and the legend on the right):
+        # tight_layout would draw the figure once more only to measure it (0.1 s a picture).
+        fig.subplots_adjust(left=0.14, right=0.72, bottom=0.12, top=0.91)
         out = io.BytesIO()
         fig.savefig(out, format="png", metadata={"Software": None})
     return out.getvalue()

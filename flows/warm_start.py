@@ -58,9 +58,11 @@ PRELOAD = (
 OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "flows.reports", "matplotlib.backends.backend_agg",
                     "matplotlib.figure", "fastapi.encoders")
 #: Per-process work done once in the warm parent, not in every run: which distribution
-#: each top-level module belongs to (0.7 s) and the digest of lowerflow's sources (0.5 s).
+#: each top-level module belongs to (0.7 s), the digest of lowerflow's sources (0.5 s),
+#: and matplotlib's first picture (fonts, Agg: 0.6 s of a report's first memory-plan picture).
 #: Both are checked for staleness with the modules (see :func:`stamp_files`).
-WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions")
+WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions",
+           "flows.warm_start:draw_a_picture")
 
 _HEADER = struct.Struct("!I")
 
@@ -157,6 +159,8 @@ def serve(path: str, extra: list[str] = ()) -> None:
             _send(conn, b"S\n")
             conn.close()
             continue
+        sys.stdout.flush()
+        sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             listener.close()
@@ -196,12 +200,30 @@ def run_child(request: dict, fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+        _exit_like_an_interpreter(code)
+
+
+def _exit_like_an_interpreter(code: int) -> None:
+    """What a normal interpreter exit does, then ``os._exit``: join the threads and run the
+    ``threading`` exit hooks (Prefect's log and event services drain there: without them
+    the run's last logs never reach the API), then the ``atexit`` functions."""
+    import atexit
+    import threading
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    except Exception:
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
 
 
 def reap(children: dict[int, socket.socket]) -> None:
@@ -275,6 +297,23 @@ def _close(fds: list[int]) -> None:
             pass
 
 
+def draw_a_picture() -> None:
+    """Draw and encode a small figure with text (loads matplotlib's fonts; no threads)."""
+    import io
+
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    fig = Figure(figsize=(2, 1), dpi=50)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set_title("warm")
+    ax.legend(handles=ax.plot([0, 1], label="x"))
+    fig.savefig(io.BytesIO(), format="png")
+
+
 # --------------------------------------------------------------------------- the worker
 
 
@@ -295,7 +334,8 @@ def warm_worker_class():
     return WarmProcessWorker
 
 
-def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 1.0) -> None:
+def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 1.0,
+               name: str | None = None) -> None:
     """``lowerflow worker``: a warm parent and a :func:`warm_worker_class` worker polling
     ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted."""
     import shutil
@@ -316,7 +356,7 @@ def run_worker(pool: str, work_queues: list[str], limit: int | None, query_secon
             time.sleep(0.05)
         os.environ[SOCKET_ENV] = path
         os.environ.setdefault("PREFECT_WORKER_QUERY_SECONDS", str(query_seconds))
-        _run_prefect_worker(pool, work_queues, limit)
+        _run_prefect_worker(pool, work_queues, limit, name)
     finally:
         parent.terminate()
         try:
@@ -326,7 +366,7 @@ def run_worker(pool: str, work_queues: list[str], limit: int | None, query_secon
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None) -> None:
+def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, name: str | None) -> None:
     import anyio
     from prefect.context import refresh_global_settings_context
 
@@ -334,7 +374,8 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None) ->
     worker_class = warm_worker_class()
 
     async def main() -> None:
-        async with worker_class(work_pool_name=pool, work_queues=work_queues or None, limit=limit) as worker:
+        async with worker_class(work_pool_name=pool, work_queues=work_queues or None, limit=limit,
+                                name=name) as worker:
             await worker.start()
 
     anyio.run(main)

@@ -3,7 +3,8 @@
 * the Prefect server on PostgreSQL, started by ``deployments/server.sh`` (its own
   cluster in a temporary directory, on free loopback ports);
 * the deployments of ``deployments/prefect.yaml`` (``prefect deploy --all``);
-* two ``--work-queue models --limit 1`` workers and one ``--work-queue fleet`` worker;
+* two ``--work-queue models --limit 1`` workers (``prefect worker start`` and ``lowerflow
+  worker``, whose flow runs fork from a warm parent) and one ``--work-queue fleet`` worker;
 * a fleet run (``prefect deployment run 'lower-fleet/nightly-fleet' --watch``) fanned
   out to one ``lower-model`` run per model, on both model workers;
 * a fleet with a model whose verify fails, then ``prefect flow-run retry``: only that
@@ -172,10 +173,14 @@ def deployment() -> Iterator[Deployment]:
         status, out, err = cli(prefect("work-pool", "create", POOL, "--type", "process"), env)
         assert status == 0, out + err
         workers = {}
-        for name, queue, limit in [(MODEL_WORKERS[0], "models", ["--limit", "1"]),
-                                   (MODEL_WORKERS[1], "models", ["--limit", "1"]), ("fleet", "fleet", [])]:
-            command = prefect("worker", "start", "--pool", POOL, "--work-queue", queue, "--name", name, *limit)
-            workers[name] = stack.enter_context(spawned(command, env))
+        # One plain Prefect worker and one `lowerflow worker` (flow runs forked warm): both kinds.
+        commands = {
+            MODEL_WORKERS[0]: prefect("worker", "start", "--pool", POOL, "--work-queue", "models", "--limit", "1"),
+            MODEL_WORKERS[1]: [sys.executable, "-m", "flows.cli", "worker", "--pool", POOL, "--verbose"],
+            "fleet": prefect("worker", "start", "--pool", POOL, "--work-queue", "fleet"),
+        }
+        for name, command in commands.items():
+            workers[name] = stack.enter_context(spawned([*command, "--name", name], env))
         # Meanwhile (the workers take seconds to start): deploy, from the repository root.
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
@@ -291,6 +296,29 @@ def test_fleet_fans_out_to_both_model_workers(deployment, store, tmp_path):
     print(f"fleet run {fleet_run.start_time:%T}-{fleet_run.end_time:%T}, model runs "
           + ", ".join(f"{r.name} {r.start_time:%T}-{r.end_time:%T} on {ran_on[r.parameters['name']]}" for r in children)
           + f"; overlapping: {spans[1][0] < spans[0][1]}")
+
+
+def test_cli_fleet_on_the_pool(deployment, store, tmp_path):
+    """``lowerflow fleet MANIFEST --pool``: the fleet flow in the CLI's process, each model a
+    ``lower-model`` run on the pool's workers; progress lines, the summary, exit 0."""
+    models = ("mlp", "lifted_constant")
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet_manifest(store, models)))
+    status, out, err = cli([sys.executable, "-m", "flows.cli", "fleet", str(manifest), "--pool", POOL],
+                           deployment.env, timeout=FLEET_TIMEOUT)
+    assert status == 0, (out + err)[-5000:]
+    assert f"lowering 2 models on work pool {POOL} (lower-model/{POOL})" in out, out
+    assert re.search(r"\[2/2\] (mlp|lifted_constant) +ok", out), out
+    summary = json.loads((store / "outputs" / "fleet.json").read_text())
+    assert summary["ok"] is True and set(summary["models"]) == set(models)
+    with deployment.client() as client:
+        runs = {m: client.read_flow_run(summary["models"][m]["flow_run"]) for m in models}  # who wrote each manifest
+        fleet_ids = {client.read_task_run(r.parent_task_run_id).flow_run_id for r in runs.values()}
+    for m, run in runs.items():
+        assert run.work_queue_name == "models" and run.state.is_completed() and run.name == m
+        assert (store / "outputs" / m / "portable.pte").read_bytes()[4:8] == b"ET12"
+    assert len(fleet_ids) == 1  # children of the CLI's one fleet run
+    assert sorted(r.name for r in child_runs(deployment, str(fleet_ids.pop()))) == sorted(models)
 
 
 def ran_by(deployment: Deployment, run_id) -> list[str]:

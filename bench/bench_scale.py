@@ -1,0 +1,296 @@
+"""Scale-out benchmark (issue 9): a 12-model fleet fanned out to a work pool.
+
+Everything is measured in one run on this machine, against a standalone ``prefect
+server start`` (temporary home, loopback), with ``lowerflow worker`` processes
+(one model at a time each, flow runs forked from a warm parent):
+
+* ``lowering.lower`` alone, in one process, on the same models and targets (the
+  model factories are timed separately): the reference;
+* cold fleet, verify off, with 1 worker and with 2 workers — targets: 2 workers
+  >= 1.8x faster than 1; orchestrated cold <= 1.5x ``lowering.lower``;
+* cold fleet with verify, 2 workers: verify's cost, reported separately;
+* warm fleet (everything cached), 2 workers, vs the fan-out floor: the same fleet
+  flow submitting the same runs to a deployment of an empty flow — target: warm
+  above the floor <= 2% of cold;
+* two "machines" (two processes, separate lock directories) lowering the same fleet
+  at once on one S3 store (moto server) with Redis stage locks (redis-server):
+  every stage computed once, counted.
+
+    python bench/bench_scale.py [--models a,b,...] [--targets portable,xnnpack] [--skip-redis]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_fleet import start_server  # noqa: E402  (one way to start a server)
+
+SMALL = ["mlp", "cnn", "lstm", "transformer", "buffer_mutation", "lifted_constant", "multi_output", "integer_inputs"]
+HF = ["mobilenet_v2", "resnet", "bert", "gpt2"]
+POOL, FLOOR_POOL = "bench-pool", "bench-floor"
+
+#: The floor's member: a flow named like lower-model, with its parameters, doing nothing.
+EMPTY_MEMBER = textwrap.dedent(
+    """
+    from prefect import flow
+
+    @flow(name="lower-model")
+    def lower_model(model, targets, store=None, options=None, name=None, version=None, verify=True, locks=None):
+        return None
+    """
+)
+
+
+def spec(name: str) -> str:
+    module = "hf_models.py" if name in HF else "models.py"
+    return f"{ROOT / 'examples' / module}:{name}"
+
+
+def fleet(store: str, models: list[str], targets: list[str], verify: bool) -> dict:
+    return {"store": store, "defaults": {"targets": targets, "verify": verify},
+            "models": [{"name": m, "model": spec(m)} for m in models]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def process(args: list[str], env: dict | None = None, log: Path | None = None) -> Iterator[subprocess.Popen]:
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        if log:
+            out.close()
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def direct_lowering(models: list[str], targets: list[str]) -> tuple[float, float]:
+    """Seconds of ``lowering.lower`` (no verify) and of the factories, in this process."""
+    from examples.hf_models import MODELS as HF_MODELS
+    from examples.models import MODELS
+    from lowering import lower
+    from lowering.targets import partitioner_for
+
+    registry = {**MODELS, **HF_MODELS}
+    lowering = factories = 0.0
+    for name in models:
+        for target in targets:
+            start = time.perf_counter()
+            model, inputs = registry[name]()
+            factories += time.perf_counter() - start
+            start = time.perf_counter()
+            lower(model, inputs, partitioner=partitioner_for(target))
+            lowering += time.perf_counter() - start
+    return lowering, factories
+
+
+def run_fleet(manifest: dict, pool: str) -> tuple[float, dict]:
+    """Wall seconds of the fleet flow on ``pool`` (this process waits, as the CLI does)."""
+    from flows.lower_fleet import FleetFailed, lower_fleet
+
+    start = time.perf_counter()
+    try:
+        summary = lower_fleet(manifest, pool=pool)
+    except FleetFailed as exc:
+        summary = exc.summary
+    return time.perf_counter() - start, summary
+
+
+def stage_seconds(summary: dict, stage: str) -> float:
+    return sum(r["seconds"] for m in summary["models"].values() if "targets" in m
+               for t in m["targets"].values() for r in t["stages"] if r["stage"] == stage and not r["cached"])
+
+
+def computed_keys(summary: dict) -> collections.Counter:
+    """How many times each stage key was computed (not a cache hit) in a fleet run.  A
+    model's export record is in each of its targets' lists: it counts once per model."""
+    return collections.Counter(
+        done for m in summary["models"].values()
+        for done in {(r["stage"], r.get("key")) for t in m["targets"].values()
+                     for r in t["stages"] if not r["cached"] and r["state"] == "Completed"})
+
+
+@contextmanager
+def workers(pool: str, count: int, env: dict, logs: Path) -> Iterator[None]:
+    """``count`` ``lowerflow worker --pool`` processes, each running one flow run at a time."""
+    with ExitStack() as stack:
+        for i in range(count):
+            stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool],
+                                        env, logs / f"{pool}-worker-{i}.log"))
+        wait_for_workers(pool, count)
+        yield
+
+
+def wait_for_workers(pool: str, count: int, timeout: float = 300) -> None:
+    from prefect.client.orchestration import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            online = [w for w in client.read_workers_for_work_pool(pool) if str(w.status).endswith("ONLINE")]
+            if len(online) >= count:
+                time.sleep(2)  # their warm parents are ready before they poll
+                return
+            time.sleep(1)
+    raise RuntimeError(f"{count} workers of {pool} did not come online in {timeout} s")
+
+
+def create_pools(work: Path) -> None:
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.lower_fleet import ensure_model_deployment
+
+    with get_client(sync_client=True) as client:
+        for pool in (POOL, FLOOR_POOL):
+            client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+    ensure_model_deployment(POOL)
+    (work / "floor").mkdir()
+    (work / "floor" / "empty_member.py").write_text(EMPTY_MEMBER)
+    flow.from_source(source=str(work / "floor"), entrypoint="empty_member.py:lower_model").to_deployment(
+        name=FLOOR_POOL, work_pool_name=FLOOR_POOL, work_queue_name="models").apply(work_pool_name=FLOOR_POOL)
+
+
+# --------------------------------------------------------------------------- two machines, Redis locks
+
+MACHINE = textwrap.dedent(
+    """
+    import json, sys
+    from flows.lower_fleet import FleetFailed, lower_fleet
+    try:
+        summary = lower_fleet(json.loads(sys.argv[1]))
+    except FleetFailed as exc:
+        summary = exc.summary
+    print("SUMMARY=" + json.dumps(summary))
+    """
+)
+
+
+def two_machines(work: Path, models: list[str], targets: list[str], env: dict) -> tuple[float, collections.Counter]:
+    """Two processes, each its own HOME (so its own file-lock directory), one S3 store,
+    Redis locks: the wall time and how often each stage key was computed in all."""
+    from moto.server import ThreadedMotoServer
+
+    moto_port, redis_port = free_port(), free_port()
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=moto_port, verbose=False)
+    moto.start()
+    try:
+        with process(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--dir", str(work)], log=work / "redis.log"):
+            s3 = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+                  "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{moto_port}", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{moto_port}"}
+            import boto3
+
+            boto3.client("s3", endpoint_url=s3["AWS_ENDPOINT_URL_S3"], aws_access_key_id="bench",
+                         aws_secret_access_key="bench", region_name="us-east-1").create_bucket(Bucket="fleet")
+            time.sleep(0.5)
+            manifest = json.dumps({**fleet("s3://fleet/store", models, targets, verify=False),
+                                   "locks": f"redis://127.0.0.1:{redis_port}/0"})
+            procs = []
+            start = time.perf_counter()
+            for machine in ("a", "b"):
+                home = work / f"machine-{machine}"
+                home.mkdir()
+                procs.append(subprocess.Popen([sys.executable, "-c", MACHINE, manifest], cwd=ROOT,
+                                              env={**env, **s3, "HOME": str(home)}, stdout=subprocess.PIPE,
+                                              stderr=subprocess.DEVNULL, text=True))
+            computed: collections.Counter = collections.Counter()
+            for proc in procs:
+                out, _ = proc.communicate(timeout=1800)
+                line = next(l for l in out.splitlines() if l.startswith("SUMMARY="))
+                computed.update(computed_keys(json.loads(line[len("SUMMARY="):])))
+            return time.perf_counter() - start, computed
+    finally:
+        moto.stop()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(SMALL + HF))
+    parser.add_argument("--targets", default="portable,xnnpack")
+    parser.add_argument("--skip-redis", action="store_true")
+    args = parser.parse_args()
+    models, targets = args.models.split(","), args.targets.split(",")
+
+    work = Path(tempfile.mkdtemp(prefix="lowerflow-scale-"))
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    server, url = start_server(work / "prefect-home")
+    os.environ["PREFECT_API_URL"] = url
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        direct, factories = direct_lowering(models, targets)
+        create_pools(work)
+        cold = {}
+        with workers(POOL, 1, env, work):
+            cold[1] = run_fleet(fleet(str(work / "cold-1"), models, targets, verify=False), POOL)
+        with workers(POOL, 2, env, work):
+            cold[2] = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
+            verified = run_fleet(fleet(str(work / "cold-verify"), models, targets, verify=True), POOL)
+            warm = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
+        with workers(FLOOR_POOL, 2, env, work):
+            floor = run_fleet(fleet(str(work / "floor-store"), models, targets, verify=False), FLOOR_POOL)
+        machines = None if args.skip_redis else two_machines(work, models, targets, env)
+
+        n = len(models)
+        print(f"fleet: {n} models x {targets}, standalone Prefect server, `lowerflow worker` processes")
+        print(f"{'':44}{'seconds':>9} {'ratio':>8}")
+        print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}")
+        print(f"{'  (model factories, not in the above)':44}{factories:9.2f}")
+        for count, (seconds, summary) in cold.items():
+            print(f"{f'cold, verify off, {count} worker(s)':44}{seconds:9.2f} {seconds / direct:8.2f}  "
+                  f"(vs lower alone; target <= 1.5){'  FAILED: ' + ','.join(summary['failed']) if summary['failed'] else ''}")
+        print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold[1][0] / cold[2][0]:8.2f}  (target >= 1.8)")
+        print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold[2][0]:8.2f}  (vs verify off)")
+        print(f"{'  verify stage seconds (sum over models)':44}{stage_seconds(verified[1], 'verify'):9.2f}")
+        print(f"{'warm (all cached), 2 workers':44}{warm[0]:9.2f} {warm[0] / cold[2][0]:8.3f}  (vs cold)")
+        print(f"{'  fan-out floor (empty members), 2 workers':44}{floor[0]:9.2f} {floor[0] / cold[2][0]:8.3f}  (vs cold)")
+        print(f"{'  warm above the floor':44}{warm[0] - floor[0]:9.2f} {(warm[0] - floor[0]) / cold[2][0]:8.3f}  "
+              "(vs cold; target <= 0.02)")
+        if machines is not None:
+            seconds, computed = machines
+            twice = {k: c for k, c in computed.items() if c > 1}
+            print(f"{'two machines, one S3 store, Redis locks':44}{seconds:9.2f}")
+            print(f"{'  stage computations / distinct stages':44}{sum(computed.values()):9d} {len(computed):8d}  "
+                  f"(computed twice: {len(twice)}{': ' + ', '.join(sorted(s for s, _ in twice)) if twice else ''})")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
