@@ -16,7 +16,7 @@ server start`` (temporary home, loopback), with ``lowerflow worker`` processes
   at once on one S3 store (moto server) with Redis stage locks (redis-server):
   every stage computed once, counted.
 
-    python bench/bench_scale.py [--models a,b,...] [--targets portable,xnnpack] [--skip-redis]
+    python bench/bench_scale.py [--models a,b,...] [--targets portable,xnnpack] [--skip-redis] [--sqlite]
 """
 
 from __future__ import annotations
@@ -54,6 +54,43 @@ EMPTY_MEMBER = textwrap.dedent(
         return None
     """
 )
+
+
+@contextmanager
+def prefect_server(work: Path, sqlite: bool) -> Iterator[str]:
+    """The API URL of a standalone Prefect server: on PostgreSQL through deployments/server.sh
+    (what a fleet on N machines runs; SQLite serializes the fan-out's writes), or SQLite."""
+    if sqlite:
+        server, url = start_server(work / "prefect-home")
+        try:
+            yield url
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        return
+    work.chmod(0o755)  # PostgreSQL runs as `postgres` when we are root
+    port = free_port()
+    env = {**os.environ, "LOWERFLOW_HOME": str(work / "pg"), "LOWERFLOW_PG_PORT": str(free_port()),
+           "PORT": str(port), "HOST": "127.0.0.1", "PREFECT_HOME": str(work / "prefect-home"),
+           "PREFECT": str(Path(sys.executable).with_name("prefect"))}
+    script = str(ROOT / "deployments" / "server.sh")
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        with process([script, "start"], env, work / "server.log"):
+            deadline = time.monotonic() + 180
+            while True:
+                try:
+                    import urllib.request
+
+                    with urllib.request.urlopen(f"{url}/health", timeout=2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"server.sh did not start: see {work / 'server.log'}")
+                    time.sleep(0.5)
+            yield url
+    finally:
+        subprocess.run([script, "stop"], env=env, capture_output=True, timeout=120)
 
 
 def spec(name: str) -> str:
@@ -113,8 +150,9 @@ def direct_lowering(models: list[str], targets: list[str]) -> tuple[float, float
     return lowering, factories
 
 
-def run_fleet(manifest: dict, pool: str) -> tuple[float, dict]:
-    """Wall seconds of the fleet flow on ``pool`` (this process waits, as the CLI does)."""
+def run_fleet(manifest: dict, pool: str | None) -> tuple[float, dict]:
+    """Wall seconds of the fleet flow on ``pool`` (this process waits, as the CLI does;
+    None: every model in this process)."""
     from flows.lower_fleet import FleetFailed, lower_fleet
 
     start = time.perf_counter()
@@ -242,6 +280,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(SMALL + HF))
     parser.add_argument("--targets", default="portable,xnnpack")
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--sqlite", action="store_true", help="a SQLite server instead of server.sh's PostgreSQL")
     args = parser.parse_args()
     models, targets = args.models.split(","), args.targets.split(",")
 
@@ -249,47 +288,52 @@ def main() -> None:
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    server, url = start_server(work / "prefect-home")
-    os.environ["PREFECT_API_URL"] = url
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        direct, factories = direct_lowering(models, targets)
-        create_pools(work)
-        cold = {}
-        with workers(POOL, 1, env, work):
-            cold[1] = run_fleet(fleet(str(work / "cold-1"), models, targets, verify=False), POOL)
-        with workers(POOL, 2, env, work):
-            cold[2] = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
-            verified = run_fleet(fleet(str(work / "cold-verify"), models, targets, verify=True), POOL)
-            warm = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
-        with workers(FLOOR_POOL, 2, env, work):
-            floor = run_fleet(fleet(str(work / "floor-store"), models, targets, verify=False), FLOOR_POOL)
-        machines = None if args.skip_redis else two_machines(work, models, targets, env)
+    with prefect_server(work, args.sqlite) as url:
+        os.environ["PREFECT_API_URL"] = url
+        measure(args, work, models, targets)
 
-        n = len(models)
-        print(f"fleet: {n} models x {targets}, standalone Prefect server, `lowerflow worker` processes")
-        print(f"{'':44}{'seconds':>9} {'ratio':>8}")
-        print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}")
-        print(f"{'  (model factories, not in the above)':44}{factories:9.2f}")
-        for count, (seconds, summary) in cold.items():
-            print(f"{f'cold, verify off, {count} worker(s)':44}{seconds:9.2f} {seconds / direct:8.2f}  "
-                  f"(vs lower alone; target <= 1.5){'  FAILED: ' + ','.join(summary['failed']) if summary['failed'] else ''}")
-        print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold[1][0] / cold[2][0]:8.2f}  (target >= 1.8)")
-        print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold[2][0]:8.2f}  (vs verify off)")
-        print(f"{'  verify stage seconds (sum over models)':44}{stage_seconds(verified[1], 'verify'):9.2f}")
-        print(f"{'warm (all cached), 2 workers':44}{warm[0]:9.2f} {warm[0] / cold[2][0]:8.3f}  (vs cold)")
-        print(f"{'  fan-out floor (empty members), 2 workers':44}{floor[0]:9.2f} {floor[0] / cold[2][0]:8.3f}  (vs cold)")
-        print(f"{'  warm above the floor':44}{warm[0] - floor[0]:9.2f} {(warm[0] - floor[0]) / cold[2][0]:8.3f}  "
-              "(vs cold; target <= 0.02)")
-        if machines is not None:
-            seconds, computed = machines
-            twice = {k: c for k, c in computed.items() if c > 1}
-            print(f"{'two machines, one S3 store, Redis locks':44}{seconds:9.2f}")
-            print(f"{'  stage computations / distinct stages':44}{sum(computed.values()):9d} {len(computed):8d}  "
-                  f"(computed twice: {len(twice)}{': ' + ', '.join(sorted(s for s, _ in twice)) if twice else ''})")
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+
+def measure(args, work: Path, models: list[str], targets: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    direct, factories = direct_lowering(models, targets)
+    in_process = run_fleet(fleet(str(work / "cold-0"), models, targets, verify=False), None)
+    create_pools(work)
+    cold = {}
+    with workers(POOL, 1, env, work):
+        cold[1] = run_fleet(fleet(str(work / "cold-1"), models, targets, verify=False), POOL)
+    with workers(POOL, 2, env, work):
+        cold[2] = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
+        verified = run_fleet(fleet(str(work / "cold-verify"), models, targets, verify=True), POOL)
+        warm = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
+    with workers(FLOOR_POOL, 2, env, work):
+        floor = run_fleet(fleet(str(work / "floor-store"), models, targets, verify=False), FLOOR_POOL)
+    machines = None if args.skip_redis else two_machines(work, models, targets, env)
+
+    n = len(models)
+    print(f"fleet: {n} models x {targets}, standalone Prefect server on "
+          f"{'SQLite' if args.sqlite else 'PostgreSQL'}, `lowerflow worker` processes")
+    print(f"{'':44}{'seconds':>9} {'ratio':>8}")
+    print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}")
+    print(f"{'  (model factories, not in the above)':44}{factories:9.2f}")
+    print(f"{'cold, verify off, in process (no pool)':44}{in_process[0]:9.2f} {in_process[0] / direct:8.2f}  "
+          "(vs lower alone; threads of one process)")
+    for count, (seconds, summary) in cold.items():
+        print(f"{f'cold, verify off, {count} worker(s)':44}{seconds:9.2f} {seconds / direct:8.2f}  "
+              f"(vs lower alone; target <= 1.5){'  FAILED: ' + ','.join(summary['failed']) if summary['failed'] else ''}")
+    print(f"{'  per model run, 1 worker, beyond lowering':44}{(cold[1][0] - direct - factories) / n:9.2f}")
+    print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold[1][0] / cold[2][0]:8.2f}  (target >= 1.8)")
+    print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold[2][0]:8.2f}  (vs verify off)")
+    print(f"{'  verify stage seconds (sum over models)':44}{stage_seconds(verified[1], 'verify'):9.2f}")
+    print(f"{'warm (all cached), 2 workers':44}{warm[0]:9.2f} {warm[0] / cold[2][0]:8.3f}  (vs cold)")
+    print(f"{'  fan-out floor (empty members), 2 workers':44}{floor[0]:9.2f} {floor[0] / cold[2][0]:8.3f}  (vs cold)")
+    print(f"{'  warm above the floor':44}{warm[0] - floor[0]:9.2f} {(warm[0] - floor[0]) / cold[2][0]:8.3f}  "
+          "(vs cold; target <= 0.02)")
+    if machines is not None:
+        seconds, computed = machines
+        twice = {k: c for k, c in computed.items() if c > 1}
+        print(f"{'two machines, one S3 store, Redis locks':44}{seconds:9.2f}")
+        print(f"{'  stage computations / distinct stages':44}{sum(computed.values()):9d} {len(computed):8d}  "
+              f"(computed twice: {len(twice)}{': ' + ', '.join(sorted(s for s, _ in twice)) if twice else ''})")
 
 
 if __name__ == "__main__":

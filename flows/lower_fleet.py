@@ -128,7 +128,7 @@ def failed_manifest(params: dict, error: str) -> dict:
 # --------------------------------------------------------------------------- on a work pool
 
 #: Seconds between two looks at the model runs a fleet waits for.
-POLL_SECONDS = 0.5
+POLL_SECONDS = 0.25
 #: Seconds between two "still waiting" log lines (a pool with no worker waits forever).
 WAITING_LOG_SECONDS = 60.0
 

@@ -144,7 +144,7 @@ def serve(path: str, extra: list[str] = ()) -> None:
         if reload_pending and not children:
             listener.close()
             os.execv(sys.executable, [sys.executable, "-m", "flows.warm_start", "serve", path, *extra])
-        ready, _, _ = select.select([listener], [], [], 0.2)
+        ready, _, _ = select.select([listener], [], [], 0.05)  # 0.05: a finished child's status is relayed soon
         if not ready:
             continue
         conn, _ = listener.accept()
@@ -334,7 +334,7 @@ def warm_worker_class():
     return WarmProcessWorker
 
 
-def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 1.0,
+def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 0.5,
                name: str | None = None) -> None:
     """``lowerflow worker``: a warm parent and a :func:`warm_worker_class` worker polling
     ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted."""
