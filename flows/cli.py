@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--limit", type=int, default=1, metavar="N",
                         help="flow runs at once (default: 1, a model lowers on one core; run one worker per core)")
     worker.add_argument("--name", metavar="NAME", help="the worker's name in Prefect (default: a generated one)")
+    worker.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="torch threads per flow run (default: 1; OMP_NUM_THREADS wins if set)")
     worker.set_defaults(run=cmd_worker)
 
     plan = sub.add_parser("plan", parents=[common], help="show which stages of a fleet would run or hit the cache",
@@ -347,12 +349,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if not prefect_api_url():
         raise CLIError("a worker needs the Prefect server its flow runs are on: set PREFECT_API_URL "
                        "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
-    if args.limit < 1:
-        raise CLIError(f"--limit must be at least 1, not {args.limit}", EXIT_USAGE)
+    if args.limit < 1 or args.threads < 1:
+        raise CLIError(f"--limit and --threads must be at least 1, not {args.limit} and {args.threads}", EXIT_USAGE)
     queues = args.work_queues or ["models"]
     say(f"worker on pool {args.pool} (queues {', '.join(queues)}, {args.limit} run(s) at once) at "
         f"{prefect_api_url()}; Ctrl-C stops it")
-    run_worker(args.pool, queues, args.limit, name=args.name)
+    run_worker(args.pool, queues, args.limit, name=args.name, threads=args.threads)
     return EXIT_OK
 
 

@@ -335,14 +335,19 @@ def warm_worker_class():
 
 
 def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 0.5,
-               name: str | None = None) -> None:
+               name: str | None = None, threads: int = 1) -> None:
     """``lowerflow worker``: a warm parent and a :func:`warm_worker_class` worker polling
-    ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted."""
+    ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted.
+
+    ``threads``: torch's intra-op threads per flow run (``OMP_NUM_THREADS``, unless set):
+    one worker per core, each run on one thread, rather than every run spreading over
+    every core and the workers of a machine fighting for them."""
     import shutil
     import subprocess
     import tempfile
     import time
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # read when the warm parent imports torch
     directory = tempfile.mkdtemp(prefix="lowerflow-warm-")
     path = os.path.join(directory, "warm.sock")
     parent = subprocess.Popen([sys.executable, "-m", "flows.warm_start", "serve", path])

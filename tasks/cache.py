@@ -355,7 +355,23 @@ def result_serializer() -> JSONSerializer:
 # --------------------------------------------------------------------------- locks
 
 
-class FileLockManager(FileSystemLockManager):
+class _BlockingAcquire:
+    """``aacquire_lock`` as the blocking ``acquire_lock`` on a worker thread: the lock
+    managers below wait by polling, which must not block the event loop."""
+
+    async def aacquire_lock(
+        self,
+        key: str,
+        holder: str,
+        acquire_timeout: Optional[float] = None,
+        hold_timeout: Optional[float] = None,
+    ) -> bool:
+        import anyio.to_thread
+
+        return await anyio.to_thread.run_sync(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
+
+
+class FileLockManager(_BlockingAcquire, FileSystemLockManager):
     """Prefect's FileSystemLockManager, made safe for processes that crash or race.
 
     * A lock file appears complete (written to a temporary name, then hard-linked
@@ -383,19 +399,6 @@ class FileLockManager(FileSystemLockManager):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-
-    async def aacquire_lock(
-        self,
-        key: str,
-        holder: str,
-        acquire_timeout: Optional[float] = None,
-        hold_timeout: Optional[float] = None,
-    ) -> bool:
-        import anyio.to_thread
-
-        return await anyio.to_thread.run_sync(
-            self.acquire_lock, key, holder, acquire_timeout, hold_timeout
-        )
 
     def is_locked(self, key: str, use_cache: bool = False) -> bool:
         try:
@@ -619,7 +622,7 @@ return 0
 """
 
 
-class LeasedRedisLockManager(RedisLockManager):
+class LeasedRedisLockManager(_BlockingAcquire, RedisLockManager):
     """prefect-redis's ``RedisLockManager`` whose locks expire when their holder dies.
 
     * A lock taken without a ``hold_timeout`` (Prefect's transactions never pass one)
@@ -688,17 +691,6 @@ class LeasedRedisLockManager(RedisLockManager):
                 self._leases[name] = lock.local.token
         self._start_heartbeat()
         return True
-
-    async def aacquire_lock(
-        self,
-        key: str,
-        holder: str,
-        acquire_timeout: Optional[float] = None,
-        hold_timeout: Optional[float] = None,
-    ) -> bool:
-        import anyio.to_thread
-
-        return await anyio.to_thread.run_sync(self.acquire_lock, key, holder, acquire_timeout, hold_timeout)
 
     def release_lock(self, key: str, holder: str) -> None:
         """Release ``holder``'s lock of ``key``; ValueError if another holder has it."""
