@@ -298,21 +298,23 @@ def test_nightly_deployment_declaration():
     from prefect.flows import load_flow_from_entrypoint
 
     doc = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    (deployment,) = doc["deployments"]
-    assert deployment["name"] == "nightly-fleet"
-    assert deployment["work_pool"]["name"] == "lowerflow-pool"
-    (schedule,) = deployment["schedules"]
+    fleet, member = doc["deployments"]
+    assert fleet["name"] == "nightly-fleet" and fleet["work_pool"]["name"] == "lowerflow-pool"
+    (schedule,) = fleet["schedules"]
     CronSchedule(cron=schedule["cron"], timezone=schedule["timezone"])  # raises if invalid
     assert schedule["timezone"] == "UTC"
+    # The fleet's models run as lower-model/<pool>: the second deployment, named after the pool.
+    pool = fleet["parameters"]["pool"]
+    assert member["name"] == pool == member["work_pool"]["name"]
     # Paths are relative to the repo root, where `prefect deploy` runs.
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
-        flow = load_flow_from_entrypoint(deployment["entrypoint"])
+        flows = [load_flow_from_entrypoint(d["entrypoint"]) for d in (fleet, member)]
     finally:
         os.chdir(cwd)
-    assert flow.name == "lower-fleet"
-    assert (REPO / deployment["parameters"]["manifest"]).is_file()
+    assert [f.name for f in flows] == ["lower-fleet", "lower-model"]
+    assert (REPO / fleet["parameters"]["manifest"]).is_file()
 
 
 # --------------------------------------------------------------------------- first run, quiet console
