@@ -45,16 +45,23 @@ def start_server(home: Path) -> tuple[subprocess.Popen, str]:
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}/api"
-    deadline = time.time() + 120
+    if wait_healthy(url, 120):
+        return proc, url
+    proc.kill()
+    raise RuntimeError("prefect server did not become healthy in 120 s")
+
+
+def wait_healthy(url: str, timeout: float) -> bool:
+    """True once the Prefect API at ``url`` answers its health check, False after ``timeout`` s."""
+    deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
-                    return proc, url
+                    return True
         except OSError:
             time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("prefect server did not become healthy in 120 s")
+    return False
 
 
 def fleet(store: Path, models: list[str], targets: list[str]) -> dict:

@@ -38,7 +38,7 @@ from typing import Iterator
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_fleet import start_server  # noqa: E402  (one way to start a server)
+from bench_fleet import start_server, wait_healthy  # noqa: E402  (one way to start a server)
 
 SMALL = ["mlp", "cnn", "lstm", "transformer", "buffer_mutation", "lifted_constant", "multi_output", "integer_inputs"]
 HF = ["mobilenet_v2", "resnet", "bert", "gpt2"]
@@ -77,17 +77,8 @@ def prefect_server(work: Path, sqlite: bool) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}/api"
     try:
         with process([script, "start"], env, work / "server.log"):
-            deadline = time.monotonic() + 180
-            while True:
-                try:
-                    import urllib.request
-
-                    with urllib.request.urlopen(f"{url}/health", timeout=2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server.sh did not start: see {work / 'server.log'}")
-                    time.sleep(0.5)
+            if not wait_healthy(url, 180):
+                raise RuntimeError(f"server.sh did not start: see {work / 'server.log'}")
             yield url
     finally:
         subprocess.run([script, "stop"], env=env, capture_output=True, timeout=120)
