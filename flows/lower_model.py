@@ -27,6 +27,10 @@ from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage
 
+from . import heartbeats
+
+heartbeats.install()
+
 #: The stages after export, per kind of target (preprocess repeats per partition).
 PORTABLE_STAGES = ("memory_plan", "emit", "verify")
 DELEGATE_STAGES = ("partition", "create_submodule", "build_programs", "preprocess", "adjust", *PORTABLE_STAGES)
