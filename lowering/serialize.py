@@ -373,19 +373,43 @@ def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool, allow_delegates
                 "built with embed()"
             )
     try:
-        artifact = _serde.serialize(
-            ep,
-            serialize_state_dict=False,
-            serialize_constants=False,
-            serialize_example_inputs=False,
-        )
+        graph_json = _serialized_graph(ep)
     except Exception as exc:
         raise SerializationError(
             f"torch cannot serialize the graph: {type(exc).__name__}: {exc}"
         ) from exc
-    obj = json.loads(artifact.exported_program)
+    obj = json.loads(graph_json)
     _normalize_graph(obj["graph_module"]["graph"], keep_stack_traces)
     return canonical_json(obj)
+
+
+def _serialized_graph(ep: ExportedProgram) -> bytes:
+    """The JSON ``torch._export.serde.serialize(ep).exported_program`` gives, without the
+    tensors and without its self-check.
+
+    torch's ``ExportedProgramSerializer.serialize`` also canonicalizes a deep copy
+    of the serialized program only to test that its canonical form is well
+    defined, and throws the copy away.  That check cost 40% of serializing
+    (11.5 s of 23 s over a cold bert + mobilenet_v2 + cnn fleet, profiled); the
+    bytes are the same without it (``tests/test_serialize.py`` compares them).
+    """
+    ep.validate()
+    with _serde._enable_graph_inputs_of_type_nn_module(ep.example_inputs):
+        graph_module = _serde.GraphModuleSerializer(ep.graph_signature, ep.module_call_graph)
+        serialized = _serde.ExportedProgram(
+            graph_module=graph_module.serialize(ep.graph_module),
+            opset_version=dict(_OPSET_VERSION),
+            range_constraints=_serde.serialize_range_constraints(ep.range_constraints),
+            schema_version=_serde.SchemaVersion(major=_serde.SCHEMA_VERSION[0], minor=_serde.SCHEMA_VERSION[1]),
+            verifiers=[v.dialect for v in ep.verifiers],
+            torch_version=torch.__version__,
+            guards_code=ep._guards_code,
+        )
+    return _serde._to_json_bytes(serialized)
+
+
+#: The opset ``ExportedProgramSerializer()`` records: ATen's operator version.
+_OPSET_VERSION = {"aten": torch._C._get_max_operator_version()}
 
 
 def _normalize_graph(graph: dict[str, Any], keep_stack_traces: bool) -> None:

@@ -64,6 +64,20 @@ def test_roundtrip_gives_the_same_program(name):
     assert serialize_program(loaded) == s
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_graph_json_is_what_torch_serializes(name):
+    """lowerflow skips torch's discarded canonical-form self-check; the JSON must not change."""
+    from torch._export.serde import serialize as serde
+
+    from lowering.serialize import _serialized_graph
+
+    ep, _ = edge_program(name)
+    torch_json = serde.serialize(
+        ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+    ).exported_program
+    assert _serialized_graph(ep) == torch_json
+
+
 def test_manifest_layout():
     ep, _ = edge_program("lifted_constant")
     s = serialize_program(ep)
