@@ -44,10 +44,15 @@ SMALL = ["mlp", "cnn", "lstm", "transformer", "buffer_mutation", "lifted_constan
 HF = ["mobilenet_v2", "resnet", "bert", "gpt2"]
 POOL, FLOOR_POOL = "bench-pool", "bench-floor"
 
-#: The floor's member: a flow named like lower-model, with its parameters, doing nothing.
+#: The floor's member: a flow named like lower-model, with its parameters, doing nothing,
+#: run by the same engine as lowerflow's (its heartbeats included: flows/heartbeats.py).
 EMPTY_MEMBER = textwrap.dedent(
     """
     from prefect import flow
+
+    from flows import heartbeats
+
+    heartbeats.install()
 
     @flow(name="lower-model")
     def lower_model(model, targets, store=None, options=None, name=None, version=None, verify=True, locks=None):
