@@ -182,3 +182,168 @@ def test_state_shared_across_methods_is_rejected():
     x = torch.ones(2)
     with pytest.raises(MethodError, match=r"method 'step' mutates buffer 'state.count', which method 'read'"):
         lower_methods({"step": (Step(state), (x,)), "read": (Read(state), (x,))})
+
+
+# --- model specs ---------------------------------------------------------------------------------
+
+
+def _spec_file(tmp_path: Path, body: str, name: str = "seq.py") -> str:
+    path = tmp_path / name
+    path.write_text("import torch\nfrom examples.models import Decode, Encode, Seq2Seq, MLP\n\n" + body)
+    return str(path)
+
+
+def test_spec_of_several_methods_loads_each_with_its_own_fingerprint():
+    from tasks.model_spec import ModelSpec, load_methods, load_model
+
+    spec = ModelSpec.parse(f"{MODELS}:encoder_decoder")
+    loaded = load_model(spec)
+    assert loaded.module is None and list(loaded.methods) == ["decode", "encode"]
+    digests = {name: m.fingerprint.digest for name, m in loaded.methods.items()}
+    assert len(set(digests.values())) == 2 and loaded.fingerprint.digest not in digests.values()
+    assert loaded.fingerprint.to_json()["methods"]["encode"]["digest"] == digests["encode"]
+    assert load_model(spec).fingerprint.digest == loaded.fingerprint.digest
+    assert list(load_methods(ModelSpec.parse(f"{MODELS}:mlp"))) == ["forward"]
+
+
+@pytest.mark.parametrize(
+    "returns, fragment",
+    [
+        ("{}", "empty dict of methods"),
+        ("{'bad name': (MLP(), (torch.randn(1, 64),))}", "method name 'bad name' must be a Python identifier"),
+        ("{'encode': MLP()}", "method 'encode': expected (nn.Module, example_inputs), got MLP"),
+        ("{'encode': (MLP(), (torch.randn(1, 64),), None)}", "method 'encode': dynamic_shapes"),
+    ],
+)
+def test_bad_method_entries_name_the_spec_and_method(tmp_path, returns, fragment):
+    from tasks.model_spec import ModelSpec, ModelSpecError, load_model
+
+    path = _spec_file(tmp_path, f"def factory():\n    return {returns}\n")
+    with pytest.raises(ModelSpecError) as info:
+        load_model(ModelSpec.parse(f"{path}:factory"))
+    assert f"model spec '{path}:factory'" in str(info.value) and fragment in str(info.value)
+
+
+def test_method_set_changes_the_fingerprint(tmp_path):
+    from tasks.fingerprint import Fingerprint
+    from tasks.model_spec import ModelSpec, load_model
+
+    two = _spec_file(tmp_path, SEQ_FACTORY.format(methods="{'encode': enc, 'decode': dec}"), "two.py")
+    renamed = _spec_file(tmp_path, SEQ_FACTORY.format(methods="{'encode': enc, 'generate': dec}"), "renamed.py")
+    a, b = (load_model(ModelSpec.parse(f"{p}:factory")) for p in (two, renamed))
+    assert a.fingerprint.digest != b.fingerprint.digest
+    assert "methods" in Fingerprint.changed(a.fingerprint.to_json(), b.fingerprint.to_json())
+    decode, generate = a.methods["decode"].fingerprint, b.methods["generate"].fingerprint
+    assert Fingerprint.changed(decode.to_json(), generate.to_json()) == ["code"]  # the factory file only
+
+
+SEQ_FACTORY = """
+def factory():
+    from examples.models import encoder_decoder
+    methods = encoder_decoder()
+    enc, dec = methods["encode"], methods["decode"]
+    return {methods}
+"""
+
+
+# --- the cached flow and the CLI ------------------------------------------------------------------
+
+
+def _executions(fn, *args, **kwargs):
+    from tasks import stages
+
+    before = stages.EXECUTIONS.copy()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stages.LIVE.clear()
+    return result, stages.EXECUTIONS - before
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_lowers_every_method_into_one_pte_per_target(tmp_path, lowered):
+    from flows.lower_model import lower_model
+    from tasks.store import ArtifactStore
+
+    store = tmp_path / "store"
+    model = f"{MODELS}:encoder_decoder"
+    cold, ran = _executions(lower_model, model=model, targets=list(TARGETS), store=str(store))
+    assert cold["methods"] == ["decode", "encode"]
+    assert ran["export"] == 2 and ran["emit_methods"] == 3 and ran["memory_plan"] == 6 and ran["verify"] == 6
+    assert ran["emit"] == 0
+    published = ArtifactStore(str(store)).get_json("encoder_decoder/manifest.json")
+    assert published["methods"] == ["decode", "encode"]
+    for target in TARGETS:
+        entry = published["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert set(entry["methods"]) == {"decode", "encode"}
+        for method, part in entry["methods"].items():
+            assert part["memory_plan"]["arena_bytes"] > 0 and part["memory_plan"]["ref"]
+            assert part["verify"]["ok"] is True
+            assert {r["stage"] for r in entry["stages"] if r.get("method") == method} >= {
+                "export", "memory_plan", "verify"}
+        assert entry["memory_plan"]["arena_bytes"] == sum(
+            p["memory_plan"]["arena_bytes"] for p in entry["methods"].values())
+        assert {c["method"] for c in entry["verify"]["checks"]} == {"decode", "encode"}
+        pte = (store / "outputs" / "encoder_decoder" / f"{target}.pte").read_bytes()
+        assert pte == lowered[target][0].pte  # the flow's program is the library's
+        assert load(pte).method_names == ["decode", "encode"]
+    assert published["targets"]["xnnpack"]["delegation"]["partitions"] >= 2
+
+    warm, ran = _executions(lower_model, model=model, targets=list(TARGETS), store=str(store))
+    assert sum(ran.values()) == 0, dict(ran)
+    assert all(r["cached"] for entry in warm["targets"].values() for r in entry["stages"])
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_changing_the_method_set_re_emits_and_never_hits_a_stale_program(tmp_path):
+    from flows.lower_model import lower_model
+
+    store = str(tmp_path / "store")
+    factory = tmp_path / "seq.py"
+
+    def lower_with(methods):
+        factory.write_text(SEQ_FACTORY.format(methods=methods))
+        return _executions(lower_model, model=f"{factory}:factory", targets=["reference"], store=store, name="seq")
+
+    first, ran = lower_with("{'encode': enc, 'decode': dec}")
+    assert first["targets"]["reference"]["ok"] and ran["emit_methods"] == 1
+    renamed, ran = lower_with("{'encode': enc, 'generate': dec}")
+    entry = renamed["targets"]["reference"]
+    assert entry["ok"], entry["error"]
+    # The factory file changed, so each method is exported again, to the same program:
+    # every stage keyed on a method's program is cached; the one program is emitted anew.
+    assert ran["export"] == 2 and ran["partition"] == 0 and ran["preprocess"] == 0 and ran["memory_plan"] == 0
+    assert ran["emit_methods"] == 1 and ran["verify"] == 2
+    assert "methods" in renamed["changed"]
+    pte = (tmp_path / "store" / "outputs" / "seq" / "reference.pte").read_bytes()
+    assert load(pte).method_names == ["encode", "generate"]
+    fewer, ran = lower_with("{'encode': enc}")
+    assert fewer["targets"]["reference"]["ok"] and ran["emit_methods"] == 1
+    pte = (tmp_path / "store" / "outputs" / "seq" / "reference.pte").read_bytes()
+    assert load(pte).method_names == ["encode"]
+    back, ran = lower_with("{'encode': enc, 'decode': dec}")
+    assert sum(ran.values()) == 0  # the first method set again: every stage cached
+    assert back["targets"]["reference"]["pte"]["sha256"] == first["targets"]["reference"]["pte"]["sha256"]
+
+
+def test_cli_lowers_and_verifies_every_method(tmp_path, lowered):
+    from .test_cli import error_lines, lowerflow
+
+    out = tmp_path / "out.pte"
+    spec = "examples/models.py:encoder_decoder"
+    home = tmp_path / "prefect-home"
+    result = lowerflow("lower", spec, "-t", "xnnpack", "-o", str(out), "--store", str(tmp_path / "store"), home=home)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == lowered["xnnpack"][0].pte
+    assert "emit_methods" in result.stdout and "memory_plan[decode]" in result.stdout
+    checked = lowerflow("verify", str(out), "--model", spec, home=home)
+    assert checked.returncode == 0, checked.stderr
+    lines = checked.stdout.splitlines()
+    assert {line.split()[0] for line in lines} == {"decode", "encode"}
+    assert all(line.split()[2] in ("ok", "skipped") for line in lines)
+    assert not error_lines(checked.stderr)
+    single = tmp_path / "mlp.pte"
+    single.write_bytes(lower(*mlp()).pte)
+    wrong = lowerflow("verify", str(single), "--model", spec, home=home)
+    assert wrong.returncode == 1 and "does not match" in error_lines(wrong.stderr)[0]
