@@ -375,7 +375,8 @@ def _failed(records: list[dict], exc: BaseException, target: str, methods: bool 
         )
         return {"ok": None, "pte": None, "stages": records, "error": None,
                 "memory_plan": None, "delegation": None, "verify": None}
-    stage = next((r["stage"] for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
+    stage = next((r["stage"] + (f"[{r['method']}]" if r.get("method") else "")
+                  for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
     message = one_line(str(exc)) or type(exc).__name__
     return {
         "ok": False, "pte": None, "stages": records,

@@ -266,7 +266,8 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     if loaded.pt2 is not None:
         program = load_pt2(loaded.pt2, name=model)
     else:
-        program = export_module(loaded.module, loaded.inputs, name=model)
+        label = model if loaded.method is None else f"{model} method {loaded.method}"
+        program = export_module(loaded.module, loaded.inputs, name=label)
     return {"program": put_program(store, program)}
 
 

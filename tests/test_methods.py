@@ -290,9 +290,28 @@ def test_flow_lowers_every_method_into_one_pte_per_target(tmp_path, lowered):
         assert load(pte).method_names == ["decode", "encode"]
     assert published["targets"]["xnnpack"]["delegation"]["partitions"] >= 2
 
+    from flows.reports import model_report_markdown
+
+    report = model_report_markdown(published)
+    assert "| encode |" in report and "| decode |" in report and "executorch (decode)" in report
+
     warm, ran = _executions(lower_model, model=model, targets=list(TARGETS), store=str(store))
     assert sum(ran.values()) == 0, dict(ran)
     assert all(r["cached"] for entry in warm["targets"].values() for r in entry["stages"])
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_fleet_and_its_dry_run_take_a_model_of_several_methods(tmp_path):
+    from flows.lower_fleet import lower_fleet, plan_fleet
+
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["portable", "reference"]},
+                "models": [{"name": "seq", "model": f"{MODELS}:encoder_decoder"}, {"model": f"{MODELS}:mlp"}]}
+    cold = plan_fleet(manifest)
+    seq = [(r["target"], r["stage"]) for r in cold if r["model"] == "seq"]
+    assert ("portable", "emit_methods") in seq and not any(r["cached"] for r in cold)
+    summary = lower_fleet(manifest)
+    assert summary["ok"] and summary["models"]["seq"]["methods"] == ["decode", "encode"]
+    assert all(r["cached"] for r in plan_fleet(manifest))
 
 
 @pytest.mark.usefixtures("fresh_stages")
@@ -347,3 +366,24 @@ def test_cli_lowers_and_verifies_every_method(tmp_path, lowered):
     single.write_bytes(lower(*mlp()).pte)
     wrong = lowerflow("verify", str(single), "--model", spec, home=home)
     assert wrong.returncode == 1 and "does not match" in error_lines(wrong.stderr)[0]
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_a_failing_method_names_itself_and_publishes_nothing(tmp_path):
+    from flows.lower_model import ModelLoweringFailed, lower_model
+
+    factory = tmp_path / "broken.py"
+    factory.write_text(
+        "import torch\nfrom examples.models import encoder_decoder\n\n"
+        "class Bad(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x.nonzero()\n\n"  # a data-dependent shape: the emit stage rejects it
+        "def factory():\n"
+        "    return {**encoder_decoder(), 'bad': (Bad(), (torch.ones(3),))}\n"
+    )
+    store = tmp_path / "store"
+    with pytest.raises(ModelLoweringFailed) as info:
+        lower_model(model=f"{factory}:factory", targets=["portable"], store=str(store), name="broken")
+    entry = info.value.manifest["targets"]["portable"]
+    assert not entry["ok"] and "[bad]" in entry["error"]
+    assert not (store / "outputs" / "broken" / "portable.pte").exists()
