@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
+from lowering.methods import check_no_shared_state
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
@@ -242,13 +243,18 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     the method's own fingerprint), then each target's stages."""
     model, name = manifest["model"], manifest["name"]
     records: list[dict] = []
-    exported = {}
+    exported, mutated = {}, {}
     try:
         for method, sub in loaded.methods.items():
             done = for_method(run, method)("export", records, model=model, fingerprint=sub.fingerprint.digest,
                                             options={"version": version})
-            exported[method] = done["program"]
+            exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
+        return _all_failed(manifest, targets, records, exc, methods=True)
+    try:
+        check_no_shared_state({method: sub.module for method, sub in loaded.methods.items()}, mutated)
+    except Exception as exc:
+        records.append({"stage": "check_methods", "state": "Failed", "cached": False, "seconds": 0.0, "bytes": None})
         return _all_failed(manifest, targets, records, exc, methods=True)
     fingerprints = {method: sub.fingerprint.digest for method, sub in loaded.methods.items()}
     for target in targets:

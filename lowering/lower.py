@@ -122,7 +122,7 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
     (methods sorted by name: the same methods give the same bytes whatever the
     dict order).  The emit stage's seconds are reported under every method.
     """
-    from .methods import check_no_shared_state, emit_methods, method_entries
+    from .methods import check_no_shared_state, emit_methods, method_entries, mutated_buffers
 
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
@@ -137,7 +137,8 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
                 program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
         programs[name] = program
     check_no_shared_state(
-        {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}, programs
+        {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)},
+        {name: mutated_buffers(program) for name, program in programs.items()},
     )
     for name in entries:
         programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])

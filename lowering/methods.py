@@ -182,9 +182,15 @@ def _names(methods: Mapping, where: str) -> list[str]:
     return [check_method_name(name, where) for name in methods]
 
 
-def check_no_shared_state(modules: Mapping[str, torch.nn.Module], programs: Mapping[str, ExportedProgram]) -> None:
+def mutated_buffers(program: ExportedProgram) -> list[str]:
+    """The fully qualified names of the buffers ``program`` mutates, sorted."""
+    return sorted(set(program.graph_signature.buffers_to_mutate.values()))
+
+
+def check_no_shared_state(modules: Mapping[str, torch.nn.Module], mutated: Mapping[str, Iterable[str]]) -> None:
     """Raise MethodError if a buffer one method mutates is a tensor another method uses.
 
+    ``mutated``: per method, the buffers its program mutates (:func:`mutated_buffers`).
     Each method of a program has its own planned memory, so state shared across
     methods in eager (a KV cache that ``prefill`` writes and ``decode`` reads)
     would silently diverge in the ``.pte``.
@@ -193,13 +199,13 @@ def check_no_shared_state(modules: Mapping[str, torch.nn.Module], programs: Mapp
     for name, module in modules.items():
         for fqn, tensor in _named_state(module):
             owners.setdefault(tensor.untyped_storage().data_ptr(), []).append((name, fqn))
-    for name, program in programs.items():
+    for name in sorted(mutated):
         module = modules.get(name)
         if module is None:
             continue
-        mutated = dict(_named_state(module))
-        for fqn in program.graph_signature.buffers_to_mutate.values():
-            tensor = mutated.get(fqn)
+        state = dict(_named_state(module))
+        for fqn in sorted(mutated[name]):
+            tensor = state.get(fqn)
             if tensor is None:
                 continue
             others = [(m, f) for m, f in owners.get(tensor.untyped_storage().data_ptr(), []) if m != name]

@@ -41,7 +41,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods
+from lowering.methods import emit_methods, mutated_buffers
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -268,7 +268,8 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, name=label)
-    return {"program": put_program(store, program)}
+    # The buffers it mutates: a model of several methods must not share them (lowering.methods).
+    return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
 
 def run_partition(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:

@@ -387,3 +387,36 @@ def test_a_failing_method_names_itself_and_publishes_nothing(tmp_path):
     entry = info.value.manifest["targets"]["portable"]
     assert not entry["ok"] and "[bad]" in entry["error"]
     assert not (store / "outputs" / "broken" / "portable.pte").exists()
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_rejects_state_shared_across_methods(tmp_path):
+    from flows.lower_model import ModelLoweringFailed, lower_model
+
+    factory = tmp_path / "shared_state.py"
+    factory.write_text(
+        "import torch\n\n"
+        "class Counter(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('count', torch.zeros(2))\n\n"
+        "class Step(torch.nn.Module):\n"
+        "    def __init__(self, state):\n"
+        "        super().__init__()\n"
+        "        self.state = state\n"
+        "    def forward(self, x):\n"
+        "        self.state.count.add_(x)\n"
+        "        return self.state.count * 1\n\n"
+        "class Read(Step):\n"
+        "    def forward(self, x):\n"
+        "        return self.state.count + x\n\n"
+        "def factory():\n"
+        "    state = Counter()\n"
+        "    return {'step': (Step(state), (torch.ones(2),)), 'read': (Read(state), (torch.ones(2),))}\n"
+    )
+    store = tmp_path / "store"
+    with pytest.raises(ModelLoweringFailed) as info:
+        lower_model(model=f"{factory}:factory", targets=["portable"], store=str(store), name="shared")
+    error = info.value.manifest["targets"]["portable"]["error"]
+    assert error.startswith("check_methods: MethodError: method 'step' mutates buffer 'state.count'"), error
+    assert not (store / "outputs" / "shared" / "portable.pte").exists()
