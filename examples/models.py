@@ -153,6 +153,59 @@ def integer_inputs():
     )
 
 
+class Seq2Seq(nn.Module):
+    """An encoder and a decoder sharing one token embedding (the weights of two methods)."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.encoder = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+        self.decoder = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+
+class Encode(nn.Module):
+    """Method ``encode``: tokens -> memory."""
+
+    def __init__(self, model: Seq2Seq) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model.encoder(self.model.embed(tokens))
+
+
+class Decode(nn.Module):
+    """Method ``decode``: (tokens, memory) -> logits."""
+
+    def __init__(self, model: Seq2Seq) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, memory):
+        h = self.model.embed(tokens) + memory.mean(1, keepdim=True)
+        return self.model.head(torch.relu(self.model.decoder(h)))
+
+
+def encoder_decoder():
+    """Two methods over one model: ``{"encode": ..., "decode": ...}`` (one .pte, shared embedding)."""
+    _seeded()
+    model = Seq2Seq().eval()
+    source = torch.tensor([[3, 17, 42, 255, 0, 9]], dtype=torch.long)
+    target = torch.tensor([[1, 5, 7]], dtype=torch.long)
+    memory = torch.randn(1, 6, 32)
+    return {
+        "encode": (Encode(model).eval(), (source,)),
+        "decode": (Decode(model).eval(), (target, memory)),
+    }
+
+
+#: name -> factory of several methods ({method: (module, example_inputs)}).
+METHOD_MODELS = {
+    "encoder_decoder": encoder_decoder,
+}
+
+
 #: name -> factory, the demo fleet and the suite the tests and benchmarks run over.
 MODELS = {
     "mlp": mlp,

@@ -296,7 +296,8 @@ def stage_lines(target: str, stages: Sequence[dict]) -> list[str]:
         state = r.get("state")
         status = "cached" if r.get("cached") else ("FAILED" if state == "Failed" else "ran")
         size = f"  {r['bytes']:>12,} B" if isinstance(r.get("bytes"), int) else ""
-        lines.append(f"{target:<10} {r.get('stage', '?'):<17} {status:<7} {float(r.get('seconds') or 0.0):7.2f} s{size}")
+        stage = r.get("stage", "?") + (f"[{r['method']}]" if r.get("method") else "")
+        lines.append(f"{target:<10} {stage:<17} {status:<7} {float(r.get('seconds') or 0.0):7.2f} s{size}")
     return lines
 
 
@@ -498,8 +499,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Run the .pte in each runtime against the eager model; exit 1 on a mismatch."""
-    from tasks.model_spec import ModelSpecError, load_factory_model
+    """Run the .pte in each runtime against the eager model; exit 1 on a mismatch.
+
+    A model of several methods verifies every method (and that the .pte has
+    exactly the model's methods)."""
+    from tasks.model_spec import ModelSpecError, load_methods
 
     spec = parse_spec(args.model)
     try:
@@ -507,16 +511,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}") from exc
     try:
-        model, inputs = load_factory_model(spec)
+        methods = load_methods(spec)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify
+    from lowering.verify import verify, verify_methods
 
-    report = verify(pte, model, inputs)
-    for check in report.checks:
-        say(verify_line(check))
-    if not report.ok:
-        bad = [c.runtime for c in report.checks if c.ok is False]
+    if list(methods) == ["forward"]:
+        model, inputs = methods["forward"]
+        reports = {None: verify(pte, model, inputs)}
+    else:
+        try:
+            reports = verify_methods(pte, methods)
+        except Exception as exc:  # not a .pte at all
+            raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
+    bad = []
+    for method, report in reports.items():
+        for check in report.checks:
+            say(verify_line(check) if method is None else f"{method:<11} {verify_line(check)}")
+            if check.ok is False:
+                bad.append(check.runtime if method is None else f"{check.runtime} ({method})")
+    if bad:
         raise CLIError(f"{args.pte} does not match {args.model} in {', '.join(bad)}")
     return EXIT_OK
 

@@ -9,6 +9,18 @@ whose inputs changed, and a run that failed resumes at the stage that failed.
 Outputs, at predictable names in the store: ``outputs/<name>/<target>.pte`` and
 ``outputs/<name>/manifest.json`` (what was produced, stage by stage).
 
+A model of several methods (a factory returning ``{method: (module, inputs)}``)
+runs export … memory_plan per method, one ``emit_methods`` for the target's one
+``.pte``, and verify per method::
+
+    export[m] ─► (partition … adjust)[m] ─► memory_plan[m] ─┐ for each method m
+                                           emit_methods ◄──┘ ─► verify[m] for each m
+
+Its manifest lists the ``methods``; each target's entry has the per-method
+``memory_plan``, ``delegation`` and ``verify`` under ``methods`` (the entry's own
+are totals over the methods), and every stage record of one method says
+``"method"``.
+
 The DAG is written once, over a ``run(stage, records, **inputs)`` callable: the
 flow's runs the stage tasks; :func:`plan_model`'s only looks the stages up in
 the cache (a dry run).
@@ -21,6 +33,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
+from lowering.methods import check_no_shared_state
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
@@ -34,6 +47,9 @@ heartbeats.install()
 #: The stages after export, per kind of target (preprocess repeats per partition).
 PORTABLE_STAGES = ("memory_plan", "emit", "verify")
 DELEGATE_STAGES = ("partition", "create_submodule", "build_programs", "preprocess", "adjust", *PORTABLE_STAGES)
+#: The same for a model of several methods (emit_methods once, the others per method).
+METHODS_PORTABLE_STAGES = ("memory_plan", "emit_methods", "verify")
+METHODS_DELEGATE_STAGES = (*DELEGATE_STAGES[:5], *METHODS_PORTABLE_STAGES)
 
 Run = Callable[..., Any]
 
@@ -180,6 +196,10 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify)
     fingerprint = loaded.fingerprint.digest
     manifest["fingerprint"] = loaded.fingerprint.to_json()
     manifest["load_seconds"] = round(time.perf_counter() - start, 4)
+    if loaded.methods:
+        manifest["methods"] = list(loaded.methods)
+        with holding(loaded):
+            return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify)
     with holding(loaded):
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
@@ -210,7 +230,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         }
         emitted = run("emit", records, program=program, plan=planned["plan"])
         if verify:
-            report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint)
+            report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward")
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -220,6 +240,105 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     except Exception as exc:
         result.update(_failed(records, exc, target), pte=result["pte"])
     return result
+
+
+def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify) -> dict:
+    """:func:`lower_dag` of a model of several methods: export each method (keyed on
+    the method's own fingerprint), then each target's stages."""
+    model, name = manifest["model"], manifest["name"]
+    records: list[dict] = []
+    exported, mutated = {}, {}
+    try:
+        for method, sub in loaded.methods.items():
+            done = for_method(run, method)("export", records, model=model, fingerprint=sub.fingerprint.digest,
+                                            options={"version": version})
+            exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
+    except Exception as exc:
+        return _all_failed(manifest, targets, records, exc, methods=True)
+    try:
+        check_no_shared_state({method: sub.module for method, sub in loaded.methods.items()}, mutated)
+    except Exception as exc:
+        records.append({"stage": "check_methods", "state": "Failed", "cached": False, "seconds": 0.0, "bytes": None})
+        return _all_failed(manifest, targets, records, exc, methods=True)
+    fingerprints = {method: sub.fingerprint.digest for method, sub in loaded.methods.items()}
+    for target in targets:
+        manifest["targets"][target] = lower_target_methods(
+            run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records), verify,
+        )
+    return manifest
+
+
+def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify) -> dict:
+    """The stages after export of every method for one target, one emit, verify per method."""
+    methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
+    result: dict[str, Any] = {
+        "ok": False, "pte": None, "error": None, "stages": records,
+        "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
+    }
+    try:
+        planned = {}
+        for method, program in programs.items():
+            run_method = for_method(run, method)
+            if target != PORTABLE:
+                program, methods[method]["delegation"] = delegate(
+                    run_method, f"{name}.{method}", program, target, options, records)
+            plan = run_method("memory_plan", records, program=program)
+            methods[method]["memory_plan"] = {
+                **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm")}, "ref": plan["plan"].to_json(),
+            }
+            planned[method] = {"program": program, "plan": plan["plan"]}
+        result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
+        if target != PORTABLE:
+            result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
+        emitted = run("emit_methods", records, methods=planned)
+        if verify:
+            for method in programs:
+                methods[method]["verify"] = for_method(run, method)(
+                    "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method)
+            result["verify"] = _combined_verify({m: e["verify"] for m, e in methods.items()})
+            if result["verify"].get("ok") is False:
+                raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
+        if publish is not None:
+            result["pte"] = publish(name, target, emitted["pte"])
+        result["ok"] = True
+    except Exception as exc:
+        result.update(_failed(records, exc, target, methods=True), pte=result["pte"], methods=methods)
+    return result
+
+
+def for_method(run: Run, method: str) -> Run:
+    """``run`` whose stage records say which method they are of (``"method": name``)."""
+
+    def run_method(stage: str, records: list[dict], **inputs: Any) -> Any:
+        start = len(records)
+        try:
+            return run(stage, records, **inputs)
+        finally:
+            for record in records[start:]:
+                record["method"] = method
+
+    return run_method
+
+
+def _total_plan(plans: list[dict]) -> dict:
+    """The methods' memory plans summed (each method has its own arena)."""
+    return {
+        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans),
+        "lower_bound": sum(int(p["lower_bound"]) for p in plans),
+        "algorithm": ",".join(sorted({str(p["algorithm"]) for p in plans})),
+    }
+
+
+def _total_delegation(summaries: list[dict]) -> dict:
+    return {k: sum(int(s[k]) for s in summaries) for k in ("partitions", "delegated_nodes", "total_nodes")}
+
+
+def _combined_verify(reports: dict[str, dict]) -> dict:
+    """One verify report over the methods: each check says its ``method``; ok unless one failed."""
+    checks = [{**check, "method": method} for method, report in reports.items() for check in report.get("checks", [])]
+    oks = [report.get("ok") for report in reports.values()]
+    ok = False if False in oks else (None if all(o is None for o in oks) else True)
+    return {"ok": ok, "checks": checks}
 
 
 def delegate(run: Run, name, program, target, options, records):
@@ -246,24 +365,28 @@ def delegate(run: Run, name, program, target, options, records):
     return adjusted["program"], summary
 
 
-def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException) -> dict:
+def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException, methods: bool = False) -> dict:
     """Every target failed (or, in a dry run, would run) at the same early stage."""
     for target in targets:
-        manifest["targets"][target] = _failed(list(records), exc, target)
+        manifest["targets"][target] = _failed(list(records), exc, target, methods)
     return manifest
 
 
-def _failed(records: list[dict], exc: BaseException, target: str) -> dict:
+def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False) -> dict:
     if isinstance(exc, WouldRun):  # dry run: the rest of the DAG would run
         done = {r["stage"] for r in records}
-        rest = PORTABLE_STAGES if target == PORTABLE else DELEGATE_STAGES
+        if methods:
+            rest = METHODS_PORTABLE_STAGES if target == PORTABLE else METHODS_DELEGATE_STAGES
+        else:
+            rest = PORTABLE_STAGES if target == PORTABLE else DELEGATE_STAGES
         records.extend(
             {"stage": s, "cached": False, "state": "WouldRun", "seconds": 0.0, "bytes": None}
             for s in rest if s not in done
         )
         return {"ok": None, "pte": None, "stages": records, "error": None,
                 "memory_plan": None, "delegation": None, "verify": None}
-    stage = next((r["stage"] for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
+    stage = next((r["stage"] + (f"[{r['method']}]" if r.get("method") else "")
+                  for r in reversed(records) if r["state"] not in ("Completed", "Cached")), None)
     message = one_line(str(exc)) or type(exc).__name__
     return {
         "ok": False, "pte": None, "stages": records,
@@ -286,7 +409,10 @@ def one_line(text: str, limit: int = 400) -> str:
 
 
 def _verify_errors(report: dict) -> str:
-    return "; ".join(f"{c['runtime']}: {c.get('error')}" for c in report.get("checks", []) if c["ok"] is False)
+    return "; ".join(
+        f"{c['runtime']}{' (' + c['method'] + ')' if c.get('method') else ''}: {c.get('error')}"
+        for c in report.get("checks", []) if c["ok"] is False
+    )
 
 
 def _flow_run_id() -> str | None:

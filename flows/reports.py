@@ -211,7 +211,7 @@ def verify_table(verify: Mapping[str, Any] | None) -> str:
         return "verified: " + ("ok" if verify.get("ok") else "FAILED")
     rows = [
         (
-            c.get("runtime", "?"),
+            c.get("runtime", "?") + (f" ({c['method']})" if c.get("method") else ""),
             check_status(c.get("ok")),
             "—" if c.get("max_abs_diff") is None else f"{float(c['max_abs_diff']):.3g}",
             first_line(c.get("error") or c.get("skipped")),
@@ -242,12 +242,23 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     lines += [f"**memory plan:** {memory_line(entry.get('memory_plan'))}", ""]
+    if entry.get("methods"):
+        lines += [methods_table(entry["methods"]), ""]
     if image:
         lines += [f"![memory plan of {target}]({image})", ""]
     if note:
         lines += [note, ""]
     lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
     return "\n".join(lines)
+
+
+def methods_table(methods: Mapping[str, Any]) -> str:
+    """Markdown table method | delegation | memory plan | verify, for a target of several methods."""
+    rows = [
+        (name, delegation_cell(m.get("delegation")), memory_line(m.get("memory_plan")), verify_cell(m.get("verify")))
+        for name, m in methods.items()
+    ]
+    return markdown_table(("method", "delegated", "memory plan", "verify"), rows)
 
 
 def model_report_markdown(
@@ -352,7 +363,7 @@ def verify_cell(verify: Mapping[str, Any] | None) -> str:
     ok = verify.get("ok")
     if ok is None:
         return "skipped"
-    named = [str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)]
+    named = list(dict.fromkeys(str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)))
     return ("ok" if ok else "FAILED") + (f" ({', '.join(named)})" if named else "")
 
 

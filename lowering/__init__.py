@@ -15,7 +15,8 @@ from .errors import (
     SubmoduleError,
 )
 from .export import export
-from .lower import LowerResult, lower
+from .lower import LowerResult, MethodsLowerResult, lower, lower_methods
+from .methods import MethodError, emit_methods
 from .lowered_module import BackendDetails, LoweredBackendModule, PreprocessResult
 from .partition import (
     CompileSpec,
@@ -39,6 +40,8 @@ __all__ = [
     "LoweredBackendModule",
     "LoweringError",
     "MemoryPlanError",
+    "MethodError",
+    "MethodsLowerResult",
     "OpSupportPartitioner",
     "PartitionError",
     "PartitionResult",
@@ -46,8 +49,10 @@ __all__ = [
     "PreprocessResult",
     "SubmoduleError",
     "executorch_call_delegate",
+    "emit_methods",
     "export",
     "lower",
+    "lower_methods",
     "tag_constant_data",
     "tag_mutated_buffer",
     "to_backend",

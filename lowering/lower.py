@@ -3,6 +3,15 @@
     export ─► to_backend (only with a partitioner) ─► memory plan ─► emit
 
 Every stage runs in this process on live objects; nothing is written to disk.
+
+Several methods in one program (:func:`lower_methods`, or ``lower`` given a dict)::
+
+    lower({"encode": (encoder, (tokens,)), "decode": (decoder, (tokens, memory))},
+          partitioner=XnnpackPartitioner())
+
+Each method runs the stages above on its own; one emit writes them all
+(:mod:`lowering.methods`: methods in name order, shared weights and equal
+delegate payloads stored once).
 """
 
 from __future__ import annotations
@@ -10,7 +19,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -45,22 +54,38 @@ class LowerResult:
 
 
 def lower(
-    model_or_exported_program: torch.nn.Module | ExportedProgram,
+    model_or_exported_program: torch.nn.Module | ExportedProgram | Mapping[str, Any],
     example_inputs: Sequence[Any] | None = None,
     *,
     partitioner: Any = None,
-) -> LowerResult:
+) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
+    A dict ``{method name: (module, example_inputs) | ExportedProgram}`` is
+    :func:`lower_methods`: one ``.pte`` with one method per entry.
     A module is exported with ``example_inputs``.  An ``ExportedProgram`` is
     brought to the edge form unless it already is (e.g. it came from
     :func:`lowering.export`).  With a ``partitioner``, its partitions are
     delegated by :func:`lowering.to_backend.to_backend`; without one nothing
     is delegated.
     """
+    if isinstance(model_or_exported_program, Mapping):
+        if example_inputs is not None:
+            raise LoweringError("lower: example_inputs go inside the methods dict, one per method")
+        return lower_methods(model_or_exported_program, partitioner=partitioner)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs)
+    program, plan = _delegate_and_plan(program, partitioner, timings)
+    from .emit import emit_program
+
+    with _timed(timings, "emit"):
+        pte = emit_program(program, plan)
+    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings)
+
+
+def _delegate_and_plan(program: ExportedProgram, partitioner: Any, timings: dict[str, float]):
+    """to_backend (with a partitioner) and memory plan: (final program, its plan)."""
     if partitioner is not None:
         from .to_backend import to_backend
 
@@ -68,11 +93,61 @@ def lower(
             program = to_backend(program, partitioner)
     with _timed(timings, "memory_plan"):
         plan = memory_plan(program)
-    from .emit import emit_program
+    return program, plan
 
-    with _timed(timings, "emit"):
-        pte = emit_program(program, plan)
-    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings)
+
+@dataclass(frozen=True)
+class MethodsLowerResult:
+    """What :func:`lower_methods` produced: the one ``.pte`` and, per method (in
+    program order), its memory plan, final program and seconds per stage."""
+
+    pte: bytes
+    memory_plans: dict[str, MemoryPlan]
+    exported_programs: dict[str, ExportedProgram]
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def method_names(self) -> list[str]:
+        return list(self.memory_plans)
+
+
+def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> MethodsLowerResult:
+    """Lower several methods into one ``.pte``.
+
+    ``methods``: ``{name: (module, example_inputs[, dynamic_shapes]) | ExportedProgram}``;
+    names are Python identifiers.  Modules may share submodules and parameters
+    (``encode = Encoder(model)``, ``decode = Decoder(model)``): weights with equal
+    bytes are stored once.  Each method is exported, delegated with
+    ``partitioner`` and memory-planned on its own, then all are emitted together
+    (methods sorted by name: the same methods give the same bytes whatever the
+    dict order).  The emit stage's seconds are reported under every method.
+    """
+    from .methods import check_no_shared_state, emit_methods, method_entries, mutated_buffers
+
+    entries = method_entries(methods, "lower")
+    programs: dict[str, ExportedProgram] = {}
+    plans: dict[str, MemoryPlan] = {}
+    timings: dict[str, dict[str, float]] = {}
+    for name, (model, inputs, dynamic_shapes) in entries.items():
+        timings[name] = dict.fromkeys(STAGES, 0.0)
+        with _timed(timings[name], "export"):
+            if isinstance(model, ExportedProgram):
+                program = _edge_program(model, None)
+            else:
+                program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
+        programs[name] = program
+    check_no_shared_state(
+        {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)},
+        {name: mutated_buffers(program) for name, program in programs.items()},
+    )
+    for name in entries:
+        programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])
+    emit_seconds: dict[str, float] = {}
+    with _timed(emit_seconds, "emit"):
+        pte = emit_methods({name: (programs[name], plans[name]) for name in entries})
+    for name in entries:
+        timings[name]["emit"] = emit_seconds["emit"]
+    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings)
 
 
 def _edge_program(

@@ -52,8 +52,10 @@ def verify(
     atol: float = 1e-4,
     rtol: float = 1e-4,
     calls: int = 2,
+    method: str = "forward",
 ) -> VerifyReport:
-    """Run ``pte`` ``calls`` times in each available runtime against a fresh eager model each time.
+    """Run ``pte``'s ``method`` ``calls`` times in each available runtime against a fresh
+    eager model each time.
 
     Two calls on the same loaded method check that state (mutated buffers)
     carries over the way it does in eager.  ``model`` is mutated by the eager
@@ -72,15 +74,44 @@ def verify(
     if missing:
         checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
     else:
-        checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls), expected, atol, rtol)]
+        checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol)]
     runner = _executorch_runner()
     if runner is not None:
         missing = runner.missing_backends(backend_ids)
         if missing:
             checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
         else:
-            checks.append(_check("executorch", lambda: runner(pte, flat_inputs, calls), expected, atol, rtol))
+            checks.append(_check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol))
     return VerifyReport(checks)
+
+
+def verify_methods(
+    pte: bytes, methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]], **kwargs: Any
+) -> dict[str, VerifyReport]:
+    """:func:`verify` each method of a several-method ``pte`` against its eager module.
+
+    ``methods``: ``{name: (module, example_inputs)}``; a method the program lacks
+    (or has beyond these) is a failed report, not a skipped one.
+    """
+    names = set(method_names(pte))
+    reports = {}
+    for name in sorted(set(methods) | names):
+        if name not in methods:
+            reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"method {name!r} is not in the model")])
+        elif name not in names:
+            reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"the program has no method {name!r}")])
+        else:
+            module, inputs = methods[name]
+            reports[name] = verify(pte, module, inputs, method=name, **kwargs)
+    return reports
+
+
+def method_names(pte: bytes) -> list[str]:
+    """The names of the program's methods, in program order."""
+    from .pte import deserialize
+    from .pte.format import decode_string
+
+    return [decode_string(plan.name) for plan in deserialize(pte).program.executionPlan or []]
 
 
 def delegate_backend_ids(pte: bytes) -> list[str]:
@@ -128,8 +159,8 @@ def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:
     return missing
 
 
-def _run_lowerflow(pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
-    method = load(pte).method("forward")
+def _run_lowerflow(pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
+    method = load(pte).method(method_name)
     return [method.execute(inputs) for _ in range(calls)]
 
 
@@ -146,10 +177,12 @@ def _executorch_runner():
         return None
 
     class Runner:
-        def __call__(self, pte: bytes, inputs: list, calls: int) -> list[list[torch.Tensor]]:
+        def __call__(self, pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
             with _EXECUTORCH_LOCK, _native_output_to_log():
                 program = runtime_module.Runtime.get().load_program(pte)
-                method = program.load_method("forward")
+                if method_name not in program.method_names:
+                    raise KeyError(f"program has no method {method_name!r}; methods: {sorted(program.method_names)}")
+                method = program.load_method(method_name)
                 return [list(method.execute(list(inputs))) for _ in range(calls)]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:

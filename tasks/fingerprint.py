@@ -110,6 +110,20 @@ def fingerprint_module(
     )
 
 
+def fingerprint_methods(methods: Mapping[str, Fingerprint]) -> Fingerprint:
+    """The fingerprint of a model of several methods, from each method's own.
+
+    Each part digests that part of every method, by name; the ``methods`` part
+    digests the method names, so adding, removing or renaming a method changes
+    the digest (and the manifest says ``methods`` changed).  The details hold
+    each method's fingerprint document.
+    """
+    names = sorted(methods)
+    parts = {part: _sha256_json({name: methods[name].parts.get(part) for name in names}) for part in PARTS}
+    parts["methods"] = _sha256_json(names)
+    return Fingerprint("methods", parts, {"methods": {name: methods[name].to_json() for name in names}})
+
+
 def fingerprint_pt2(data: bytes, options: Mapping[str, Any] | None = None) -> Fingerprint:
     """The fingerprint of a ``.pt2`` program: its bytes, and the options."""
     return Fingerprint(

@@ -1,6 +1,8 @@
 """Model specs: the strings a fleet manifest or the CLI names models by.
 
-* ``path/to/file.py:factory`` — a Python file; ``factory()`` returns ``(nn.Module, example_inputs)``.
+* ``path/to/file.py:factory`` — a Python file; ``factory()`` returns ``(nn.Module, example_inputs)``,
+  or ``{method_name: (nn.Module, example_inputs)}`` for a program of several methods
+  (e.g. ``encode`` and ``decode`` wrappers over one model; see :func:`load_methods`).
   The file's directory is importable while it loads and while the factory runs,
   so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
@@ -34,7 +36,7 @@ from typing import Any
 import fsspec
 import torch
 
-from .fingerprint import Fingerprint, fingerprint_module, fingerprint_pt2
+from .fingerprint import Fingerprint, fingerprint_methods, fingerprint_module, fingerprint_pt2
 
 _FACTORY_LOCK = threading.RLock()
 
@@ -96,13 +98,20 @@ def check_spec(spec: ModelSpec, storage_options: dict | None = None) -> None:
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A loaded spec: the eager module and inputs (None for a .pt2) and its fingerprint."""
+    """A loaded spec: the eager module and inputs (None for a .pt2) and its fingerprint.
+
+    A spec of several methods has no module of its own: ``methods`` maps each
+    method name (in program order) to that method's LoadedModel (its module,
+    inputs and fingerprint, ``method`` set), and ``fingerprint`` covers them all.
+    """
 
     spec: ModelSpec
     fingerprint: Fingerprint
     module: torch.nn.Module | None = None
     inputs: tuple[Any, ...] | None = None
     pt2: bytes | None = None
+    methods: dict[str, "LoadedModel"] | None = None
+    method: str | None = None
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -116,6 +125,8 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
         return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
     with _FACTORY_LOCK:
         module, inputs, factory_module = _run_factory(spec)
+        if isinstance(module, dict):
+            return _load_methods(spec, module, factory_module, options)
         try:
             fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options)
         except Exception as exc:
@@ -131,7 +142,67 @@ def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
         module, inputs, _ = _run_factory(spec)
+    if isinstance(module, dict):
+        raise ModelSpecError(f"model spec {spec.text!r} has several methods {sorted(module)}; "
+                             "use load_methods")
     return module, inputs
+
+
+def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...]]]:
+    """The spec's methods, ``{name: (module, example_inputs)}`` in program order (name
+    order); a factory returning ``(module, example_inputs)`` has the one method ``forward``."""
+    if spec.kind == "pt2":
+        raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
+    with _FACTORY_LOCK:
+        module, inputs, _ = _run_factory(spec)
+    return dict(module) if isinstance(module, dict) else {"forward": (module, inputs)}
+
+
+def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: dict | None) -> LoadedModel:
+    """A LoadedModel of several methods: one per method (fingerprinted alone, so a method's
+    export is keyed on its own module and inputs), and a fingerprint over them all."""
+    loaded = {}
+    for name, (module, inputs) in methods.items():
+        try:
+            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options)
+        except Exception as exc:
+            raise ModelSpecError(
+                f"model spec {spec.text!r}: method {name!r}: cannot fingerprint the model: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        loaded[name] = LoadedModel(spec, fp, module, inputs, method=name)
+    fingerprint = fingerprint_methods({name: m.fingerprint for name, m in loaded.items()})
+    return LoadedModel(spec, fingerprint, methods=loaded)
+
+
+def _factory_methods(spec: ModelSpec, result: Any) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...]]]:
+    """Check a factory's ``{method_name: (nn.Module, example_inputs)}``; sorted by name."""
+    from lowering.methods import MethodError, check_method_name
+
+    if not result:
+        raise ModelSpecError(f"model spec {spec.text!r}: factory returned an empty dict of methods")
+    methods = {}
+    for name in sorted(result, key=str):
+        try:
+            check_method_name(name, f"model spec {spec.text!r}")
+        except MethodError as exc:
+            raise ModelSpecError(str(exc)) from None
+        value = result[name]
+        where = f"model spec {spec.text!r}: method {name!r}"
+        if isinstance(value, tuple) and len(value) == 3:
+            raise ModelSpecError(f"{where}: dynamic_shapes (a third element) are not supported "
+                                 "for a model of several methods yet")
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.nn.Module)):
+            raise ModelSpecError(f"{where}: expected (nn.Module, example_inputs), got {_describe(value)}")
+        module, inputs = value
+        methods[name] = (module, tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,))
+    return methods
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    return type(value).__name__
 
 
 def _run_factory(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
@@ -153,9 +224,12 @@ def _run_factory(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...], Any
                 result = factory()
         except Exception as exc:
             raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
+    if isinstance(result, dict):  # several methods: ({name: (module, inputs)}, None, module)
+        return _factory_methods(spec, result), None, module
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise ModelSpecError(
-            f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs), got {type(result).__name__}"
+            f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs) or "
+            f"{{method_name: (nn.Module, example_inputs)}}, got {type(result).__name__}"
         )
     model, inputs = result
     return model, (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), module
@@ -252,17 +326,21 @@ _LIVE_LOCK = threading.Lock()
 @contextlib.contextmanager
 def holding(loaded: LoadedModel):
     """Make ``loaded`` what :func:`live_model` returns for its fingerprint during the block."""
-    digest = loaded.fingerprint.digest
+    held = [loaded, *(loaded.methods or {}).values()]  # and each method, by its own fingerprint
+    entries = []
     with _LIVE_LOCK:
-        entry = _LIVE.setdefault(digest, [loaded, 0])
-        entry[1] += 1
+        for item in held:
+            entry = _LIVE.setdefault(item.fingerprint.digest, [item, 0])
+            entry[1] += 1
+            entries.append((item.fingerprint.digest, entry))
     try:
         yield loaded
     finally:
         with _LIVE_LOCK:
-            entry[1] -= 1
-            if entry[1] <= 0:
-                _LIVE.pop(digest, None)
+            for digest, entry in entries:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    _LIVE.pop(digest, None)
 
 
 def live_model(model: str, fingerprint: str, options: dict | None = None) -> LoadedModel:
@@ -277,6 +355,9 @@ def live_model(model: str, fingerprint: str, options: dict | None = None) -> Loa
         return entry[0]
     spec = ModelSpec.parse(model)
     loaded = load_model(spec, options)
+    for method in (loaded.methods or {}).values():  # a stage of one method of several
+        if method.fingerprint.digest == fingerprint:
+            return method
     if loaded.fingerprint.digest != fingerprint:
         raise ModelSpecError(
             f"model spec {spec.text!r} changed while it was being lowered "

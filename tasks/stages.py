@@ -9,6 +9,11 @@ is never recomputed, in any run or process.
     export ─► partition ─► create_submodule ─► build_programs ─► preprocess (per partition)
            ─► adjust ─► memory_plan ─► emit ─► verify          (portable: export ─► memory_plan ─► …)
 
+A model of several methods runs export … memory_plan per method (each keyed on
+its own program, so a method that did not change is never recomputed), then
+one ``emit_methods`` over all of them (keyed on every method's name, program
+and plan: adding, removing or renaming a method re-emits), then verify per method.
+
 Inside one process the objects a stage stored are kept live (:data:`LIVE`), so
 the next stage does not read back what was just written; a stage reads the
 store only when its input came from a cache hit or another process.
@@ -36,6 +41,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
+from lowering.methods import emit_methods, mutated_buffers
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -64,7 +70,8 @@ STAGE_VERSIONS = {
     "adjust": "2",
     "memory_plan": "2",
     "emit": "1",
-    "verify": "1",
+    "emit_methods": "1",
+    "verify": "2",
 }
 
 
@@ -259,8 +266,10 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     if loaded.pt2 is not None:
         program = load_pt2(loaded.pt2, name=model)
     else:
-        program = export_module(loaded.module, loaded.inputs, name=model)
-    return {"program": put_program(store, program)}
+        label = model if loaded.method is None else f"{model} method {loaded.method}"
+        program = export_module(loaded.module, loaded.inputs, name=label)
+    # The buffers it mutates: a model of several methods must not share them (lowering.methods).
+    return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
 
 def run_partition(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:
@@ -440,13 +449,30 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef) -> d
     return {"pte": store.put_bytes(pte, "pte")}
 
 
-def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
-    """Run the .pte (our executor; ExecuTorch's runtime too when installed) against eager."""
+def run_emit_methods(store: ArtifactStore, methods: dict) -> dict:
+    """Stage 8 of a model of several methods: ONE .pte holding every method.
+
+    ``methods``: ``{name: {"program": ref, "plan": ref}}`` (the key covers the
+    method set: names, programs and plans).  Methods are written in name order;
+    shared weights and equal delegate payloads are stored once (lowering.methods).
+    """
+    _begin("emit_methods")
+    pte = emit_methods({
+        name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
+        for name, entry in methods.items()
+    })
+    return {"pte": store.put_bytes(pte, "pte")}
+
+
+def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward") -> dict:
+    """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
+    against eager.  ``fingerprint`` is the model's, or for a model of several methods
+    that method's own."""
     _begin("verify")
     loaded = live_model(model, fingerprint)
     if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs).to_dict()
+    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks
@@ -481,6 +507,7 @@ class StageTasks:
         self.adjust = make("adjust", run_adjust)
         self.memory_plan = make("memory_plan", run_memory_plan)
         self.emit = make("emit", run_emit)
+        self.emit_methods = make("emit_methods", run_emit_methods)
         self.verify = make("verify", run_verify)
 
 

@@ -1,0 +1,223 @@
+"""Several methods per program: one ``.pte`` with one execution plan per method.
+
+Each method (e.g. ``encode`` and ``decode`` over one model's weights) is
+exported, delegated and memory-planned on its own; this module checks the
+method names and emits the methods into ONE program::
+
+    {"decode": (program, plan), "encode": (program, plan)}
+        ─► emit each method alone (lowering.emit.build_pte)
+        ─► merge_methods: execution plans in name order, data pooled
+
+    per method                           merged program
+    constants   [b"", W, b1]             constants   [b"", W, b1, b2]  W (shared weight) once
+    constants   [b"", W, b2]             plan encode: W->1 b1->2; plan decode: W->1 b2->3
+    payloads    [P]   [P]                payloads    [P]               equal bytes stored once
+    named_data  {k: w} {k: w}            named_data  {k: w}            keyed by content digest
+
+Method order in the program is sorted by name (as ExecuTorch's emitter does),
+whatever the order of the mapping, so the bytes depend only on the methods.
+Mutable buffers are per method (each method's planned memory holds its own
+state, as in ExecuTorch); two methods sharing one mutated buffer are rejected
+by :func:`check_no_shared_state`.
+"""
+
+from __future__ import annotations
+
+import keyword
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch.export import ExportedProgram
+
+from .errors import EmitError, LoweringError
+from .pte import PteData, schema, serialize
+
+
+class MethodError(LoweringError):
+    """A bad set of methods: a bad or duplicate name, a bad entry, state shared across methods."""
+
+
+def check_method_name(name: Any, where: str = "methods") -> str:
+    """``name`` if it can name a method (a Python identifier, not a keyword); else MethodError."""
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise MethodError(f"{where}: method name {name!r} must be a Python identifier")
+    return name
+
+
+def method_order(names: Iterable[str]) -> list[str]:
+    """The order of methods in a program: sorted by name."""
+    return sorted(names)
+
+
+def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> bytes:
+    """The ``.pte`` holding every method of ``{name: (edge program, memory plan)}``."""
+    return serialize(build_methods_pte(methods))
+
+
+def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> PteData:
+    """Emit each method alone, then :func:`merge_methods` (in name order)."""
+    from .emit import build_pte
+
+    if not methods:
+        raise MethodError("methods: a program needs at least one method")
+    built = []
+    for name in method_order(methods):
+        check_method_name(name)
+        program, plan = methods[name]
+        try:
+            built.append((name, build_pte(program, plan)))
+        except EmitError as exc:
+            raise EmitError(f"method {name!r}: {exc}") from exc
+    return merge_methods(built)
+
+
+def merge_methods(methods: list[tuple[str, PteData]]) -> PteData:
+    """One program from single-method ones: the plans renamed and concatenated, their
+    data pooled.  Constants, delegate payloads and named data with equal bytes are
+    stored once; mutable initial values are kept per method (each method owns its
+    state).  The inputs' tables are modified (they are fresh from :func:`build_pte`).
+    """
+    names = [name for name, _ in methods]
+    if len(set(names)) != len(names):
+        raise MethodError(f"methods: duplicate method names in {names}")
+    pool = _DataPool()
+    plans = []
+    for name, pte in methods:
+        for plan in pte.program.executionPlan or []:
+            plan.name = name
+            pool.add_method(name, plan, pte)
+            plans.append(plan)
+    program = schema.ProgramT()
+    program.version = 0
+    program.executionPlan = plans
+    return PteData(
+        program=program,
+        constants=pool.constants,
+        mutable_data=pool.mutable_data if len(pool.mutable_data) > 1 else [],
+        delegate_data=pool.payloads,
+        named_data=pool.named_data,
+    )
+
+
+class _DataPool:
+    """The program-level data of merged methods, and the re-indexing of each plan into it."""
+
+    def __init__(self) -> None:
+        self.constants: list[bytes] = [b""]
+        self._constant_index: dict[bytes, int] = {}
+        self.mutable_data: list[bytes] = [b""]
+        self.payloads: list[bytes] = []
+        self._payload_index: dict[bytes, int] = {}
+        self.named_data: dict[str, bytes] = {}
+        self._named_by: dict[str, str] = {}
+
+    def add_method(self, name: str, plan: schema.ExecutionPlanT, pte: PteData) -> None:
+        constants = [self._constant(bytes(data)) if i else 0 for i, data in enumerate(pte.constants)]
+        mutable = [self._mutable(bytes(data)) if i else 0 for i, data in enumerate(pte.mutable_data)]
+        for value in plan.values or []:
+            if value.valType != schema.KernelTypes.Tensor or not value.val.dataBufferIdx:
+                continue
+            tensor = value.val
+            table = constants if tensor.allocationInfo is None else mutable
+            if tensor.dataBufferIdx >= len(table):
+                kind = "constant" if tensor.allocationInfo is None else "mutable data"
+                raise EmitError(f"method {name!r}: {kind} index {tensor.dataBufferIdx} has no data")
+            tensor.dataBufferIdx = table[tensor.dataBufferIdx]
+        payloads = [self._payload(bytes(data)) for data in pte.delegate_data]
+        for delegate in plan.delegates or []:
+            delegate.processed.index = payloads[delegate.processed.index]
+        for key, blob in pte.named_data.items():
+            if self.named_data.setdefault(key, bytes(blob)) != bytes(blob):
+                raise EmitError(f"method {name!r}: named data key {key!r} is already used by method "
+                                f"{self._named_by[key]!r} for different bytes")
+            self._named_by.setdefault(key, name)
+
+    def _constant(self, data: bytes) -> int:
+        if data not in self._constant_index:
+            self._constant_index[data] = len(self.constants)
+            self.constants.append(data)
+        return self._constant_index[data]
+
+    def _mutable(self, data: bytes) -> int:
+        self.mutable_data.append(data)
+        return len(self.mutable_data) - 1
+
+    def _payload(self, data: bytes) -> int:
+        if data not in self._payload_index:
+            self._payload_index[data] = len(self.payloads)
+            self.payloads.append(data)
+        return self._payload_index[data]
+
+
+# --------------------------------------------------------------------------- method entries
+
+
+def method_entries(methods: Any, where: str = "methods") -> dict[str, tuple]:
+    """Check ``{name: (module, example_inputs[, dynamic_shapes]) | ExportedProgram}``.
+
+    Returns ``{name: (module_or_program, inputs or None, dynamic_shapes or None)}``
+    in name order; every bad entry is a MethodError naming the method.
+    """
+    if not isinstance(methods, Mapping) or not methods:
+        raise MethodError(f"{where}: expected a non-empty dict {{method name: (module, example_inputs)}}")
+    entries = {}
+    for name in method_order(_names(methods, where)):
+        value = methods[name]
+        at = f"{where}: method {name!r}"
+        if isinstance(value, ExportedProgram):
+            entries[name] = (value, None, None)
+            continue
+        if not isinstance(value, (tuple, list)) or len(value) not in (2, 3):
+            raise MethodError(f"{at}: expected (module, example_inputs[, dynamic_shapes]) or an "
+                              f"ExportedProgram, got {type(value).__name__}")
+        module, inputs, *rest = value
+        if not isinstance(module, torch.nn.Module):
+            raise MethodError(f"{at}: expected a torch.nn.Module, got {type(module).__name__}")
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        entries[name] = (module, inputs, rest[0] if rest else None)
+    return entries
+
+
+def _names(methods: Mapping, where: str) -> list[str]:
+    return [check_method_name(name, where) for name in methods]
+
+
+def mutated_buffers(program: ExportedProgram) -> list[str]:
+    """The fully qualified names of the buffers ``program`` mutates, sorted."""
+    return sorted(set(program.graph_signature.buffers_to_mutate.values()))
+
+
+def check_no_shared_state(modules: Mapping[str, torch.nn.Module], mutated: Mapping[str, Iterable[str]]) -> None:
+    """Raise MethodError if a buffer one method mutates is a tensor another method uses.
+
+    ``mutated``: per method, the buffers its program mutates (:func:`mutated_buffers`).
+    Each method of a program has its own planned memory, so state shared across
+    methods in eager (a KV cache that ``prefill`` writes and ``decode`` reads)
+    would silently diverge in the ``.pte``.
+    """
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for name, module in modules.items():
+        for fqn, tensor in _named_state(module):
+            owners.setdefault(tensor.untyped_storage().data_ptr(), []).append((name, fqn))
+    for name in sorted(mutated):
+        module = modules.get(name)
+        if module is None:
+            continue
+        state = dict(_named_state(module))
+        for fqn in sorted(mutated[name]):
+            tensor = state.get(fqn)
+            if tensor is None:
+                continue
+            others = [(m, f) for m, f in owners.get(tensor.untyped_storage().data_ptr(), []) if m != name]
+            if others:
+                other, other_fqn = others[0]
+                raise MethodError(
+                    f"method {name!r} mutates buffer {fqn!r}, which method {other!r} also uses "
+                    f"(as {other_fqn!r}); state shared across methods is not supported: "
+                    "each method of a program has its own memory"
+                )
+
+
+def _named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return [(fqn, t) for fqn, t in named if t.device.type != "meta"]

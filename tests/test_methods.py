@@ -1,0 +1,422 @@
+"""Several methods per program (issue 10): one .pte with ``encode`` and ``decode``.
+
+The library (lowering.lower_methods), ExecuTorch's runtime loading each method by
+name from the one .pte, shared weights and equal delegate payloads stored once,
+the model spec form ``{method: (module, inputs)}``, the cached flow and the CLI.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.models import MLP, Decode, Seq2Seq, encoder_decoder, mlp
+from lowering import MethodError, lower, lower_methods
+from lowering.pte import deserialize
+from lowering.pte.format import decode_string
+from lowering.runtime import load
+from lowering.targets import PORTABLE, partitioner_for
+from lowering.verify import verify_methods
+
+from ._interop import assert_all_close, flatten
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models.py"
+TARGETS = (PORTABLE, "reference", "xnnpack")
+
+
+def _partitioner(target):
+    return None if target == PORTABLE else partitioner_for(target, {})
+
+
+def _eager(module, inputs):
+    with torch.no_grad():
+        return flatten(module(*inputs))
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    """target -> (MethodsLowerResult, the methods it was lowered from)."""
+    out = {}
+    for target in TARGETS:
+        methods = encoder_decoder()
+        out[target] = (lower_methods(methods, partitioner=_partitioner(target)), methods)
+    return out
+
+
+# --- the library --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_method_runs_by_name_and_matches_eager(lowered, target):
+    result, methods = lowered[target]
+    program = load(result.pte)
+    assert program.method_names == ["decode", "encode"]  # name order
+    for name, (module, inputs) in methods.items():
+        assert_all_close(program.run(name, list(inputs)), _eager(module, inputs))
+
+
+@pytest.mark.parametrize("target", (PORTABLE, "xnnpack"))
+def test_executorch_loads_each_method_from_one_pte(lowered, target):
+    runtime = pytest.importorskip("executorch.runtime")
+    result, methods = lowered[target]
+    program = runtime.Runtime.get().load_program(result.pte)
+    assert set(program.method_names) == {"encode", "decode"}
+    for name, (module, inputs) in methods.items():
+        method = program.load_method(name)
+        assert_all_close(list(method.execute(list(inputs))), _eager(module, inputs))
+    if target == "xnnpack":
+        assert _backend_ids(result.pte) == {"XnnpackBackend"}
+
+
+def _backend_ids(pte):
+    return {decode_string(d.id) for plan in deserialize(pte).program.executionPlan for d in plan.delegates or []}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_shared_embedding_is_stored_once(lowered, target):
+    """The one .pte is smaller than the two single-method ones by the shared embedding,
+    and its constant segment holds the embedding's bytes once."""
+    result, methods = lowered[target]
+    embedding = methods["encode"][0].model.embed.weight.detach().contiguous()
+    data = embedding.reshape(-1).view(torch.uint8).numpy().tobytes()
+    constants = deserialize(result.pte).constants
+    assert sum(1 for c in constants if c[: len(data)] == data) == 1
+    singles = [lower(module, inputs, partitioner=_partitioner(target)).pte for module, inputs in methods.values()]
+    assert len(result.pte) <= sum(len(p) for p in singles) - len(data)
+
+
+def test_identical_delegate_payloads_are_stored_once():
+    """Two methods with the same delegated program (same backend, bytes, compile specs):
+    one payload segment, and the program is barely larger than one method's."""
+    model, inputs = mlp()
+    single = lower(model, inputs, partitioner=_partitioner("xnnpack")).pte
+    both = lower({"first": (model, inputs), "second": (model, inputs)}, partitioner=_partitioner("xnnpack")).pte
+    pte = deserialize(both)
+    plans = pte.program.executionPlan
+    assert [decode_string(p.name) for p in plans] == ["first", "second"]
+    assert len(pte.delegate_data) == 1
+    assert {p.delegates[0].processed.index for p in plans} == {0}
+    assert len(both) < len(single) + 4096  # a second plan table, not a second copy of the weights
+    program = load(both)
+    for name in ("first", "second"):
+        assert_all_close(program.run(name, list(inputs)), _eager(model, inputs))
+
+
+def test_method_order_and_bytes_do_not_depend_on_dict_order(lowered):
+    methods = encoder_decoder()
+    reverse = dict(reversed(list(methods.items())))
+    assert list(reverse) == ["decode", "encode"]
+    assert lower_methods(reverse).pte == lowered[PORTABLE][0].pte
+
+
+def test_bytes_are_identical_in_another_process(lowered, tmp_path):
+    script = (
+        "import sys; from examples.models import encoder_decoder; from lowering import lower_methods; "
+        "sys.stdout.buffer.write(lower_methods(encoder_decoder()).pte)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, check=True,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}).stdout
+    assert out == lowered[PORTABLE][0].pte
+
+
+def test_verify_methods_checks_every_method(lowered):
+    result, methods = lowered[PORTABLE]
+    reports = verify_methods(result.pte, methods)
+    assert list(reports) == ["decode", "encode"] and all(r.ok for r in reports.values())
+    wrong = dict(methods, extra=methods["encode"])
+    assert verify_methods(result.pte, wrong)["extra"].ok is False
+    torch.manual_seed(1)
+    other = Decode(Seq2Seq()).eval()  # other weights, same shapes
+    reports = verify_methods(result.pte, dict(methods, decode=(other, methods["decode"][1])))
+    assert reports["decode"].ok is False and reports["encode"].ok
+
+
+@pytest.mark.parametrize(
+    "methods, fragment",
+    [
+        ({}, "non-empty dict"),
+        ({"not a name": (MLP(), (torch.randn(1, 64),))}, "'not a name' must be a Python identifier"),
+        ({"class": (MLP(), (torch.randn(1, 64),))}, "'class' must be a Python identifier"),
+        ({"encode": MLP()}, "method 'encode': expected (module, example_inputs"),
+        ({"encode": ("mlp", (torch.randn(1, 64),))}, "method 'encode': expected a torch.nn.Module"),
+    ],
+)
+def test_bad_methods_are_named(methods, fragment):
+    with pytest.raises(MethodError) as info:
+        lower_methods(methods)
+    assert fragment in str(info.value)
+
+
+def test_state_shared_across_methods_is_rejected():
+    """A buffer one method mutates and another reads would diverge in the .pte (each
+    method has its own memory): rejected, naming both methods and the buffer."""
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(2))
+
+    class Step(torch.nn.Module):
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+
+        def forward(self, x):
+            self.state.count.add_(x)
+            return self.state.count * 1
+
+    class Read(torch.nn.Module):
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+
+        def forward(self, x):
+            return self.state.count + x
+
+    state = Counter()
+    x = torch.ones(2)
+    with pytest.raises(MethodError, match=r"method 'step' mutates buffer 'state.count', which method 'read'"):
+        lower_methods({"step": (Step(state), (x,)), "read": (Read(state), (x,))})
+
+
+# --- model specs ---------------------------------------------------------------------------------
+
+
+def _spec_file(tmp_path: Path, body: str, name: str = "seq.py") -> str:
+    path = tmp_path / name
+    path.write_text("import torch\nfrom examples.models import Decode, Encode, Seq2Seq, MLP\n\n" + body)
+    return str(path)
+
+
+def test_spec_of_several_methods_loads_each_with_its_own_fingerprint():
+    from tasks.model_spec import ModelSpec, load_methods, load_model
+
+    spec = ModelSpec.parse(f"{MODELS}:encoder_decoder")
+    loaded = load_model(spec)
+    assert loaded.module is None and list(loaded.methods) == ["decode", "encode"]
+    digests = {name: m.fingerprint.digest for name, m in loaded.methods.items()}
+    assert len(set(digests.values())) == 2 and loaded.fingerprint.digest not in digests.values()
+    assert loaded.fingerprint.to_json()["methods"]["encode"]["digest"] == digests["encode"]
+    assert load_model(spec).fingerprint.digest == loaded.fingerprint.digest
+    assert list(load_methods(ModelSpec.parse(f"{MODELS}:mlp"))) == ["forward"]
+
+
+@pytest.mark.parametrize(
+    "returns, fragment",
+    [
+        ("{}", "empty dict of methods"),
+        ("{'bad name': (MLP(), (torch.randn(1, 64),))}", "method name 'bad name' must be a Python identifier"),
+        ("{'encode': MLP()}", "method 'encode': expected (nn.Module, example_inputs), got MLP"),
+        ("{'encode': (MLP(), (torch.randn(1, 64),), None)}", "method 'encode': dynamic_shapes"),
+    ],
+)
+def test_bad_method_entries_name_the_spec_and_method(tmp_path, returns, fragment):
+    from tasks.model_spec import ModelSpec, ModelSpecError, load_model
+
+    path = _spec_file(tmp_path, f"def factory():\n    return {returns}\n")
+    with pytest.raises(ModelSpecError) as info:
+        load_model(ModelSpec.parse(f"{path}:factory"))
+    assert f"model spec '{path}:factory'" in str(info.value) and fragment in str(info.value)
+
+
+def test_method_set_changes_the_fingerprint(tmp_path):
+    from tasks.fingerprint import Fingerprint
+    from tasks.model_spec import ModelSpec, load_model
+
+    two = _spec_file(tmp_path, SEQ_FACTORY.format(methods="{'encode': enc, 'decode': dec}"), "two.py")
+    renamed = _spec_file(tmp_path, SEQ_FACTORY.format(methods="{'encode': enc, 'generate': dec}"), "renamed.py")
+    a, b = (load_model(ModelSpec.parse(f"{p}:factory")) for p in (two, renamed))
+    assert a.fingerprint.digest != b.fingerprint.digest
+    assert "methods" in Fingerprint.changed(a.fingerprint.to_json(), b.fingerprint.to_json())
+    decode, generate = a.methods["decode"].fingerprint, b.methods["generate"].fingerprint
+    assert Fingerprint.changed(decode.to_json(), generate.to_json()) == ["code"]  # the factory file only
+
+
+SEQ_FACTORY = """
+def factory():
+    from examples.models import encoder_decoder
+    methods = encoder_decoder()
+    enc, dec = methods["encode"], methods["decode"]
+    return {methods}
+"""
+
+
+# --- the cached flow and the CLI ------------------------------------------------------------------
+
+
+def _executions(fn, *args, **kwargs):
+    from tasks import stages
+
+    before = stages.EXECUTIONS.copy()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stages.LIVE.clear()
+    return result, stages.EXECUTIONS - before
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_lowers_every_method_into_one_pte_per_target(tmp_path, lowered):
+    from flows.lower_model import lower_model
+    from tasks.store import ArtifactStore
+
+    store = tmp_path / "store"
+    model = f"{MODELS}:encoder_decoder"
+    cold, ran = _executions(lower_model, model=model, targets=list(TARGETS), store=str(store))
+    assert cold["methods"] == ["decode", "encode"]
+    assert ran["export"] == 2 and ran["emit_methods"] == 3 and ran["memory_plan"] == 6 and ran["verify"] == 6
+    assert ran["emit"] == 0
+    published = ArtifactStore(str(store)).get_json("encoder_decoder/manifest.json")
+    assert published["methods"] == ["decode", "encode"]
+    for target in TARGETS:
+        entry = published["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert set(entry["methods"]) == {"decode", "encode"}
+        for method, part in entry["methods"].items():
+            assert part["memory_plan"]["arena_bytes"] > 0 and part["memory_plan"]["ref"]
+            assert part["verify"]["ok"] is True
+            assert {r["stage"] for r in entry["stages"] if r.get("method") == method} >= {
+                "export", "memory_plan", "verify"}
+        assert entry["memory_plan"]["arena_bytes"] == sum(
+            p["memory_plan"]["arena_bytes"] for p in entry["methods"].values())
+        assert {c["method"] for c in entry["verify"]["checks"]} == {"decode", "encode"}
+        pte = (store / "outputs" / "encoder_decoder" / f"{target}.pte").read_bytes()
+        assert pte == lowered[target][0].pte  # the flow's program is the library's
+        assert load(pte).method_names == ["decode", "encode"]
+    assert published["targets"]["xnnpack"]["delegation"]["partitions"] >= 2
+
+    from flows.reports import model_report_markdown
+
+    report = model_report_markdown(published)
+    assert "| encode |" in report and "| decode |" in report and "executorch (decode)" in report
+
+    warm, ran = _executions(lower_model, model=model, targets=list(TARGETS), store=str(store))
+    assert sum(ran.values()) == 0, dict(ran)
+    assert all(r["cached"] for entry in warm["targets"].values() for r in entry["stages"])
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_fleet_and_its_dry_run_take_a_model_of_several_methods(tmp_path):
+    from flows.lower_fleet import lower_fleet, plan_fleet
+
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["portable", "reference"]},
+                "models": [{"name": "seq", "model": f"{MODELS}:encoder_decoder"}, {"model": f"{MODELS}:mlp"}]}
+    cold = plan_fleet(manifest)
+    seq = [(r["target"], r["stage"]) for r in cold if r["model"] == "seq"]
+    assert ("portable", "emit_methods") in seq and not any(r["cached"] for r in cold)
+    summary = lower_fleet(manifest)
+    assert summary["ok"] and summary["models"]["seq"]["methods"] == ["decode", "encode"]
+    assert all(r["cached"] for r in plan_fleet(manifest))
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_changing_the_method_set_re_emits_and_never_hits_a_stale_program(tmp_path):
+    from flows.lower_model import lower_model
+
+    store = str(tmp_path / "store")
+    factory = tmp_path / "seq.py"
+
+    def lower_with(methods):
+        factory.write_text(SEQ_FACTORY.format(methods=methods))
+        return _executions(lower_model, model=f"{factory}:factory", targets=["reference"], store=store, name="seq")
+
+    first, ran = lower_with("{'encode': enc, 'decode': dec}")
+    assert first["targets"]["reference"]["ok"] and ran["emit_methods"] == 1
+    renamed, ran = lower_with("{'encode': enc, 'generate': dec}")
+    entry = renamed["targets"]["reference"]
+    assert entry["ok"], entry["error"]
+    # The factory file changed, so each method is exported again, to the same program:
+    # every stage keyed on a method's program is cached; the one program is emitted anew.
+    assert ran["export"] == 2 and ran["partition"] == 0 and ran["preprocess"] == 0 and ran["memory_plan"] == 0
+    assert ran["emit_methods"] == 1 and ran["verify"] == 2
+    assert "methods" in renamed["changed"]
+    pte = (tmp_path / "store" / "outputs" / "seq" / "reference.pte").read_bytes()
+    assert load(pte).method_names == ["encode", "generate"]
+    fewer, ran = lower_with("{'encode': enc}")
+    assert fewer["targets"]["reference"]["ok"] and ran["emit_methods"] == 1
+    pte = (tmp_path / "store" / "outputs" / "seq" / "reference.pte").read_bytes()
+    assert load(pte).method_names == ["encode"]
+    back, ran = lower_with("{'encode': enc, 'decode': dec}")
+    assert sum(ran.values()) == 0  # the first method set again: every stage cached
+    assert back["targets"]["reference"]["pte"]["sha256"] == first["targets"]["reference"]["pte"]["sha256"]
+
+
+def test_cli_lowers_and_verifies_every_method(tmp_path, lowered):
+    from .test_cli import error_lines, lowerflow
+
+    out = tmp_path / "out.pte"
+    spec = "examples/models.py:encoder_decoder"
+    home = tmp_path / "prefect-home"
+    result = lowerflow("lower", spec, "-t", "xnnpack", "-o", str(out), "--store", str(tmp_path / "store"), home=home)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes() == lowered["xnnpack"][0].pte
+    assert "emit_methods" in result.stdout and "memory_plan[decode]" in result.stdout
+    checked = lowerflow("verify", str(out), "--model", spec, home=home)
+    assert checked.returncode == 0, checked.stderr
+    lines = checked.stdout.splitlines()
+    assert {line.split()[0] for line in lines} == {"decode", "encode"}
+    assert all(line.split()[2] in ("ok", "skipped") for line in lines)
+    assert not error_lines(checked.stderr)
+    single = tmp_path / "mlp.pte"
+    single.write_bytes(lower(*mlp()).pte)
+    wrong = lowerflow("verify", str(single), "--model", spec, home=home)
+    assert wrong.returncode == 1 and "does not match" in error_lines(wrong.stderr)[0]
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_a_failing_method_names_itself_and_publishes_nothing(tmp_path):
+    from flows.lower_model import ModelLoweringFailed, lower_model
+
+    factory = tmp_path / "broken.py"
+    factory.write_text(
+        "import torch\nfrom examples.models import encoder_decoder\n\n"
+        "class Bad(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return x.nonzero()\n\n"  # a data-dependent shape: the emit stage rejects it
+        "def factory():\n"
+        "    return {**encoder_decoder(), 'bad': (Bad(), (torch.ones(3),))}\n"
+    )
+    store = tmp_path / "store"
+    with pytest.raises(ModelLoweringFailed) as info:
+        lower_model(model=f"{factory}:factory", targets=["portable"], store=str(store), name="broken")
+    entry = info.value.manifest["targets"]["portable"]
+    assert not entry["ok"] and "[bad]" in entry["error"]
+    assert not (store / "outputs" / "broken" / "portable.pte").exists()
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_rejects_state_shared_across_methods(tmp_path):
+    from flows.lower_model import ModelLoweringFailed, lower_model
+
+    factory = tmp_path / "shared_state.py"
+    factory.write_text(
+        "import torch\n\n"
+        "class Counter(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.register_buffer('count', torch.zeros(2))\n\n"
+        "class Step(torch.nn.Module):\n"
+        "    def __init__(self, state):\n"
+        "        super().__init__()\n"
+        "        self.state = state\n"
+        "    def forward(self, x):\n"
+        "        self.state.count.add_(x)\n"
+        "        return self.state.count * 1\n\n"
+        "class Read(Step):\n"
+        "    def forward(self, x):\n"
+        "        return self.state.count + x\n\n"
+        "def factory():\n"
+        "    state = Counter()\n"
+        "    return {'step': (Step(state), (torch.ones(2),)), 'read': (Read(state), (torch.ones(2),))}\n"
+    )
+    store = tmp_path / "store"
+    with pytest.raises(ModelLoweringFailed) as info:
+        lower_model(model=f"{factory}:factory", targets=["portable"], store=str(store), name="shared")
+    error = info.value.manifest["targets"]["portable"]["error"]
+    assert error.startswith("check_methods: MethodError: method 'step' mutates buffer 'state.count'"), error
+    assert not (store / "outputs" / "shared" / "portable.pte").exists()
