@@ -335,3 +335,145 @@ def check_against_inputs(
             if not dim.min <= size <= dim.max:
                 raise DynamicShapeError(f"{what}: input {name!r} dim {d} is {size} in the example inputs, "
                                         f"outside Dim {dim.__name__!r}'s range [{dim.min}, {dim.max}]")
+
+
+# --------------------------------------------------------------------------- graph pass
+
+
+def sym_scalars_to_tensors(graph: torch.fx.Graph) -> int:
+    """Wrap a symbolic scalar passed as a Tensor argument in ``aten.scalar_tensor``.
+
+    torch's dispatcher turns a SymInt into a tensor implicitly; the runtime's
+    kernels take the schema's types (ExecuTorch's ``SymToTensorPass``).
+
+    Before::
+
+        %add = operator.add(%sym_size_int, 1)
+        %mul = aten.mul.Tensor(%sum, %add)
+
+    After::
+
+        %add = operator.add(%sym_size_int, 1)
+        %scalar_tensor = aten.scalar_tensor.default(%add, dtype=torch.int32)
+        %mul = aten.mul.Tensor(%sum, %scalar_tensor)
+
+    Returns the number of arguments wrapped.
+    """
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        arguments = node.target._schema.arguments
+        args = list(node.args)
+        kwargs = dict(node.kwargs)
+        changed = False
+        for i, argument in enumerate(arguments):
+            if not isinstance(argument.type, torch.TensorType):
+                continue
+            if i < len(args) and not argument.kwarg_only:
+                value, put = args[i], lambda v, i=i: args.__setitem__(i, v)
+            elif argument.name in kwargs:
+                value, put = kwargs[argument.name], lambda v, k=argument.name: kwargs.__setitem__(k, v)
+            else:
+                continue
+            if isinstance(value, torch.fx.Node) and _scalar_dtype(value.meta.get("val")) is not None:
+                put(_scalar_tensor(graph, node, value))
+                changed = True
+                count += 1
+        if changed:
+            node.args, node.kwargs = tuple(args), kwargs
+    return count
+
+
+def _scalar_dtype(val: Any) -> torch.dtype | None:
+    """The tensor dtype ExecuTorch gives a symbolic scalar (None: not a scalar)."""
+    if isinstance(val, torch.SymBool):
+        return torch.bool
+    if isinstance(val, torch.SymFloat):
+        return torch.float32
+    if isinstance(val, torch.SymInt):
+        return torch.int32
+    return None
+
+
+def _scalar_tensor(graph: torch.fx.Graph, user: torch.fx.Node, value: torch.fx.Node) -> torch.fx.Node:
+    dtype = _scalar_dtype(value.meta["val"])
+    with graph.inserting_before(user):
+        wrapped = graph.call_function(torch.ops.aten.scalar_tensor.default, (value,), {"dtype": dtype})
+    fake_mode = next(
+        (n.meta["val"].fake_mode for n in graph.nodes
+         if isinstance(n.meta.get("val"), torch.Tensor) and hasattr(n.meta["val"], "fake_mode")),
+        None,
+    )
+    if fake_mode is not None:
+        with fake_mode:
+            wrapped.meta["val"] = torch.ops.aten.scalar_tensor.default(value.meta["val"], dtype=dtype)
+    else:
+        wrapped.meta["val"] = torch.empty((), dtype=dtype)
+    return wrapped
+
+
+# --------------------------------------------------------------------------- inputs at other sizes
+
+
+def dims_by_position(
+    dynamic_shapes: Any, model: torch.nn.Module, n_inputs: int
+) -> list[dict[int, Any]]:
+    """torch.export's ``dynamic_shapes`` as one ``{dim: Dim}`` per input position."""
+    out: list[dict[int, Any]] = [{} for _ in range(n_inputs)]
+    if dynamic_shapes is None:
+        return out
+    if isinstance(dynamic_shapes, Mapping):
+        params = list(inspect.signature(model.forward).parameters)
+        items = [(params.index(k), v) for k, v in dynamic_shapes.items() if k in params]
+    else:
+        items = list(enumerate(dynamic_shapes))
+    for position, spec in items:
+        if spec is None or position >= n_inputs:
+            continue
+        pairs = spec.items() if isinstance(spec, Mapping) else enumerate(spec)
+        out[position] = {int(d): dim for d, dim in pairs if dim is not None}
+    return out
+
+
+def inputs_at_sizes(
+    model: torch.nn.Module, example_inputs: Sequence[Any], dynamic_shapes: Any
+) -> list[tuple[str, tuple[Any, ...]]]:
+    """``(label, inputs)`` to run a dynamic program at: every Dim at its min, then at its max
+    (and the example inputs as they are).
+
+    An input is brought to another size along a dynamic dim by repeating its
+    example values along that dim (then cutting), so index-like inputs keep
+    values the model accepts.  Static programs get just the example inputs.
+    """
+    per_input = dims_by_position(dynamic_shapes, model, len(example_inputs))
+    dims = {dim.__name__: dim for spec in per_input for dim in spec.values()}
+    sets = [("example", tuple(example_inputs))]
+    if not dims:
+        return sets
+    for which in ("min", "max"):
+        sizes = {name: max(int(getattr(dim, which)), 1) for name, dim in dims.items()}
+        label = ",".join(f"{name}={size}" for name, size in sorted(sizes.items()))
+        inputs = tuple(
+            _resized(x, {d: sizes[dim.__name__] for d, dim in spec.items()}) if spec else x
+            for x, spec in zip(example_inputs, per_input)
+        )
+        if all(_same_shapes(a, b) for a, b in zip(inputs, example_inputs)):
+            continue
+        sets.append((label, inputs))
+    return sets
+
+
+def _resized(x: torch.Tensor, sizes: Mapping[int, int]) -> torch.Tensor:
+    for d, n in sizes.items():
+        have = x.shape[d]
+        if n > have:
+            reps = [1] * x.dim()
+            reps[d] = -(-n // have)
+            x = x.repeat(*reps)
+        x = x.narrow(d, 0, n)
+    return x.contiguous()
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    return not isinstance(a, torch.Tensor) or tuple(a.shape) == tuple(b.shape)

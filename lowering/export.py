@@ -61,6 +61,7 @@ from torch.export.graph_signature import (
 from torch.utils import _pytree as pytree
 
 from .errors import ExportError
+from .dynamic import DynamicShapeError, check_bounded, sym_scalars_to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,10 @@ def to_edge(
         program = _slow_core_aten(exported, name)
     program = _finish_edge(program, fold_constants=fold_constants, name=name)
     program.graph_module.meta[PATH_META] = path
+    try:
+        check_bounded(program)
+    except DynamicShapeError as exc:
+        raise ExportError(f"model {name!r}: {exc}") from None
     return program
 
 
@@ -245,7 +250,7 @@ def _slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
 def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -> ExportedProgram:
     """Fold constant views (optional), drop unused lifted inputs, recompile if changed."""
     graph = program.graph_module.graph
-    changed = 0
+    changed = sym_scalars_to_tensors(graph)
     if fold_constants:
         try:
             changed += fold_constant_views(program)
