@@ -259,7 +259,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     if loaded.pt2 is not None:
         program = load_pt2(loaded.pt2, name=model)
     else:
-        program = export_module(loaded.module, loaded.inputs, name=model)
+        program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=model)
     return {"program": put_program(store, program)}
 
 
@@ -446,7 +446,8 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded = live_model(model, fingerprint)
     if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs).to_dict()
+    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs,
+                      dynamic_shapes=loaded.dynamic_shapes).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks
