@@ -52,6 +52,7 @@ METHOD_NAME = "forward"
 _MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1}
 _LAYOUTS = {torch.strided: 0}
 _DELEGATE_CALL = "executorch_call_delegate"
+_SYM_PLACEHOLDERS = {torch.SymInt: 0, torch.SymFloat: 0.0, torch.SymBool: False}
 
 
 def emit_program(exported_program: ExportedProgram, memory_plan: Any) -> bytes:
@@ -186,6 +187,10 @@ class _MethodEmitter:
             value = self._planned_tensor(node.name, val)
         elif isinstance(val, (bool, int, float)) or val is None:
             value = self._add_value(_scalar_evalue(val))
+        elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # A size computed outside (a delegated partition's symbolic input):
+            # a placeholder of its type, set when the method is called.
+            value = self._add_value(_scalar_evalue(_SYM_PLACEHOLDERS[type(val)]))
         else:
             raise self._error(f"user input of type {type(val).__name__} is not supported")
         self.node_values[node] = value
