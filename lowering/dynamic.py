@@ -477,3 +477,17 @@ def _resized(x: torch.Tensor, sizes: Mapping[int, int]) -> torch.Tensor:
 
 def _same_shapes(a: Any, b: Any) -> bool:
     return not isinstance(a, torch.Tensor) or tuple(a.shape) == tuple(b.shape)
+
+
+def complete_dynamic_shapes(model: torch.nn.Module, n_inputs: int, dynamic_shapes: Any) -> Any:
+    """A by-name spec with every positional argument of forward present (None: static),
+    as torch.export requires; anything else is returned unchanged."""
+    if not isinstance(dynamic_shapes, Mapping):
+        return dynamic_shapes
+    try:
+        params = list(inspect.signature(model.forward).parameters)[:n_inputs]
+    except (TypeError, ValueError):
+        return dynamic_shapes
+    if set(dynamic_shapes) - set(params) or len(params) != n_inputs:
+        return dynamic_shapes  # torch.export says what is wrong
+    return {name: dynamic_shapes.get(name) for name in params}

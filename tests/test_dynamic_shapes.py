@@ -336,3 +336,144 @@ def test_spec_is_checked_against_forward_and_the_example_inputs():
         check_against_inputs(dynamic_shapes_from_json({"x": {"0": {"name": "b", "min": 1, "max": 3}}}), model, inputs)
     with pytest.raises(DynamicShapeError, match=r"input 'x' has 2 dims, no dim 5"):
         check_against_inputs(dynamic_shapes_from_json({"x": {"5": {"name": "b", "max": 8}}}), model, inputs)
+
+
+# --------------------------------------------------------------------------- flows, cache keys, manifest, CLI
+
+
+def _executions_during(fn, *args, **kwargs):
+    from tasks import stages
+
+    before = stages.EXECUTIONS.copy()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stages.LIVE.clear()  # the next run must read what the store has
+    return result, stages.EXECUTIONS - before
+
+
+def _pte_bytes(manifest, target):
+    import fsspec
+
+    with fsspec.open(manifest["targets"][target]["pte"]["uri"], "rb") as f:
+        return f.read()
+
+
+def _input_bound(pte: bytes) -> list[int]:
+    plan = deserialize(pte).program.executionPlan[0]
+    return list(plan.values[plan.inputs[0]].val.sizes)
+
+
+def test_flow_lowers_a_dynamic_factory_and_a_new_max_re_exports_and_re_plans(fresh_stages, tmp_path):
+    from flows.lower_model import lower_model
+
+    store, spec = str(tmp_path / "store"), f"{DYNAMIC}:dynamic_mlp"
+    first, ran = _executions_during(lower_model, spec, ["portable", "reference"], store=store)
+    assert ran["export"] == 1 and ran["memory_plan"] == 2 and ran["verify"] == 2
+    for target in ("portable", "reference"):
+        checks = first["targets"][target]["verify"]["checks"]
+        assert {c["inputs"] for c in checks} == {"example", "batch=1", "batch=32"}, checks
+        assert all(c["ok"] for c in checks if c["skipped"] is None)
+    portable = _pte_bytes(first, "portable")
+    assert _input_bound(portable) == [32, 64]
+
+    again, ran = _executions_during(lower_model, spec, ["portable"], store=store)
+    assert sum(ran.values()) == 0 and _pte_bytes(again, "portable") == portable
+
+    # Only the Dim's max changes: a new fingerprint, so export, plan and emit run again.
+    smaller = {"x": {"0": {"name": "batch", "min": 1, "max": 16}}}
+    third, ran = _executions_during(lower_model, spec, ["portable"], store=store, dynamic_shapes=smaller)
+    assert ran["export"] == 1 and ran["memory_plan"] == 1 and ran["emit"] == 1, ran
+    assert "inputs" in third["changed"]
+    assert third["fingerprint"]["digest"] != first["fingerprint"]["digest"]
+    assert _input_bound(_pte_bytes(third, "portable")) == [16, 64]
+    assert {c["inputs"] for c in third["targets"]["portable"]["verify"]["checks"]} == {"example", "batch=1", "batch=16"}
+
+    # Back to the factory's own spec: every stage is a cache hit, the old bytes.
+    back, ran = _executions_during(lower_model, spec, ["portable"], store=store)
+    assert sum(ran.values()) == 0 and _pte_bytes(back, "portable") == portable
+
+
+def test_fingerprint_covers_each_dims_name_min_and_max():
+    from tasks.model_spec import ModelSpec, load_model
+
+    spec = ModelSpec.parse(f"{DYNAMIC}:dynamic_mlp")
+    base = {"x": {"0": {"name": "batch", "min": 1, "max": 32}}}
+    digests = {}
+    for label, doc in [("factory", None), ("same", base),
+                       ("max", {"x": {"0": {"name": "batch", "min": 1, "max": 31}}}),
+                       ("min", {"x": {"0": {"name": "batch", "min": 2, "max": 32}}}),
+                       ("name", {"x": {"0": {"name": "rows", "min": 1, "max": 32}}})]:
+        loaded = load_model(spec, {"version": None, **({"dynamic_shapes": doc} if doc else {})})
+        digests[label] = loaded.fingerprint.parts["inputs"]
+    assert digests["factory"] == digests["same"]  # the factory's Dims and the same JSON spec
+    assert len({digests[k] for k in ("same", "max", "min", "name")}) == 4
+    static = load_model(ModelSpec.parse("examples/models.py:mlp"), {"version": None})
+    assert static.dynamic_shapes is None
+
+
+def test_a_factory_spec_error_names_the_model():
+    from tasks.model_spec import ModelSpec, ModelSpecError, load_model
+
+    spec = ModelSpec.parse(f"{DYNAMIC}:dynamic_mlp")
+    with pytest.raises(ModelSpecError, match=r"dynamic_mlp'.*'y' is not an argument of forward"):
+        load_model(spec, {"dynamic_shapes": {"y": {"0": {"name": "b", "max": 8}}}})
+    with pytest.raises(ModelSpecError, match=r"dynamic_mlp'.*input 'x' dim 0 is 4 .*outside Dim 'b'"):
+        load_model(spec, {"dynamic_shapes": {"x": {"0": {"name": "b", "min": 5, "max": 8}}}})
+
+
+def test_fleet_manifest_gives_dynamic_shapes_and_bad_ones_are_refused_before_any_work(fresh_stages, tmp_path):
+    from flows.lower_fleet import lower_fleet
+    from flows.manifest import ManifestError, load_manifest
+
+    store = tmp_path / "store"
+    manifest = {
+        "store": str(store),
+        "models": [{"name": "ops", "model": f"{DYNAMIC}:dynamic_ops", "targets": ["portable"],
+                    "dynamic_shapes": {"x": {0: {"name": "n", "min": 1, "max": 9}}}}],
+    }
+    entry = load_manifest(manifest).models[0]
+    assert entry.dynamic_shapes == {"x": {"0": {"name": "n", "min": 1, "max": 9}}}
+    summary = lower_fleet(manifest)
+    result = summary["models"]["ops"]["targets"]["portable"]
+    assert result["ok"]
+    assert {c["inputs"] for c in result["verify"]["checks"]} == {"example", "n=1", "n=9"}
+    for bad, fragment in [
+        ({"x": {0: {"name": "n", "min": 1}}}, "max required"),
+        ({"x": {0: {"name": "n", "max": 9}}, "w": {0: {"name": "n", "max": 3}}}, "different ranges"),
+        ([{"a": {"name": "n", "max": 3}}], "dim index 'a' is not an integer"),
+    ]:
+        manifest["models"][0]["dynamic_shapes"] = bad
+        manifest["store"] = str(tmp_path / "never")
+        with pytest.raises(ManifestError, match=r"models\[0\] \('ops'\): 'dynamic_shapes'") as info:
+            lower_fleet(manifest)
+        assert fragment in str(info.value)
+        assert not (tmp_path / "never").exists()
+
+
+def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_path):
+    from tests.test_cli import assert_one_line_error, lowerflow
+
+    store, home = tmp_path / "store", tmp_path / "prefect-home"
+    spec = "examples/dynamic_models.py:dynamic_mlp"
+    outputs = {}
+    for max_ in (8, 16):
+        out = tmp_path / f"mlp{max_}.pte"
+        shapes = json.dumps({"x": {"0": {"name": "batch", "min": 1, "max": max_}}})
+        result = lowerflow("lower", spec, "--dynamic-shapes", shapes, "-o", str(out), "--store", str(store), home=home)
+        assert result.returncode == 0, result.stderr
+        stages = {line.split()[1]: line.split()[2] for line in result.stdout.splitlines()
+                  if line.startswith("portable ")}
+        assert stages["export"] != "cached" and stages["memory_plan"] != "cached", result.stdout
+        outputs[max_] = out.read_bytes()
+    assert _input_bound(outputs[8]) == [8, 64] and _input_bound(outputs[16]) == [16, 64]
+    method = _executorch_method(outputs[16])
+    model, _, _ = DYNAMIC_MODELS["dynamic_mlp"]()
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(list(method.execute([x]))[0], model(x))
+    assert_one_line_error(
+        lowerflow("lower", spec, "--dynamic-shapes", '{"x": {"0": {"name": "batch"}}}', "--store", str(store)),
+        2, "--dynamic-shapes", "max required")
+    assert_one_line_error(lowerflow("lower", spec, "--dynamic-shapes", "{x: 1", "--store", str(store)),
+                          2, "--dynamic-shapes: not JSON")
