@@ -182,19 +182,42 @@ def test_reference_backend_runs_dynamic_partitions_in_our_executor(lowered):
         _assert_same(method.execute(list(sized)), expected, f"reference n={n}")
 
 
-def test_xnnpack_refuses_dynamic_nodes_in_the_partitioner_and_keeps_static_ones(lowered):
-    _, _, _, result = lowered("dynamic_ops", "xnnpack")
+def test_xnnpack_delegates_dynamic_elementwise_and_fc_and_refuses_the_rest_in_its_partitioner(lowered):
     from lowering.backends.xnnpack.partitioner import XnnpackPartitioner
+    from lowering.backends.xnnpack.preprocess import Context
 
-    program = lowering.export(*DYNAMIC_MODELS["dynamic_ops"]()[:2],
-                              dynamic_shapes=DYNAMIC_MODELS["dynamic_ops"]()[2])
+    model, inputs, dynamic_shapes = DYNAMIC_MODELS["dynamic_ops"]()
+    program = lowering.export(model, inputs, dynamic_shapes=dynamic_shapes)
     partitioner = XnnpackPartitioner()
-    partitioner._ctx = __import__("lowering.backends.xnnpack.preprocess", fromlist=["Context"]).Context(program)
+    partitioner._ctx = Context(program)
     reasons = {n.name: partitioner.unsupported_reason(n) for n in program.graph.nodes if n.op == "call_function"}
-    assert "dynamic shape" in (reasons["view"] or "")
-    assert reasons["addmm_1"] is None  # the static branch (w) is delegated
-    delegated = [n for n in result.exported_program.graph.nodes if "call_delegate" in str(n.target)]
-    assert delegated
+    # x @ W + b and relu at a dynamic batch: XNNPACK reshapes them at run time.
+    assert reasons["addmm"] is None and reasons["relu"] is None
+    # A view to symbolic sizes bakes them into the graph: left to the portable kernels.
+    assert reasons["view"].startswith("dynamic shape: XNNPACK takes symbolic sizes only in elementwise ops")
+    assert reasons["addmm_1"] is None  # the static branch
+    _, _, _, result = lowered("dynamic_ops", "xnnpack")
+    plan = deserialize(result.pte).program.executionPlan[0]
+    assert len(plan.delegates) == 2
+    operators = {decode_string(op.name) for op in plan.operators}
+    assert "aten::view_copy" in operators and "aten::addmm" not in operators
+
+
+def test_xnnpack_refuses_softmax_over_a_symbolic_dim():
+    from lowering.backends.xnnpack.partitioner import XnnpackPartitioner
+    from lowering.backends.xnnpack.preprocess import Context
+
+    class Softmaxes(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(x, dim=0), torch.softmax(x, dim=1)
+
+    program = lowering.export(Softmaxes(), (torch.randn(4, 8),),
+                              dynamic_shapes={"x": {0: torch.export.Dim("n", min=1, max=16)}})
+    partitioner = XnnpackPartitioner()
+    partitioner._ctx = Context(program)
+    softmaxes = [n for n in program.graph.nodes if n.target is torch.ops.aten._softmax.default]
+    assert [partitioner.unsupported_reason(n) for n in softmaxes] == [
+        "dynamic shape: softmax over a symbolic dim", None]
 
 
 def test_a_size_above_the_max_is_refused_by_our_executor(lowered):
