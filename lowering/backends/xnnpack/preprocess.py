@@ -125,7 +125,7 @@ def val(node: Any) -> Any:
 def shape(node: torch.fx.Node) -> list[int]:
     """The node's dims; a symbolic size at its upper bound (the runtime reshapes the
     graph to the actual input sizes before each run, as ExecuTorch's XNNPACK delegate does)."""
-    return upper_bound_shape(node.meta["val"], what=f"node {node.name!r}")
+    return upper_bound_shape(node.meta["val"], what=f"node {getattr(node, 'name', node)!r}")
 
 
 def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
