@@ -500,3 +500,20 @@ def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_pat
         2, "--dynamic-shapes", "max required")
     assert_one_line_error(lowerflow("lower", spec, "--dynamic-shapes", "{x: 1", "--store", str(store)),
                           2, "--dynamic-shapes: not JSON")
+
+
+@pytest.mark.parametrize("name, target", [("gpt_decoder", "portable"), ("dynamic_ops", "reference"),
+                                          ("dynamic_ops", "xnnpack")])
+def test_a_stored_dynamic_program_plans_and_emits_the_same_bytes(lowered, name, target):
+    """What a stage reads back from the store (another process, a cache hit) keeps the
+    symbols' ranges: the same plan and the same .pte as the live program."""
+    from lowering.emit import emit_program
+    from lowering.memory_plan import memory_plan
+    from lowering.serialize import deserialize_any, serialize_any
+
+    _, _, _, result = lowered(name, target)
+    serialized = serialize_any(result.exported_program, keep_stack_traces=False)
+    restored = deserialize_any(serialized.manifest, serialized.blobs.__getitem__)
+    plan = memory_plan(restored)
+    assert plan.to_dict() == result.memory_plan.to_dict()
+    assert emit_program(restored, plan) == result.pte
