@@ -211,7 +211,7 @@ def verify_table(verify: Mapping[str, Any] | None) -> str:
         return "verified: " + ("ok" if verify.get("ok") else "FAILED")
     rows = [
         (
-            c.get("runtime", "?"),
+            _check_label(c),
             check_status(c.get("ok")),
             "—" if c.get("max_abs_diff") is None else f"{float(c['max_abs_diff']):.3g}",
             first_line(c.get("error") or c.get("skipped")),
@@ -219,6 +219,13 @@ def verify_table(verify: Mapping[str, Any] | None) -> str:
         for c in checks
     ]
     return markdown_table(("runtime", "ok", "max abs diff", "error"), rows, right=(2,))
+
+
+def _check_label(check: dict) -> str:
+    """The runtime, and for a dynamic program the sizes it ran at (``lowerflow @ seq=16``)."""
+    runtime = str(check.get("runtime", "?"))
+    inputs = check.get("inputs", "example")
+    return runtime if inputs in (None, "example") else f"{runtime} @ {inputs}"
 
 
 def check_status(ok: bool | None) -> str:
@@ -352,7 +359,7 @@ def verify_cell(verify: Mapping[str, Any] | None) -> str:
     ok = verify.get("ok")
     if ok is None:
         return "skipped"
-    named = [str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)]
+    named = list(dict.fromkeys(str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)))
     return ("ok" if ok else "FAILED") + (f" ({', '.join(named)})" if named else "")
 
 

@@ -399,6 +399,10 @@ def test_flow_lowers_a_dynamic_factory_and_a_new_max_re_exports_and_re_plans(fre
         assert all(c["ok"] for c in checks if c["skipped"] is None)
     portable = _pte_bytes(first, "portable")
     assert _input_bound(portable) == [32, 64]
+    from flows.reports import verify_table
+
+    table = verify_table(first["targets"]["portable"]["verify"])
+    assert "| lowerflow @ batch=32 | ok |" in table and "| executorch @ batch=1 | ok |" in table
 
     again, ran = _executions_during(lower_model, spec, ["portable"], store=store)
     assert sum(ran.values()) == 0 and _pte_bytes(again, "portable") == portable
