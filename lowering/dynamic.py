@@ -46,11 +46,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._sympy.numbers import int_oo
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from .errors import LoweringError
-
-
-class DynamicShapeError(LoweringError):
-    """A dynamic-shape spec or a symbolic size that cannot be lowered (e.g. a dim without a max)."""
+from .errors import DynamicShapeError
 
 
 #: Symbolic scalar ops -> the (operator name, overload) ExecuTorch's runtime

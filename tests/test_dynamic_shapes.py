@@ -521,3 +521,25 @@ def test_a_stored_dynamic_program_plans_and_emits_the_same_bytes(lowered, name, 
     plan = memory_plan(restored)
     assert plan.to_dict() == result.memory_plan.to_dict()
     assert emit_program(restored, plan) == result.pte
+
+
+def test_flow_lowers_the_gpt_decoder_for_portable_and_xnnpack(fresh_stages, tmp_path):
+    """The decoder by its spec through the flow; verify runs it at 1 and 16 tokens, and the
+    published .pte runs token by token in ExecuTorch's runtime."""
+    from flows.lower_model import lower_model
+
+    manifest = lower_model(f"{DYNAMIC}:gpt_decoder", ["portable", "xnnpack"], store=str(tmp_path / "store"))
+    model, _, _ = DYNAMIC_MODELS["gpt_decoder"]()
+    with torch.no_grad():
+        expected = run_token_by_token(model, PROMPT, 4)
+    for target in ("portable", "xnnpack"):
+        result = manifest["targets"][target]
+        assert result["ok"], result.get("error")
+        checks = result["verify"]["checks"]
+        assert {(c["runtime"], c["inputs"]) for c in checks if c["ok"]} == {
+            (r, s) for r in ("lowerflow", "executorch") for s in ("example", "seq=1", "seq=16")}
+        method = _executorch_method(_pte_bytes(manifest, target))
+        actual = run_token_by_token(lambda t, p: list(method.execute([t, p]))[0], PROMPT, 4)
+        for a, e in zip(actual, expected):
+            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+    assert manifest["targets"]["xnnpack"]["delegation"]["delegated_nodes"] > 0
