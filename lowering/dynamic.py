@@ -118,9 +118,20 @@ def upper_bound(size: Any, ranges: Mapping[sympy.Symbol, ValueRanges] | None = N
     if bound is None or bound.upper in (int_oo, sympy.oo) or not bound.upper.is_finite:
         raise DynamicShapeError(
             f"{what} {expr} has no upper bound; give the torch.export.Dim of "
-            f"{', '.join(sorted(map(str, expr.free_symbols)))} a max"
+            f"{_symbol_sources(expr, size)} a max"
         )
     return int(bound.upper)
+
+
+def _symbol_sources(expr: sympy.Expr, size: torch.SymInt) -> str:
+    """``"s0 (x.size()[0])"``: the symbols of ``expr`` and the input sizes they stand for."""
+    sources = getattr(getattr(size.node, "shape_env", None), "var_to_sources", {}) or {}
+    names = []
+    for symbol in sorted(expr.free_symbols, key=str):
+        found = [source.name() if callable(source.name) else source.name
+                 for source in sources.get(symbol, [])[:1]]
+        names.append(f"{symbol} ({found[0]})" if found else str(symbol))
+    return ", ".join(names)
 
 
 def _bound(expr: sympy.Expr, ranges, size: torch.SymInt) -> ValueRanges | None:
@@ -186,15 +197,6 @@ def check_bounded(ep: ExportedProgram) -> None:
         for i, v in enumerate(val if isinstance(val, (tuple, list)) else [val]):
             if isinstance(v, torch.Tensor):
                 upper_bound_shape(v, ep.range_constraints, what=f"node {node.name!r} output {i}")
-
-
-def sample_sizes(dim: DynamicDim, count: int = 4) -> list[int]:
-    """Sizes to run a dynamic dim at: its min and max and evenly spaced ones between."""
-    lo, hi = max(dim.min, 1), dim.max
-    if hi - lo + 1 <= count:
-        return list(range(lo, hi + 1))
-    step = (hi - lo) / (count - 1)
-    return sorted({lo + round(i * step) for i in range(count)})
 
 
 # --------------------------------------------------------------------------- JSON form

@@ -24,9 +24,8 @@ from lowering.dynamic import (
     check_against_inputs,
     dynamic_shapes_from_json,
     dynamic_shapes_to_json,
-    inputs_at_sizes,
-    sample_sizes,
     dynamic_dims,
+    inputs_at_sizes,
 )
 from lowering.errors import ExportError, MemoryPlanError
 from lowering.pte import deserialize
@@ -144,12 +143,12 @@ def test_memory_plan_of_an_unbounded_program_names_the_value():
         memory_plan(edge)
 
 
-def test_dynamic_dims_and_sample_sizes(lowered):
+def test_dynamic_dims_name_the_inputs_and_ranges(lowered):
     _, _, _, result = lowered("gpt_decoder")
     dims = dynamic_dims(result.exported_program)
     assert [(d.input_name, d.dim, d.max) for d in dims] == [("tokens", 0, 16), ("input_pos", 0, 16)]
     assert dims[0].symbol == dims[1].symbol  # one Dim named "seq" for both
-    assert sample_sizes(dims[0]) == [1, 6, 11, 16]
+    assert dims[0].min in (1, 2)  # torch keeps min=1 in range_constraints (hints start at 2)
 
 
 # --------------------------------------------------------------------------- running at several sizes
