@@ -542,3 +542,21 @@ def test_flow_lowers_the_gpt_decoder_for_portable_and_xnnpack(fresh_stages, tmp_
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
     assert manifest["targets"]["xnnpack"]["delegation"]["delegated_nodes"] > 0
+
+
+@pytest.mark.parametrize("target", ["reference", "xnnpack"])
+def test_a_stored_dynamic_partition_preprocesses_to_the_same_payload(lowered, target):
+    """A partition program read back from the store (the preprocess stage in another
+    process) keeps its symbols' ranges, so its payload is planned at the same bounds."""
+    from lowering.lowered_module import find_backend
+    from lowering.serialize import deserialize_any, serialize_any
+
+    _, _, _, result = lowered("gpt_decoder", target)
+    modules = [m for _, m in result.exported_program.graph_module.named_children()]
+    dynamic = [m for m in modules if m.original_module.range_constraints]
+    assert dynamic
+    for module in dynamic:
+        serialized = serialize_any(module.original_module, keep_stack_traces=False)
+        restored = deserialize_any(serialized.manifest, serialized.blobs.__getitem__)
+        backend = find_backend(module.backend_id)
+        assert backend.preprocess(restored, list(module.compile_specs)).processed_bytes == module.processed_bytes
