@@ -446,6 +446,13 @@ def test_a_factory_spec_error_names_the_model():
         load_model(spec, {"dynamic_shapes": {"y": {"0": {"name": "b", "max": 8}}}})
     with pytest.raises(ModelSpecError, match=r"dynamic_mlp'.*input 'x' dim 0 is 4 .*outside Dim 'b'"):
         load_model(spec, {"dynamic_shapes": {"x": {"0": {"name": "b", "min": 5, "max": 8}}}})
+    by_position = load_model(spec, {"dynamic_shapes": [{"0": {"name": "b", "min": 1, "max": 8}}]})
+    assert by_position.dynamic_shapes[0][0].max == 8
+
+
+def test_a_spec_must_give_each_dims_range():
+    with pytest.raises(DynamicShapeError, match=r"dynamic_shapes\['x'\]\[0\]: expected a torch.export.Dim"):
+        dynamic_shapes_to_json({"x": {0: torch.export.Dim.AUTO}})
 
 
 def test_fleet_manifest_gives_dynamic_shapes_and_bad_ones_are_refused_before_any_work(fresh_stages, tmp_path):
