@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output .pte path; may use {name} and {target}; a directory for several targets "
                             f"(default: {DEFAULT_OUTPUT})")
     lower.add_argument("--store", metavar="URL", help="artifact store URL (default: $LOWERFLOW_STORE or ./.lowerflow)")
+    lower.add_argument("--dynamic-shapes", metavar="JSON",
+                       help="dynamic dims by forward argument, e.g. "
+                            "'{\"x\": {\"0\": {\"name\": \"batch\", \"min\": 1, \"max\": 32}}}' "
+                            "(replaces the factory's own)")
     lower.set_defaults(run=cmd_lower)
 
     fleet = sub.add_parser("fleet", parents=[common], help="lower every model of a fleet manifest",
@@ -135,6 +139,26 @@ def parse_spec(text: str):
         return spec
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
+
+
+def parse_dynamic_shapes(text: str | None, spec) -> Any:
+    """``--dynamic-shapes JSON`` validated and canonical; a bad one is exit status 2."""
+    if text is None:
+        return None
+    import json
+
+    from flows.manifest import ManifestError, canonical_dynamic_shapes
+
+    if spec.kind == "pt2":
+        raise CLIError("--dynamic-shapes is only for a factory; a .pt2 program carries its own", EXIT_USAGE)
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CLIError(f"--dynamic-shapes: not JSON: {exc}", EXIT_USAGE) from None
+    try:
+        return canonical_dynamic_shapes(doc, "--dynamic-shapes")
+    except ManifestError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
 
 
 def check_targets(targets: Sequence[str]) -> None:
@@ -240,7 +264,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
     targets = args.targets or ["portable"]
     if len(set(targets)) != len(targets):
         raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
-    name = parse_spec(args.spec).name
+    spec = parse_spec(args.spec)
+    name = spec.name
+    dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
@@ -249,7 +275,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     quiet_console(args.verbose)
     try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store)
+        manifest = lower_model(model=args.spec, targets=targets, store=args.store,
+                               **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []

@@ -57,6 +57,7 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
         "options": {k: dict(v) for k, v in entry.options.items()},
         "name": entry.name, "version": entry.version, "verify": entry.verify,
         **({"locks": locks} if locks is not None else {}),  # else each worker's LOWERFLOW_LOCKS
+        **({"dynamic_shapes": entry.dynamic_shapes} if entry.dynamic_shapes is not None else {}),
     }
 
 
@@ -283,7 +284,7 @@ def plan_fleet(manifest: str | dict) -> list[dict]:
     for entry in fleet.models:
         planned = plan_model(
             entry.model, list(entry.targets), fleet.store, {k: dict(v) for k, v in entry.options.items()},
-            entry.name, entry.version, entry.verify,
+            entry.name, entry.version, entry.verify, dynamic_shapes=entry.dynamic_shapes,
         )
         for target, result in planned["targets"].items():
             for record in result["stages"]:

@@ -75,14 +75,19 @@ def lower_model(
     version: str | None = None,
     verify: bool = True,
     locks: str | None = None,
+    dynamic_shapes: Any = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
+
+    ``dynamic_shapes``: the JSON form of torch.export's argument
+    (``{"x": {"0": {"name": "batch", "min": 1, "max": 32}}}``, see
+    :mod:`lowering.dynamic`); it replaces the factory's own dynamic shapes.
 
     ``locks``: the stage lock URL (``file``, ``file:///dir``, ``redis://host:port/db``;
     None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.cache`).
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
-    return run_model(model, targets, store, options, name, version, verify, locks)
+    return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes)
 
 
 def run_model(
@@ -94,6 +99,7 @@ def run_model(
     version: str | None = None,
     verify: bool = True,
     locks: str | None = None,
+    dynamic_shapes: Any = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -119,7 +125,7 @@ def run_model(
         ref = stages.store.put_named(f"{name}/{target}.pte", stages.store.get_bytes(pte_ref), "pte")
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
-    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify)
+    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes)
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -168,13 +174,23 @@ def plan_model(
     version: str | None = None,
     verify: bool = True,
     locks: str | None = None,
+    dynamic_shapes: Any = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
-    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify)
+    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes)
 
 
-def lower_dag(run: Run, publish, model, targets, options, name, version, verify) -> dict:
+def export_options(version: str | None, dynamic_shapes: Any = None) -> dict[str, Any]:
+    """The options the model is loaded and exported with (part of its fingerprint);
+    ``dynamic_shapes`` only when given, so static models keep their keys."""
+    options: dict[str, Any] = {"version": version}
+    if dynamic_shapes is not None:
+        options["dynamic_shapes"] = dynamic_shapes
+    return options
+
+
+def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages.
 
     The factory runs on every run, cached or not: the model's fingerprint (its
@@ -188,7 +204,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify)
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
-        loaded = load_model(spec, {"version": version})
+        loaded = load_model(spec, export_options(version, dynamic_shapes))
     except Exception as exc:
         export_records.append({"stage": "load", "state": "Failed", "cached": False,
                                "seconds": round(time.perf_counter() - start, 4), "bytes": None})
@@ -203,7 +219,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify)
     with holding(loaded):
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
-                           options={"version": version})
+                           options=export_options(version, dynamic_shapes))
         except Exception as exc:
             return _all_failed(manifest, targets, export_records, exc)
         for target in targets:

@@ -10,6 +10,8 @@
         options: {reference: {...}}          # optional: partitioner options per target
         version: "1"                         # optional: an extra salt of the export key
         verify: true                         # optional: run the verify stage
+        dynamic_shapes:                      # optional: dynamic dims, by forward argument
+          x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
 
 The whole manifest is validated before any work starts; every error names the
 entry (``models[2] ('cnn')``) and the field.  Relative ``.py`` paths and a relative
@@ -32,7 +34,7 @@ from tasks.cache import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify"}
+_MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes"}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -48,6 +50,8 @@ class ModelEntry:
     options: Mapping[str, Mapping[str, Any]]
     version: str | None
     verify: bool
+    #: The canonical JSON form (lowering.dynamic), or None.
+    dynamic_shapes: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +169,12 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     verify = raw.get("verify", defaults.get("verify", True))
     if not isinstance(verify, bool):
         raise ManifestError(f"{where}: 'verify' must be true or false")
+    dynamic_shapes = raw.get("dynamic_shapes")
+    if dynamic_shapes is not None:
+        if spec.kind == "pt2":
+            raise ManifestError(f"{where}: 'dynamic_shapes' is only for a factory; a .pt2 program "
+                                "carries its own")
+        dynamic_shapes = canonical_dynamic_shapes(dynamic_shapes, f"{where}: 'dynamic_shapes'")
     return ModelEntry(
         name=name,
         model=model,
@@ -172,7 +182,19 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         options={k: dict(v) for k, v in options.items()},
         version=None if version is None else str(version),
         verify=verify,
+        dynamic_shapes=dynamic_shapes,
     )
+
+
+def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
+    """A ``dynamic_shapes`` document validated and in canonical JSON form (string dim
+    indices, every dim's name, min and max), so equal specs give equal cache keys."""
+    from lowering.dynamic import DynamicShapeError, dynamic_shapes_from_json, dynamic_shapes_to_json
+
+    try:
+        return dynamic_shapes_to_json(dynamic_shapes_from_json(doc, what=where), what=where)
+    except DynamicShapeError as exc:
+        raise ManifestError(str(exc)) from None
 
 
 def _check_target(where: str, target: str) -> None:

@@ -211,7 +211,7 @@ def verify_table(verify: Mapping[str, Any] | None) -> str:
         return "verified: " + ("ok" if verify.get("ok") else "FAILED")
     rows = [
         (
-            c.get("runtime", "?") + (f" ({c['method']})" if c.get("method") else ""),
+            _check_label(c),
             check_status(c.get("ok")),
             "—" if c.get("max_abs_diff") is None else f"{float(c['max_abs_diff']):.3g}",
             first_line(c.get("error") or c.get("skipped")),
@@ -219,6 +219,14 @@ def verify_table(verify: Mapping[str, Any] | None) -> str:
         for c in checks
     ]
     return markdown_table(("runtime", "ok", "max abs diff", "error"), rows, right=(2,))
+
+
+def _check_label(check: dict) -> str:
+    """The runtime, its method if the program has several, and for a dynamic program the
+    sizes it ran at (``lowerflow (decode) @ seq=16``)."""
+    runtime = str(check.get("runtime", "?")) + (f" ({check['method']})" if check.get("method") else "")
+    inputs = check.get("inputs", "example")
+    return runtime if inputs in (None, "example") else f"{runtime} @ {inputs}"
 
 
 def check_status(ok: bool | None) -> str:

@@ -7,6 +7,7 @@
 from .delegate import executorch_call_delegate
 from .errors import (
     BackendError,
+    DynamicShapeError,
     EmitError,
     ExportError,
     LoweringError,
@@ -34,6 +35,7 @@ __all__ = [
     "BackendError",
     "CompileSpec",
     "DelegationSpec",
+    "DynamicShapeError",
     "EmitError",
     "ExportError",
     "LowerResult",

@@ -18,7 +18,13 @@ One method, ``forward``, one chain.  The program is walked in graph order:
   by the outputs; the lowered module's named data (weights keyed by sha256)
   goes to the program's ``named_data`` table, each distinct blob one segment;
 - mutated buffers are written back at the end with ``aten::copy_``, so the new
-  state is in the buffer's planned memory for the next call.
+  state is in the buffer's planned memory for the next call;
+- dynamic shapes: a tensor with a symbolic size is ``DYNAMIC_BOUND`` with its
+  sizes at the upper bound (the memory plan reserves that much; the runtime
+  resizes it within); a symbolic scalar op (``sym_size``, ``operator.add`` on
+  SymInts, ...) is a KernelCall of the runtime's prim op
+  (:data:`lowering.dynamic.SYM_OPS`) whose args are its operands followed by
+  an Int (Bool, Double) value the op writes, as ExecuTorch's emitter does.
 
 Values are keyed like the memory plan: a node's name, or ``"<name>.<i>"`` for
 output ``i`` of a multi-output node.
@@ -34,6 +40,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import treespec_dumps
 
+from .dynamic import SYM_OPS, DynamicShapeError, is_sym_op, is_symbolic, upper_bound_shape
 from .errors import EmitError
 from .pte import PteData, schema, serialize
 from .pte.scalar_types import DTYPE_TO_SCALAR_TYPE
@@ -45,6 +52,7 @@ METHOD_NAME = "forward"
 _MEMORY_FORMATS = {torch.contiguous_format: 0, torch.preserve_format: 1}
 _LAYOUTS = {torch.strided: 0}
 _DELEGATE_CALL = "executorch_call_delegate"
+_SYM_PLACEHOLDERS = {torch.SymInt: 0, torch.SymFloat: 0.0, torch.SymBool: False}
 
 
 def emit_program(exported_program: ExportedProgram, memory_plan: Any) -> bytes:
@@ -111,7 +119,6 @@ class _MethodEmitter:
         }
         for node in self.ep.graph.nodes:
             self.node = node
-            _reject_dynamic_shapes(node)
             if node.op == "placeholder":
                 self._emit_placeholder(node)
             elif node.op == "get_attr":
@@ -180,6 +187,10 @@ class _MethodEmitter:
             value = self._planned_tensor(node.name, val)
         elif isinstance(val, (bool, int, float)) or val is None:
             value = self._add_value(_scalar_evalue(val))
+        elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # A size computed outside (a delegated partition's symbolic input):
+            # a placeholder of its type, set when the method is called.
+            value = self._add_value(_scalar_evalue(_SYM_PLACEHOLDERS[type(val)]))
         else:
             raise self._error(f"user input of type {type(val).__name__} is not supported")
         self.node_values[node] = value
@@ -204,6 +215,8 @@ class _MethodEmitter:
             self._emit_getitem(node)
         elif getattr(target, "__name__", "") == _DELEGATE_CALL:
             self._emit_delegate_call(node)
+        elif is_sym_op(target):
+            self._emit_sym_op(node)
         elif isinstance(target, torch._ops.OpOverload):
             if node.name in self.aliases:
                 self.node_values[node] = self._planned_tensor(node.name, node.meta["val"])
@@ -245,6 +258,38 @@ class _MethodEmitter:
             arg_ids.append(self._add_value(_list_evalue(schema.KernelTypes.TensorList, out_ids)))
         self._kernel_call(name, overload, arg_ids)
         self.node_values[node] = results
+
+    def _emit_sym_op(self, node: torch.fx.Node) -> None:
+        """A symbolic scalar op: ``KernelCall(prim op, [*operands, result])``.
+
+        Before::
+
+            %sym_size_int = aten.sym_size.int(%x, 0)
+            %add = operator.add(%sym_size_int, 1)
+
+        After: ``aten::sym_size.int(x, 0, v0)`` then ``executorch_prim::add.Scalar(v0, 1, v1)``,
+        where ``v0``/``v1`` are Int values (placeholders the runtime overwrites).
+        """
+        name, overload = SYM_OPS[node.target]
+        if node.kwargs:
+            raise self._error("a symbolic op with keyword arguments cannot be emitted")
+        args = [self._sym_operand(arg) for arg in node.args]
+        val = node.meta.get("val")
+        if isinstance(val, (bool, torch.SymBool)):
+            result = self._add_value(_scalar_evalue(False))
+        elif isinstance(val, (float, torch.SymFloat)):
+            result = self._add_value(_scalar_evalue(0.0))
+        else:
+            result = self._add_value(_scalar_evalue(0))
+        self._kernel_call(name, overload, args + [result])
+        self.node_values[node] = result
+
+    def _sym_operand(self, arg: Any) -> int:
+        if isinstance(arg, torch.fx.Node):
+            return self._node_value(arg)
+        if isinstance(arg, (bool, int, float)):
+            return self._add_value(_scalar_evalue(arg))
+        raise self._error(f"symbolic op operand of type {type(arg).__name__} cannot be emitted")
 
     def _out_variant(self, node: torch.fx.Node):
         qualified = self.plan.out_variants.get(node.name)
@@ -419,7 +464,10 @@ class _MethodEmitter:
         # Planned tensors are contiguous whatever strides the (possibly stale)
         # meta value has: *_copy ops write dense outputs, and the portable
         # kernels expect inputs and outputs in the same dim order.
-        tensor = _tensor_table(val, list(range(val.dim())))
+        try:
+            tensor = _tensor_table(val, list(range(val.dim())), self.ep.range_constraints)
+        except DynamicShapeError as exc:
+            raise self._error(str(exc)) from None
         tensor.allocationInfo = _allocation(allocation.mem_id, allocation.offset)
         return self._add_value(_tensor_evalue(tensor))
 
@@ -497,29 +545,23 @@ class _MethodEmitter:
 # Table builders
 
 
-def _reject_dynamic_shapes(node: torch.fx.Node) -> None:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    for v in vals:
-        if isinstance(v, torch.Tensor) and any(not isinstance(d, int) for d in v.shape):
-            raise EmitError(f"node {node.name!r}: shape {tuple(v.shape)} is dynamic; "
-                            f"dynamic shapes are not yet supported")
-        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            raise EmitError(f"node {node.name!r}: symbolic value {v}; dynamic shapes are not yet supported")
-
-
-def _tensor_table(val: torch.Tensor, dim_order: list[int]) -> schema.TensorT:
+def _tensor_table(val: torch.Tensor, dim_order: list[int], ranges: Any = None) -> schema.TensorT:
+    """A Tensor table; a symbolic shape is DYNAMIC_BOUND with sizes at the upper bound."""
     if val.dtype not in DTYPE_TO_SCALAR_TYPE:
         raise EmitError(f"dtype {val.dtype} is not supported")
+    sizes = upper_bound_shape(val, ranges)
+    dynamic = any(is_symbolic(s) for s in val.shape)
     tensor = schema.TensorT()
     tensor.scalarType = DTYPE_TO_SCALAR_TYPE[val.dtype]
     tensor.storageOffset = 0
-    tensor.sizes = [int(s) for s in val.shape]
+    tensor.sizes = sizes
     tensor.dimOrder = list(dim_order)
     tensor.requiresGrad = False
     tensor.dataBufferIdx = 0
     tensor.layout = 0
-    tensor.shapeDynamism = schema.TensorShapeDynamism.STATIC
+    tensor.shapeDynamism = (
+        schema.TensorShapeDynamism.DYNAMIC_BOUND if dynamic else schema.TensorShapeDynamism.STATIC
+    )
     return tensor
 
 

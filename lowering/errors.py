@@ -32,3 +32,7 @@ class MemoryPlanError(LoweringError):
 
 class EmitError(LoweringError):
     """Stage 8: the program cannot be written in the ExecuTorch format."""
+
+
+class DynamicShapeError(LoweringError):
+    """A dynamic-shape spec or a symbolic size that cannot be lowered (e.g. a Dim without a max)."""

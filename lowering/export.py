@@ -61,6 +61,7 @@ from torch.export.graph_signature import (
 from torch.utils import _pytree as pytree
 
 from .errors import ExportError
+from .dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ def export(
 ) -> ExportedProgram:
     """Export ``model`` on ``example_inputs`` and bring it to the edge form.
 
+    ``dynamic_shapes`` is torch.export's argument; by name, arguments left out
+    are static.  Every ``torch.export.Dim`` needs a max (the runtime reserves
+    memory for it), or :class:`ExportError` names the input and dim.
     ``name`` is used in error messages (defaults to the model's class name).
     ``fast`` / ``fold_constants`` default to :data:`FAST_PATH` / :data:`FOLD_CONSTANTS`.
     """
@@ -129,6 +133,7 @@ def export(
             f"got {type(example_inputs).__name__}"
         )
     try:
+        dynamic_shapes = complete_dynamic_shapes(model, len(example_inputs), dynamic_shapes)
         exported = torch.export.export(
             model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False
         )
@@ -223,6 +228,10 @@ def to_edge(
         program = _slow_core_aten(exported, name)
     program = _finish_edge(program, fold_constants=fold_constants, name=name)
     program.graph_module.meta[PATH_META] = path
+    try:
+        check_bounded(program)
+    except DynamicShapeError as exc:
+        raise ExportError(f"model {name!r}: {exc}") from None
     return program
 
 
@@ -245,7 +254,7 @@ def _slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
 def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -> ExportedProgram:
     """Fold constant views (optional), drop unused lifted inputs, recompile if changed."""
     graph = program.graph_module.graph
-    changed = 0
+    changed = sym_scalars_to_tensors(graph)
     if fold_constants:
         try:
             changed += fold_constant_views(program)

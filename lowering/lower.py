@@ -58,6 +58,7 @@ def lower(
     example_inputs: Sequence[Any] | None = None,
     *,
     partitioner: Any = None,
+    dynamic_shapes: Any = None,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -67,15 +68,19 @@ def lower(
     brought to the edge form unless it already is (e.g. it came from
     :func:`lowering.export`).  With a ``partitioner``, its partitions are
     delegated by :func:`lowering.to_backend.to_backend`; without one nothing
-    is delegated.
+    is delegated.  ``dynamic_shapes`` (torch.export's argument, every
+    ``torch.export.Dim`` with a max) makes those dims dynamic: the ``.pte``
+    runs at any size in their ranges.
     """
     if isinstance(model_or_exported_program, Mapping):
         if example_inputs is not None:
             raise LoweringError("lower: example_inputs go inside the methods dict, one per method")
+        if dynamic_shapes is not None:
+            raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
         return lower_methods(model_or_exported_program, partitioner=partitioner)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
-        program = _edge_program(model_or_exported_program, example_inputs)
+        program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit import emit_program
 
@@ -151,13 +156,16 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
 
 
 def _edge_program(
-    model_or_exported_program: torch.nn.Module | ExportedProgram, example_inputs: Sequence[Any] | None
+    model_or_exported_program: torch.nn.Module | ExportedProgram,
+    example_inputs: Sequence[Any] | None,
+    dynamic_shapes: Any = None,
 ) -> ExportedProgram:
     """The edge-form program of a module or an exported program."""
     if isinstance(model_or_exported_program, ExportedProgram):
-        if example_inputs is not None:
+        if example_inputs is not None or dynamic_shapes is not None:
             raise LoweringError(
-                "lower: example_inputs are only for a module; an ExportedProgram carries its own"
+                "lower: example_inputs and dynamic_shapes are only for a module; "
+                "an ExportedProgram carries its own"
             )
         program = model_or_exported_program
         return program if is_edge_form(program) else to_edge(program)
@@ -170,7 +178,7 @@ def _edge_program(
         raise LoweringError(
             f"lower: model {type(model_or_exported_program).__name__!r} needs example_inputs to be exported"
         )
-    return export(model_or_exported_program, example_inputs)
+    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes)
 
 
 def is_edge_form(program: ExportedProgram) -> bool:

@@ -53,6 +53,7 @@ from torch._higher_order_ops.executorch_call_delegate import executorch_call_del
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from .dynamic import DynamicShapeError, is_dynamic, is_sym_op, upper_bound_shape
 from .errors import MemoryPlanError
 
 #: The arena every planned tensor lives in; 0 is reserved for constants.
@@ -155,6 +156,8 @@ def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
     for node in graph.nodes:
         if node.op != "call_function" or _is_getitem(node) or _is_delegate_call(node):
             continue
+        if is_sym_op(node.target):  # a symbolic int op: a prim op of the runtime, no memory
+            continue
         if not isinstance(node.target, torch._ops.OpOverload):
             if _tensor_vals(node):
                 raise MemoryPlanError(
@@ -246,7 +249,9 @@ class ValueTable:
 def collect_values(ep: ExportedProgram, alignment: int) -> ValueTable:
     """User inputs, mutated buffers and every op output; constants are left out.
 
-    Raises :class:`MemoryPlanError` for a symbolic (dynamic) shape.
+    A tensor with symbolic sizes (dynamic shapes) is sized at its upper bound
+    (every symbol at the max of its ``range_constraints``); one without an
+    upper bound raises :class:`MemoryPlanError` naming the value.
     """
     planned_inputs, mutated_inputs = _planned_inputs(ep)
     values: dict[str, TensorValue] = {}
@@ -267,7 +272,7 @@ def collect_values(ep: ExportedProgram, alignment: int) -> ValueTable:
         }
         keys = [key for key, item in items.items() if isinstance(item, torch.Tensor)]
         for key in keys:
-            values[key] = _tensor_value(key, items[key], alignment)
+            values[key] = _tensor_value(key, items[key], alignment, ep.range_constraints)
         if keys:
             refs[node] = keys
     return ValueTable(values, refs, mutated_inputs)
@@ -302,13 +307,13 @@ def value_key(node: torch.fx.Node) -> str:
     return node.name
 
 
-def _tensor_value(key: str, val: torch.Tensor, alignment: int) -> TensorValue:
-    """``val``'s byte sizes; static shapes only."""
-    if any(not isinstance(d, int) for d in val.shape):
-        raise MemoryPlanError(
-            f"value {key!r} has shape {tuple(val.shape)}: dynamic shapes are not yet supported"
-        )
-    nbytes = val.numel() * val.element_size()
+def _tensor_value(key: str, val: torch.Tensor, alignment: int, ranges=None) -> TensorValue:
+    """``val``'s byte sizes; a dynamic shape at its upper bound."""
+    try:
+        shape = upper_bound_shape(val, ranges, what=f"value {key!r}")
+    except DynamicShapeError as exc:
+        raise MemoryPlanError(f"cannot plan memory at the upper bound: {exc}") from None
+    nbytes = functools.reduce(operator.mul, shape, 1) * val.element_size()
     return TensorValue(key, nbytes, _align(nbytes, alignment))
 
 
@@ -317,13 +322,17 @@ def find_view_aliases(graph: torch.fx.Graph, table: ValueTable) -> dict[str, str
 
     As in ExecuTorch's ``ReplaceViewCopyWithViewPass``, a view that feeds the
     graph output keeps its own copy; chains resolve to the root base.  Only
-    planned bases qualify (a view of a constant stays a planned copy).
+    planned bases qualify (a view of a constant stays a planned copy), and
+    only static shapes: a dynamic view's shape changes at run time, which an
+    aliased tensor (no instruction) could not follow.
     """
     aliases: dict[str, str] = {}
     for node in graph.nodes:
         if node.target is not torch.ops.aten.view_copy.default or node.name not in table.values:
             continue
         if any(user.op == "output" for user in node.users):
+            continue
+        if is_dynamic(node.meta.get("val")) or is_dynamic(getattr(node.args[0], "meta", {}).get("val")):
             continue
         base_keys = table.refs.get(node.args[0], [])
         if len(base_keys) != 1:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+from typing import Any, Mapping
 
 import torch
 from torch.export import ExportedProgram
@@ -118,7 +119,7 @@ def create_exported_program_from_submodule(
         graph=graph,
         graph_signature=ExportGraphSignature(input_specs, output_specs),
         state_dict=state_dict,
-        range_constraints={},
+        range_constraints=_used_ranges(graph, exported_program.range_constraints),
         module_call_graph=[_module_call_entry(user_inputs, user_outputs)],
         constants=constants,
     )
@@ -129,6 +130,20 @@ def create_exported_program_from_submodule(
         output_index=output_index,
     )
     return program, io
+
+
+def _used_ranges(graph: torch.fx.Graph, ranges: Mapping[Any, Any]) -> dict[Any, Any]:
+    """The parent's symbol ranges (dynamic shapes) that the partition's values use: a
+    stored partition program keeps its upper bounds (memory is planned at them)."""
+    used: set[Any] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        for item in val if isinstance(val, (tuple, list)) else [val]:
+            sizes = item.shape if isinstance(item, torch.Tensor) else [item]
+            for size in sizes:
+                if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    used |= size.node.expr.free_symbols
+    return {symbol: r for symbol, r in ranges.items() if symbol in used}
 
 
 def _reorder_placeholders(graph: torch.fx.Graph, ordered: list[torch.fx.Node]) -> None:

@@ -29,6 +29,8 @@ class RuntimeCheck:
     max_abs_diff: float | None = None
     error: str | None = None
     skipped: str | None = None
+    #: Which input set was run: "example", or the dynamic dims' sizes ("seq=1").
+    inputs: str = "example"
 
 
 @dataclasses.dataclass
@@ -53,36 +55,50 @@ def verify(
     rtol: float = 1e-4,
     calls: int = 2,
     method: str = "forward",
+    dynamic_shapes: Any = None,
 ) -> VerifyReport:
     """Run ``pte``'s ``method`` ``calls`` times in each available runtime against a fresh
     eager model each time.
 
     Two calls on the same loaded method check that state (mutated buffers)
-    carries over the way it does in eager.  ``model`` is mutated by the eager
-    calls (its buffers advance), so pass a fresh one.
+    carries over the way it does in eager.  ``model`` is not mutated (each
+    input set runs a fresh copy).  With ``dynamic_shapes`` (torch.export's
+    argument the program was exported with) the program is also run with
+    every dynamic dim at its min and at its max
+    (:func:`lowering.dynamic.inputs_at_sizes`), each on a freshly loaded method.
     """
+    from .dynamic import inputs_at_sizes
+
+    backend_ids = delegate_backend_ids(pte)
+    missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
+    runner = _executorch_runner()
+    missing_executorch = runner.missing_backends(backend_ids) if runner is not None else None
+    checks = []
+    for label, inputs in inputs_at_sizes(model, example_inputs, dynamic_shapes):
+        flat_inputs = pytree.tree_leaves(tuple(inputs))
+        expected = _eager(model, inputs, calls)
+        if missing_lowerflow:
+            check = RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing_lowerflow}")
+        else:
+            check = _check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol)
+        checks.append(dataclasses.replace(check, inputs=label))
+        if runner is None:
+            continue
+        if missing_executorch:
+            check = RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing_executorch}")
+        else:
+            check = _check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol)
+        checks.append(dataclasses.replace(check, inputs=label))
+    return VerifyReport(checks)
+
+
+def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[list[torch.Tensor]]:
+    """Flat outputs of ``calls`` successive calls of a fresh copy of ``model``."""
     import copy
 
-    flat_inputs = pytree.tree_leaves(tuple(example_inputs))
-    expected = []
     reference = copy.deepcopy(model)
     with torch.no_grad():
-        for _ in range(calls):
-            expected.append(pytree.tree_leaves(reference(*example_inputs)))
-    backend_ids = delegate_backend_ids(pte)
-    missing = _missing_lowerflow_runtimes(backend_ids)
-    if missing:
-        checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
-    else:
-        checks = [_check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol)]
-    runner = _executorch_runner()
-    if runner is not None:
-        missing = runner.missing_backends(backend_ids)
-        if missing:
-            checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
-        else:
-            checks.append(_check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol))
-    return VerifyReport(checks)
+        return [pytree.tree_leaves(reference(*inputs)) for _ in range(calls)]
 
 
 def verify_methods(

@@ -15,7 +15,8 @@ without exporting (the factory runs; nothing is traced):
 * ``attributes``  each submodule's class and plain (non-tensor) attributes:
                   hyper-parameters such as ``eps`` or a config object's ``to_dict()``,
                   and ``training``;
-* ``inputs``      the example inputs' tree structure, dtypes, shapes and values;
+* ``inputs``      the example inputs' tree structure, dtypes, shapes and values,
+                  and the dynamic shapes (each Dim's name, min and max) if any;
 * ``options``     the export options and the manifest's ``version`` (a salt).
 
 For a ``.pt2`` model the fingerprint is the file's sha256 (its bytes are the program).
@@ -93,8 +94,13 @@ def fingerprint_module(
     *,
     factory_module: types.ModuleType | None = None,
     options: Mapping[str, Any] | None = None,
+    dynamic_shapes: Any = None,
 ) -> Fingerprint:
-    """The fingerprint of a live model (see the module docstring)."""
+    """The fingerprint of a live model (see the module docstring).
+
+    ``dynamic_shapes`` is the JSON form (:func:`lowering.dynamic.dynamic_shapes_to_json`);
+    None (static shapes) leaves the inputs digest as it always was.
+    """
     weights, weight_details = weights_digest(module)
     code, code_details = code_digest(module, factory_module)
     return Fingerprint(
@@ -103,7 +109,7 @@ def fingerprint_module(
             "weights": weights,
             "code": code,
             "attributes": _sha256_json(attributes_document(module)),
-            "inputs": _sha256_json(inputs_document(inputs)),
+            "inputs": _sha256_json(inputs_document(inputs, dynamic_shapes)),
             "options": _sha256_json(_plain(dict(options or {}))),
         },
         {"weights": weight_details, "code": code_details},
@@ -396,8 +402,9 @@ def _plain(value: Any, depth: int = 0) -> Any:
 # --------------------------------------------------------------------------- inputs
 
 
-def inputs_document(inputs: Any) -> dict[str, Any]:
-    """The inputs' tree structure and, per leaf, dtype, shape and a digest of the values."""
+def inputs_document(inputs: Any, dynamic_shapes: Any = None) -> dict[str, Any]:
+    """The inputs' tree structure and, per leaf, dtype, shape and a digest of the values;
+    the dynamic shapes (JSON form) when there are any."""
     leaves, spec = pytree.tree_flatten(inputs)
     doc = []
     for leaf in leaves:
@@ -405,7 +412,10 @@ def inputs_document(inputs: Any) -> dict[str, Any]:
             doc.append({"dtype": str(leaf.dtype), "shape": list(leaf.shape), "values": tensor_digest(leaf)})
         else:
             doc.append({"value": _plain(leaf)})
-    return {"structure": str(spec), "leaves": doc}
+    document = {"structure": str(spec), "leaves": doc}
+    if dynamic_shapes is not None:
+        document["dynamic_shapes"] = dynamic_shapes
+    return document
 
 
 # --------------------------------------------------------------------------- hashing

@@ -1,7 +1,9 @@
 """Model specs: the strings a fleet manifest or the CLI names models by.
 
 * ``path/to/file.py:factory`` — a Python file; ``factory()`` returns ``(nn.Module, example_inputs)``,
-  or ``{method_name: (nn.Module, example_inputs)}`` for a program of several methods
+  ``(nn.Module, example_inputs, dynamic_shapes)`` (torch.export's argument,
+  ``torch.export.Dim`` objects each with a max; see :mod:`lowering.dynamic`), or
+  ``{method_name: (nn.Module, example_inputs)}`` for a program of several methods
   (e.g. ``encode`` and ``decode`` wrappers over one model; see :func:`load_methods`).
   The file's directory is importable while it loads and while the factory runs,
   so a factory may ``import arch`` from a sibling ``arch.py``.
@@ -35,6 +37,13 @@ from typing import Any
 
 import fsspec
 import torch
+
+from lowering.dynamic import (
+    DynamicShapeError,
+    check_against_inputs,
+    dynamic_shapes_from_json,
+    dynamic_shapes_to_json,
+)
 
 from .fingerprint import Fingerprint, fingerprint_methods, fingerprint_module, fingerprint_pt2
 
@@ -112,28 +121,59 @@ class LoadedModel:
     pt2: bytes | None = None
     methods: dict[str, "LoadedModel"] | None = None
     method: str | None = None
+    #: torch.export's ``dynamic_shapes`` for the module: the factory's, or the
+    #: ``dynamic_shapes`` option (JSON form) when given; None: static.
+    dynamic_shapes: Any = None
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
     """Load ``spec`` (run its factory, or read its .pt2) and fingerprint it.
 
     ``options`` (export options and the manifest's ``version``) are part of the
-    fingerprint.  Errors are :class:`ModelSpecError` naming the spec.
+    fingerprint.  ``options["dynamic_shapes"]`` (the JSON form of
+    :func:`lowering.dynamic.dynamic_shapes_from_json`) replaces the factory's
+    dynamic shapes.  Errors are :class:`ModelSpecError` naming the spec.
     """
+    override = (options or {}).get("dynamic_shapes")
     if spec.kind == "pt2":
+        if override is not None:
+            raise ModelSpecError(f"model spec {spec.text!r}: a .pt2 program carries its own dynamic shapes; "
+                                 "'dynamic_shapes' is only for a factory")
         data = read_pt2(spec, storage_options)
         return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
     with _FACTORY_LOCK:
-        module, inputs, factory_module = _run_factory(spec)
+        module, inputs, factory_module, dynamic_shapes = _run_factory(spec)
         if isinstance(module, dict):
+            if override is not None:
+                raise ModelSpecError(
+                    f"model spec {spec.text!r} has several methods {sorted(module)}: the "
+                    "dynamic_shapes option is for a model of one method"
+                )
             return _load_methods(spec, module, factory_module, options)
+        dynamic_shapes = _dynamic_shapes(spec, module, inputs, dynamic_shapes, override)
         try:
-            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options)
+            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options,
+                                    dynamic_shapes=dynamic_shapes_to_json(dynamic_shapes))
         except Exception as exc:
             raise ModelSpecError(
                 f"model spec {spec.text!r}: cannot fingerprint the model: {type(exc).__name__}: {exc}"
             ) from exc
-    return LoadedModel(spec, fp, module, inputs)
+    return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes)
+
+
+def _dynamic_shapes(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any,
+                    override: Any) -> Any:
+    """The dynamic shapes to export with: the JSON ``override`` if given, else the
+    factory's; checked against forward's arguments and the example inputs."""
+    try:
+        if override is not None:
+            dynamic_shapes = dynamic_shapes_from_json(override)
+        else:
+            dynamic_shapes_to_json(dynamic_shapes)  # every Dim has a max
+        check_against_inputs(dynamic_shapes, module, inputs)
+    except DynamicShapeError as exc:
+        raise ModelSpecError(f"model spec {spec.text!r}: {exc}") from None
+    return dynamic_shapes
 
 
 def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...]]:
@@ -141,7 +181,7 @@ def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
-        module, inputs, _ = _run_factory(spec)
+        module, inputs, _, _ = _run_factory(spec)
     if isinstance(module, dict):
         raise ModelSpecError(f"model spec {spec.text!r} has several methods {sorted(module)}; "
                              "use load_methods")
@@ -154,7 +194,7 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
-        module, inputs, _ = _run_factory(spec)
+        module, inputs, _, _ = _run_factory(spec)
     return dict(module) if isinstance(module, dict) else {"forward": (module, inputs)}
 
 
@@ -205,8 +245,9 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _run_factory(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...], Any]:
-    """(model, inputs, the factory's Python module); the caller holds _FACTORY_LOCK."""
+def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any]:
+    """(model, inputs, the factory's Python module, its dynamic shapes or None); the caller
+    holds _FACTORY_LOCK.  For several methods: ({name: (module, inputs)}, None, module, None)."""
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
     with _importable(directory):
         try:
@@ -224,15 +265,17 @@ def _run_factory(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...], Any
                 result = factory()
         except Exception as exc:
             raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(result, dict):  # several methods: ({name: (module, inputs)}, None, module)
-        return _factory_methods(spec, result), None, module
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+    if isinstance(result, dict):  # several methods: ({name: (module, inputs)}, None, module, None)
+        return _factory_methods(spec, result), None, module, None
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], torch.nn.Module)):
         raise ModelSpecError(
-            f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs) or "
+            f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs), "
+            f"(nn.Module, example_inputs, dynamic_shapes) or "
             f"{{method_name: (nn.Module, example_inputs)}}, got {type(result).__name__}"
         )
-    model, inputs = result
-    return model, (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), module
+    model, inputs = result[:2]
+    dynamic_shapes = result[2] if len(result) == 3 else None
+    return model, (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), module, dynamic_shapes
 
 
 #: Top-level modules imported from a factory's directory: name -> (file, sha256 when imported).

@@ -267,7 +267,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         program = load_pt2(loaded.pt2, name=model)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
-        program = export_module(loaded.module, loaded.inputs, name=label)
+        program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label)
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
@@ -472,7 +472,8 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded = live_model(model, fingerprint)
     if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method).to_dict()
+    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method,
+                      dynamic_shapes=loaded.dynamic_shapes).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks

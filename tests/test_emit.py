@@ -184,12 +184,13 @@ def test_byte_identical_across_processes(programs):
     assert dict(line.split() for line in runs[0].splitlines()) == in_process
 
 
-def test_dynamic_shapes_are_a_clear_error():
+def test_an_unplanned_dynamic_value_is_a_clear_error():
+    """Dynamic shapes are emitted (tests/test_dynamic_shapes.py); a plan that misses a value names it."""
     model, inputs = MODELS["mlp"]()
     batch = torch.export.Dim("batch", min=2, max=16)
     ep = export(model, inputs, dynamic_shapes=({0: batch},))
     empty_plan = MemoryPlan(out_variants={}, allocations={}, arena_sizes=(0, 0), lower_bound=0, algorithm="none")
-    with pytest.raises(EmitError, match=r"node 'x'.*dynamic shapes are not yet supported"):
+    with pytest.raises(EmitError, match=r"node 'x'.*the memory plan has no allocation for value 'x'"):
         emit_program(ep, empty_plan)
 
 

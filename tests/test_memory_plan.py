@@ -246,12 +246,19 @@ def test_op_without_out_variant_is_an_error():
     assert repr(node.name) in str(info.value)
 
 
-def test_dynamic_shapes_are_an_error():
+def test_dynamic_shapes_are_planned_at_the_upper_bound():
     model, (x,) = MODELS["mlp"]()
     batch = torch.export.Dim("batch", min=2, max=64)
-    ep = export(model, (x,), dynamic_shapes={"x": {0: batch}})
-    with pytest.raises(MemoryPlanError, match="dynamic shapes are not yet supported") as info:
-        memory_plan(ep)
+    plan = memory_plan(export(model, (x,), dynamic_shapes={"x": {0: batch}}))
+    assert plan.allocations["x"].size == 64 * 64 * 4
+    assert plan.arena_bytes == memory_plan(export(model, (torch.randn(64, 64),))).arena_bytes
+
+
+def test_an_unbounded_dynamic_shape_is_an_error_naming_the_value():
+    model, (x,) = MODELS["mlp"]()
+    exported = torch.export.export(model, (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    with pytest.raises(MemoryPlanError, match="no upper bound") as info:
+        memory_plan(exported.run_decompositions())
     assert "'x'" in str(info.value)
 
 

@@ -10,7 +10,11 @@ Memory model (the same as ExecuTorch's):
 - a tensor with both is planned and gets its initial value from the mutable
   data segment when the method is loaded;
 - method inputs are copied into their planned tensors; outputs are copied
-  out of the arenas (the next call reuses the memory).
+  out of the arenas (the next call reuses the memory);
+- a ``DYNAMIC_BOUND`` tensor's sizes are its upper bound: its bytes are
+  reserved for that, and an input, a kernel or a delegate resizes it in place
+  within them (a kernel's dynamic ``out`` tensor is emptied first, so the
+  kernel resizes it to its result's shape at the same address).
 
 A loaded method keeps its arenas, so state (mutable buffers, delegate
 handles) persists across calls on it; :meth:`LoadedProgram.run` reuses one
@@ -91,6 +95,8 @@ class LoadedMethod:
         self._pte = pte
         self.arenas = [torch.zeros(int(size), dtype=torch.uint8) for size in _ints(plan.nonConstBufferSizes)]
         self._initialized: set[int] = set()
+        #: DYNAMIC_BOUND tensor values -> their capacity in elements.
+        self._capacity: dict[int, int] = {}
         self.values: list[Any] = [self._build_value(i, ev) for i, ev in enumerate(plan.values or [])]
         self.inputs = _ints(plan.inputs)
         self.outputs = _ints(plan.outputs)
@@ -133,6 +139,11 @@ class LoadedMethod:
         dim_order = _ints(table.dimOrder) or list(range(len(sizes)))
         strides = dim_order_strides(sizes, dim_order)
         nbytes = _numel(sizes) * _element_size(dtype)
+        if table.shapeDynamism == fb.TensorShapeDynamism.DYNAMIC_BOUND:
+            self._capacity[index] = _numel(sizes)
+        elif table.shapeDynamism != fb.TensorShapeDynamism.STATIC:
+            raise ExecutorError(f"method {self.name!r}: value {index} has unbounded dynamic shape; "
+                                "only STATIC and DYNAMIC_BOUND tensors are supported")
         allocation = table.allocationInfo
         if allocation is not None:
             tensor = self._arena_view(index, allocation, dtype, sizes, strides, nbytes)
@@ -276,7 +287,9 @@ class LoadedMethod:
             if isinstance(slot, torch.Tensor):
                 if not isinstance(given, torch.Tensor):
                     raise ExecutorError(f"method {self.name!r}: input {position} must be a tensor, got {type(given).__name__}")
-                if given.dtype != slot.dtype or tuple(given.shape) != tuple(slot.shape):
+                if index in self._capacity and given.dtype == slot.dtype and given.dim() == slot.dim():
+                    self._resize(index, slot, tuple(given.shape), f"input {position}")
+                elif given.dtype != slot.dtype or tuple(given.shape) != tuple(slot.shape):
                     raise ExecutorError(
                         f"method {self.name!r}: input {position} must be {slot.dtype}{list(slot.shape)}, "
                         f"got {given.dtype}{list(given.shape)}"
@@ -284,6 +297,13 @@ class LoadedMethod:
                 slot.copy_(given)
             else:
                 self.values[index] = given
+
+    def _resize(self, index: int, slot: torch.Tensor, shape: tuple, what: str) -> None:
+        """Resize a DYNAMIC_BOUND tensor in place (same address) within its capacity."""
+        if _numel(shape) > self._capacity[index]:
+            raise ExecutorError(f"method {self.name!r}: {what} of shape {list(shape)} exceeds the "
+                                f"upper bound of {self._capacity[index]} elements")
+        slot.resize_(shape)
 
     def _output(self, index: int) -> Any:
         value = self._resolve(index)
@@ -299,18 +319,43 @@ class LoadedMethod:
 
     def _run_kernel(self, kernel: Kernel, arg_ids: tuple) -> None:
         values = [self._resolve(i) for i in arg_ids[: kernel.num_args]]
-        before = [_layout(values[i]) for i in kernel.written]
+        dynamic = self._dynamic_outs(kernel, arg_ids)
+        before = [_layout(values[i], i in dynamic) for i in kernel.written]
+        for ids in dynamic.values():
+            for i in ids:  # emptied in place: the kernel resizes it to its result's shape
+                self.values[i].resize_(0)
         try:
-            kernel.call(values)
+            result = kernel.call(values)
         except ExecutorError:
             raise
         except Exception as exc:
             raise ExecutorError(f"method {self.name!r}: kernel {kernel.qualified_name} failed: "
                                 f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
-        after = [_layout(values[i]) for i in kernel.written]
+        after = [_layout(values[i], i in dynamic) for i in kernel.written]
         if before != after:
             raise ExecutorError(f"method {self.name!r}: kernel {kernel.qualified_name} resized its output "
                                 f"(planned shape does not match the result)")
+        for ids in dynamic.values():
+            for i in ids:
+                if self.values[i].numel() > self._capacity[i]:
+                    raise ExecutorError(f"method {self.name!r}: kernel {kernel.qualified_name} result of "
+                                        f"shape {list(self.values[i].shape)} exceeds its upper bound")
+        if kernel.returns_value:
+            self.values[arg_ids[-1]] = result
+
+    def _dynamic_outs(self, kernel: Kernel, arg_ids: tuple) -> dict[int, list[int]]:
+        """Written argument position -> its DYNAMIC_BOUND tensors (value ids) the kernel
+        does not also read: those it may resize (at the same address)."""
+        found = {}
+        read = {arg_ids[i] for i in range(kernel.num_args) if i not in kernel.written}
+        for position in kernel.written:
+            index = arg_ids[position]
+            value = self.values[index]
+            items = value.items if type(value) is _ListRef else [index]
+            dynamic = [i for i in items if i in self._capacity and i not in read]
+            if dynamic:
+                found[position] = dynamic
+        return found
 
     def _run_delegate(self, step: _Step) -> None:
         runtime, handle = self.delegates[step.target]
@@ -325,6 +370,8 @@ class LoadedMethod:
         for index, result in zip(out_ids, results):
             slot = self.values[index]
             if isinstance(slot, torch.Tensor):
+                if index in self._capacity and result.dim() == slot.dim():
+                    self._resize(index, slot, tuple(result.shape), f"delegate {step.target} output")
                 if tuple(result.shape) != tuple(slot.shape):
                     raise ExecutorError(f"method {self.name!r}: delegate {step.target} output shape "
                                         f"{tuple(result.shape)} != planned {tuple(slot.shape)}")
@@ -365,10 +412,13 @@ def _is_arena_view(tensor: torch.Tensor, arenas: list[torch.Tensor]) -> bool:
     return any(arena.numel() and storage == arena.untyped_storage().data_ptr() for arena in arenas)
 
 
-def _layout(value: Any):
-    """Address, shape and strides of a tensor (or of each tensor of a list)."""
+def _layout(value: Any, dynamic: bool = False):
+    """Address, shape and strides of a tensor (or of each tensor of a list);
+    only the address of a dynamic one (its kernel resizes it)."""
     if isinstance(value, torch.Tensor):
+        if dynamic:  # the address of its first element, whatever its size
+            return value.untyped_storage().data_ptr() + value.storage_offset() * value.element_size()
         return value.data_ptr(), tuple(value.shape), value.stride()
     if isinstance(value, list):
-        return [_layout(v) for v in value]
+        return [_layout(v, dynamic) for v in value]
     return None

@@ -10,6 +10,7 @@ tensors, which are views of planned memory; the trailing value is not read.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,8 @@ class Kernel:
     call: Callable[[list], Any]
     #: Positions of arguments the kernel writes (their memory must not move).
     written: tuple[int, ...] = ()
+    #: The call returns the result value (a symbolic scalar op): it goes to the trailing EValue.
+    returns_value: bool = False
 
 
 def resolve_operator(name: str, overload: str) -> Kernel:
@@ -77,6 +80,49 @@ def _nothing(values: list) -> None:
     """``_empty_dim_order.out``: the planned out tensor already exists."""
 
 
+def _scalar_kernel(qualified: str, arity: int, fn: Callable[..., Any]) -> Kernel:
+    """A prim op on scalars (ints, floats, bools): ``arity`` operands, one result value."""
+    return Kernel(qualified, arity, 1, lambda values: fn(*values), (), True)
+
+
+def _floordiv(a, b):
+    return a // b
+
+
+def _truediv(a, b):
+    return a / b
+
+
+#: ExecuTorch's symbolic scalar ops (``aten::sym_size.int``, ``executorch_prim::*.Scalar``).
+_SYM_KERNELS: dict[str, Kernel] = {
+    k.qualified_name: k
+    for k in (
+        _scalar_kernel("aten::sym_size.int", 2, lambda t, d: int(t.shape[d])),
+        _scalar_kernel("aten::sym_numel", 1, lambda t: int(t.numel())),
+        _scalar_kernel("executorch_prim::add.Scalar", 2, lambda a, b: a + b),
+        _scalar_kernel("executorch_prim::sub.Scalar", 2, lambda a, b: a - b),
+        _scalar_kernel("executorch_prim::mul.Scalar", 2, lambda a, b: a * b),
+        _scalar_kernel("executorch_prim::floordiv.Scalar", 2, _floordiv),
+        _scalar_kernel("executorch_prim::truediv.Scalar", 2, _truediv),
+        _scalar_kernel("executorch_prim::mod.Scalar", 2, lambda a, b: a % b),
+        _scalar_kernel("executorch_prim::neg.Scalar", 1, lambda a: -a),
+        _scalar_kernel("executorch_prim::eq.Scalar", 2, lambda a, b: a == b),
+        _scalar_kernel("executorch_prim::gt.Scalar", 2, lambda a, b: a > b),
+        _scalar_kernel("executorch_prim::lt.Scalar", 2, lambda a, b: a < b),
+        _scalar_kernel("executorch_prim::ge.Scalar", 2, lambda a, b: a >= b),
+        _scalar_kernel("executorch_prim::le.Scalar", 2, lambda a, b: a <= b),
+        _scalar_kernel("executorch_prim::round.Scalar", 1, round),
+        _scalar_kernel("executorch_prim::ceil.Scalar", 1, math.ceil),
+        _scalar_kernel("executorch_prim::trunc.Scalar", 1, math.trunc),
+        _scalar_kernel("executorch_prim::sym_float.Scalar", 1, float),
+        _scalar_kernel("executorch_prim::sym_int.Scalar", 1, int),
+        _scalar_kernel("executorch_prim::sym_max.Scalar", 2, max),
+        _scalar_kernel("executorch_prim::sym_min.Scalar", 2, min),
+        _scalar_kernel("executorch_prim::sym_not.Scalar", 1, lambda a: not a),
+        _scalar_kernel("executorch_prim::sym_ite.Scalar", 3, lambda c, t, f: t if c else f),
+    )
+}
+
 #: ExecuTorch operators that are not torch ops, implemented here.
 _PYTHON_KERNELS: dict[str, Kernel] = {
     "dim_order_ops::_to_dim_order_copy.out": Kernel(
@@ -88,4 +134,5 @@ _PYTHON_KERNELS: dict[str, Kernel] = {
     "dim_order_ops::_empty_dim_order.out": Kernel(
         "dim_order_ops::_empty_dim_order.out", 3, 1, _nothing, (2,)
     ),
+    **_SYM_KERNELS,
 }

@@ -40,6 +40,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from ...dynamic import upper_bound_shape
 from ...delegation import named_data_key
 from ...errors import BackendError
 from . import payload as P
@@ -122,7 +123,9 @@ def val(node: Any) -> Any:
 
 
 def shape(node: torch.fx.Node) -> list[int]:
-    return [int(s) for s in node.meta["val"].shape]
+    """The node's dims; a symbolic size at its upper bound (the runtime reshapes the
+    graph to the actual input sizes before each run, as ExecuTorch's XNNPACK delegate does)."""
+    return upper_bound_shape(node.meta["val"], what=f"node {getattr(node, 'name', node)!r}")
 
 
 def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
@@ -163,11 +166,32 @@ def _check_dtypes(node: torch.fx.Node) -> str | None:
         if t.dtype != torch.float32:
             return f"dtype {t.dtype} (only float32)"
         if any(not isinstance(d, int) for d in t.shape):
-            return "dynamic shape"
+            reason = _dynamic_reason(node)
+            if reason:
+                return reason
         if t.numel() == 0:
             return "empty tensor"
         if t.dim() > 6:
             return "more than 6 dims"
+    return None
+
+
+def _dynamic_reason(node: torch.fx.Node) -> str | None:
+    """Why a node with a symbolic size cannot be delegated (None: it can).
+
+    XNNPACK reshapes its graph to the actual input sizes at run time, which is
+    right for ops whose attributes do not depend on the sizes: elementwise
+    ops, fully connected (a dynamic batch of rows) and softmax over a static
+    last dim.  Others bake sizes into the graph (reshape, slice, concat, pad,
+    ...) and stay in the portable program.
+    """
+    if node.target not in _DYNAMIC_OPS:
+        return ("dynamic shape: XNNPACK takes symbolic sizes only in elementwise ops, "
+                "fully connected and softmax")
+    if node.target is aten._softmax.default:
+        dim = node.args[1] % val(node).dim()
+        if not isinstance(val(node).shape[dim], int):
+            return "dynamic shape: softmax over a symbolic dim"
     return None
 
 
@@ -1482,3 +1506,11 @@ def preprocess_program(ep: ExportedProgram) -> tuple[bytes, dict[str, bytes]]:
     builder = GraphBuilder(ep)
     graph = builder.build()
     return P.serialize_payload(graph), dict(builder.named_data)
+
+
+#: Ops :func:`_dynamic_reason` lets XNNPACK take with symbolic sizes.
+_DYNAMIC_OPS = frozenset({
+    *_BINARY, *_UNARY,
+    aten.relu.default, aten.hardtanh.default, aten.clamp.default, aten.leaky_relu.default,
+    aten.addmm.default, aten.mm.default, aten._softmax.default,
+})

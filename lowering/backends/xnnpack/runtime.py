@@ -83,13 +83,24 @@ class XnnpackRuntime:
         values: dict[int, torch.Tensor] = dict(handle.constants)
         for (_, vid), arg in zip(handle.inputs, args):
             dims = list(handle.graph.xvalues[vid].xvalueUnion.dims)
-            values[vid] = arg.reshape(dims) if list(arg.shape) != dims else arg
+            # A 0-dim input is [1] in the graph; an input smaller than its dims is a
+            # dynamic one (dims at the upper bound): it runs at its own size.
+            if list(arg.shape) != dims and arg.numel() == _numel(dims):
+                arg = arg.reshape(dims)
+            values[vid] = arg
         for node in handle.graph.xnodes or []:
             result = _KERNELS[node.xnodeUnionType](node.xnodeUnion, values)
             if node.outputMinMax is not None:
                 result = result.clamp(node.outputMinMax.outputMin, node.outputMinMax.outputMax)
             values[_output_id(node.xnodeUnion)] = result.contiguous()
         return [values[vid].clone() for _, vid in handle.outputs]
+
+
+def _numel(dims: Sequence[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
 
 
 def _output_id(body: Any) -> int:
