@@ -32,3 +32,7 @@ class MemoryPlanError(LoweringError):
 
 class EmitError(LoweringError):
     """Stage 8: the program cannot be written in the ExecuTorch format."""
+
+
+class FusedOpError(PartitionError):
+    """Stage 2: a backend's fused op is unusable (missing kernel, untraceable pattern)."""
