@@ -76,8 +76,14 @@ def verify(
     runner = _executorch_runner()
     if runner is not None:
         missing = runner.missing_backends(backend_ids)
+        missing_ops = runner.missing_operators(program_operators(pte))
         if missing:
             checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
+        elif missing_ops:
+            # E.g. a backend's fused op no backend took (lowering.backend_ops): ExecuTorch
+            # refuses to load the method ("Missing operator", error 0x14); lowerflow's
+            # executor ran it above through the op's own kernel.
+            checks.append(RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}"))
         else:
             checks.append(_check("executorch", lambda: runner(pte, flat_inputs, calls), expected, atol, rtol))
     return VerifyReport(checks)
@@ -95,6 +101,21 @@ def delegate_backend_ids(pte: bytes) -> list[str]:
             if backend not in ids:
                 ids.append(backend)
     return ids
+
+
+def program_operators(pte: bytes) -> list[str]:
+    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use."""
+    from .pte import deserialize
+    from .pte.format import decode_string
+
+    names = []
+    for plan in deserialize(pte).program.executionPlan or []:
+        for op in plan.operators or []:
+            name, overload = decode_string(op.name), decode_string(op.overload)
+            qualified = f"{name}.{overload}" if overload else name
+            if qualified not in names:
+                names.append(qualified)
+    return names
 
 
 def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
@@ -151,6 +172,17 @@ def _executorch_runner():
                 program = runtime_module.Runtime.get().load_program(pte)
                 method = program.load_method("forward")
                 return [list(method.execute(list(inputs))) for _ in range(calls)]
+
+        def missing_operators(self, operators: list[str]) -> list[str]:
+            with _EXECUTORCH_LOCK, _native_output_to_log():
+                registry = getattr(runtime_module.Runtime.get(), "operator_registry", None)
+                known = registry.operator_names if registry is not None else None
+            if known is None:
+                return []
+            # Only operators of namespaces the runtime has none of (a backend's own ops):
+            # a missing aten kernel is a failure to report, not a reason to skip.
+            namespaces = {name.partition("::")[0] for name in known}
+            return [op for op in operators if op not in known and op.partition("::")[0] not in namespaces]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:
             with _EXECUTORCH_LOCK, _native_output_to_log():
