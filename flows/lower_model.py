@@ -25,7 +25,7 @@ from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
-from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage
+from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key
 
 #: The stages after export, per kind of target (preprocess repeats per partition).
 PORTABLE_STAGES = ("memory_plan", "emit", "verify")
@@ -220,7 +220,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
 def delegate(run: Run, name, program, target, options, records):
     """Stages 2–6: returns (delegated program ref, delegation summary)."""
-    tagged = run("partition", records, program=program, target=target, options=options)
+    tagged = run("partition", records, program=program, target=target, options=options,
+                 fused_ops=fused_ops_key(target, options))
     if not tagged["partitions"]:
         return tagged["program"], {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
