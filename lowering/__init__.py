@@ -4,11 +4,13 @@
            ─► adjust original program ─► memory plan ─► emit
 """
 
+from .backend_ops import FusedOp, apply_fused_ops, define_fused_op
 from .delegate import executorch_call_delegate
 from .errors import (
     BackendError,
     EmitError,
     ExportError,
+    FusedOpError,
     LoweringError,
     MemoryPlanError,
     PartitionError,
@@ -35,6 +37,8 @@ __all__ = [
     "DelegationSpec",
     "EmitError",
     "ExportError",
+    "FusedOp",
+    "FusedOpError",
     "LowerResult",
     "LoweredBackendModule",
     "LoweringError",
@@ -45,6 +49,8 @@ __all__ = [
     "Partitioner",
     "PreprocessResult",
     "SubmoduleError",
+    "apply_fused_ops",
+    "define_fused_op",
     "executorch_call_delegate",
     "export",
     "lower",
