@@ -162,12 +162,23 @@ class FusedOp:
             graph = traced.graph
         if not any(n.target is self.op for n in graph.nodes):
             raise FusedOpError(f"fused op {self.name}: replacement does not call {self.name}")
+        produced = len(_outputs(graph))
+        expected = len(_outputs(self.pattern_graph.graph))
+        if produced != expected:
+            raise FusedOpError(
+                f"fused op {self.name}: the pattern returns {expected} values, the replacement {produced}"
+            )
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
     def digest(self) -> str:
         """sha256 of what decides the rewrite: the op's schema, the pattern and replacement graphs."""
         text = "\0".join([str(self.op._schema), self.pattern_graph.code, self.replacement_graph.code])
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _outputs(graph: torch.fx.Graph) -> list:
+    """The values a graph returns, flattened (``return (a,)`` and ``return a`` both give ``[a]``)."""
+    return torch.utils._pytree.tree_leaves(graph.output_node().args[0])
 
 
 class _Pattern(torch.nn.Module):

@@ -187,6 +187,9 @@ def test_bad_declarations_fail_at_pass_time_naming_the_op(edge, test_ops):
     wrong = FusedOp(ADDMM_RELU, reference_fused._linear_relu_pattern, inputs, replacement=lambda b, x, w: torch.relu(x))
     with pytest.raises(FusedOpError, match="replacement does not call lowerflow_reference::addmm_relu"):
         partition(program, ReferencePartitioner(fused_ops=[wrong]))
+    two = FusedOp(ADDMM_RELU, lambda b, x, w: (torch.relu(torch.addmm(b, x, w)), x.neg()), inputs)
+    with pytest.raises(FusedOpError, match="the pattern returns 2 values, the replacement 1"):
+        partition(program, ReferencePartitioner(fused_ops=[two]))
     partitioner = OpSupportPartitioner("ReferenceBackend", SUPPORTED_OPS)
     partitioner.fused_ops = (aten.relu.default,)
     with pytest.raises(PartitionError, match="fused_ops must hold lowering.backend_ops.FusedOp, got OpOverload"):
