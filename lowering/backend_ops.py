@@ -171,9 +171,75 @@ class FusedOp:
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
     def digest(self) -> str:
-        """sha256 of what decides the rewrite: the op's schema, the pattern and replacement graphs."""
-        text = "\0".join([str(self.op._schema), self.pattern_graph.code, self.replacement_graph.code])
-        return hashlib.sha256(text.encode()).hexdigest()
+        """sha256 of what decides the rewrite, without tracing anything: the op's schema,
+        the code of the pattern, replacement and match filters (and of the functions
+        they call), and the example inputs' shapes and dtypes.
+
+        Tracing the pattern would cost a first ``torch.export`` (seconds in a fresh
+        process) to every flow run, cached or not; the code is what the trace is a
+        function of (with torch's version, which every cache key holds).
+        """
+        inputs = [
+            (str(v.dtype), tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v) for v in self.example_inputs
+        ]
+        parts = [
+            str(self.op._schema),
+            code_digest(self.pattern),
+            code_digest(self.replacement) if self.replacement is not None else "op(*inputs)",
+            *(code_digest(f) for f in self.match_filters),
+            repr(inputs),
+        ]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def code_digest(fn: Any) -> str:
+    """sha256 of a Python function's code: bytecode, constants and names, of nested code
+    objects, and of the module-level functions it calls (recursively).  Equal source
+    gives equal digests in any process of one Python version; a comment does not count."""
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+
+    def visit_function(obj: Any) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        code = getattr(obj, "__code__", None)
+        if code is None:  # a builtin, an OpOverload, a class: its name
+            digest.update(f"<{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', repr(obj))}>".encode())
+            return
+        visit_code(code, getattr(obj, "__globals__", {}))
+        for cell in getattr(obj, "__closure__", None) or ():
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            visit_value(contents, getattr(obj, "__globals__", {}))
+
+    def visit_code(code: Any, globals_: dict) -> None:
+        digest.update(code.co_code)
+        digest.update(repr(code.co_names).encode())
+        for const in code.co_consts:
+            if hasattr(const, "co_code"):
+                visit_code(const, globals_)
+            elif isinstance(const, frozenset):  # its repr's order follows the string hash seed
+                digest.update(repr(sorted(map(repr, const))).encode())
+            else:
+                digest.update(repr(const).encode())
+        for name in code.co_names:
+            value = globals_.get(name)
+            if callable(value) and hasattr(value, "__code__"):
+                visit_function(value)
+
+    def visit_value(value: Any, globals_: dict) -> None:
+        if callable(value):
+            visit_function(value)
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"tensor{tuple(value.shape)}{value.dtype}".encode())
+        else:
+            digest.update(repr(value).encode())
+
+    visit_function(fn)
+    return digest.hexdigest()
 
 
 def _outputs(graph: torch.fx.Graph) -> list:
@@ -361,6 +427,7 @@ __all__ = [
     "FusedOpError",
     "apply_fused_ops",
     "check_fused_op_kernels",
+    "code_digest",
     "define_fused_op",
     "fused_ops_digest",
     "fused_ops_of",

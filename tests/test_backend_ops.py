@@ -368,3 +368,31 @@ def _env():
     env["PYTHONPATH"] = str(ROOT)
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     return env
+
+
+def _act(x):
+    return torch.relu(x)
+
+
+def _act_changed(x):
+    return torch.clamp(x, min=0)
+
+
+def test_code_digest_sees_called_functions_and_closures():
+    from lowering.backend_ops import code_digest
+
+    def pattern(b, x, w):
+        return _act(torch.addmm(b, x, w))
+
+    def make(limit):
+        return lambda b, x, w: torch.clamp(torch.addmm(b, x, w), min=limit)
+
+    before = code_digest(pattern)
+    assert code_digest(pattern) == before
+    globals()["_act"], saved = _act_changed, _act
+    try:
+        assert code_digest(pattern) != before  # the helper it calls changed
+    finally:
+        globals()["_act"] = saved
+    assert code_digest(make(0)) != code_digest(make(1))
+    assert code_digest(make(0)) == code_digest(make(0))
