@@ -70,15 +70,15 @@ def qualified_name(op: torch._ops.OpOverload) -> str:
 
 
 def missing_kernels(op: torch._ops.OpOverload) -> list[str]:
-    """What ``op`` lacks to be a fused op: ``[]``, or sentences naming the missing kernels."""
+    """What ``op`` lacks to be a fused op: ``[]``, or phrases naming the missing kernels."""
     missing = []
     if not any(op.has_kernel_for_dispatch_key(key) for key in TRACEABLE_KEYS) and not _has_fake_impl(op):
         missing.append(
-            "a kernel torch.export can trace (Meta, CompositeExplicitAutograd, CompositeImplicitAutograd "
+            "kernel torch.export can trace (Meta, CompositeExplicitAutograd, CompositeImplicitAutograd "
             "or a torch.library.register_fake implementation)"
         )
     if not any(op.has_kernel_for_dispatch_key(key) for key in RUNNABLE_KEYS):
-        missing.append("a kernel that runs on CPU (CPU, CompositeExplicitAutograd or CompositeImplicitAutograd)")
+        missing.append("kernel that runs on CPU (CPU, CompositeExplicitAutograd or CompositeImplicitAutograd)")
     return missing
 
 

@@ -165,16 +165,31 @@ def test_ops():
 def test_op_without_a_traceable_kernel_is_rejected_at_declaration(test_ops):
     inputs = reference_fused.FUSED_OPS[0].example_inputs
     pattern = reference_fused._linear_relu_pattern
-    with pytest.raises(FusedOpError, match=r"fused op lowerflow_test_ops::cpu_only has no a kernel torch.export can "
+    with pytest.raises(FusedOpError, match=r"fused op lowerflow_test_ops::cpu_only has no kernel torch.export can "
                                            r"trace \(Meta, CompositeExplicitAutograd"):
         FusedOp(test_ops.cpu_only.default, pattern, inputs)
-    with pytest.raises(FusedOpError, match=r"lowerflow_test_ops::no_kernel .*trace.* and no a kernel that runs on CPU"):
+    with pytest.raises(FusedOpError, match=r"lowerflow_test_ops::no_kernel has no kernel .*trace.* and no kernel that runs on CPU"):
         FusedOp(test_ops.no_kernel.default, pattern, inputs)
     with pytest.raises(FusedOpError, match=r"lowerflow_test_ops::cpu_only: give an overload"):
         FusedOp(test_ops.cpu_only, pattern, inputs)
     with pytest.raises(FusedOpError, match="mutates an argument"):
         FusedOp(aten.relu_.default, pattern, inputs)
     assert missing_kernels(test_ops.with_fake.default) == []  # a register_fake impl is enough to trace
+    assert missing_kernels(ADDMM_RELU) == []
+
+    class Calls(nn.Module):
+        def __init__(self, op):
+            super().__init__()
+            self.op = op
+
+        def forward(self, b, x, w):
+            return self.op(b, x, w)
+
+    # What the check prevents: a graph calling the CPU-only op cannot be exported ...
+    with pytest.raises(Exception, match="lowerflow_test_ops.cpu_only|lowerflow_test_ops::cpu_only"):
+        torch.export.export(Calls(test_ops.cpu_only.default), inputs)
+    # ... while the op with a fake impl can.
+    assert _calls(torch.export.export(Calls(test_ops.with_fake.default), inputs), test_ops.with_fake.default)
     assert missing_kernels(ADDMM_RELU) == []
 
 
