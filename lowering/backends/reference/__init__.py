@@ -1,6 +1,8 @@
 """The ``reference`` backend: an op-allowlist partitioner and a self-contained payload.
 
-``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops;
+``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops
+(after fusing ``addmm → relu`` into the backend's own ``lowerflow_reference::addmm_relu``,
+see :mod:`.fused`);
 ``ReferenceBackend.preprocess`` memory-plans the partition's program and emits
 it as a nested ``.pte`` (stages 7 and 8 applied to the partition), and
 :class:`.runtime.ReferenceRuntime` executes that payload with lowerflow's own
