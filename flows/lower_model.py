@@ -38,7 +38,7 @@ from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
-from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage
+from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key
 
 from . import heartbeats
 
@@ -359,7 +359,8 @@ def _combined_verify(reports: dict[str, dict]) -> dict:
 
 def delegate(run: Run, name, program, target, options, records):
     """Stages 2–6: returns (delegated program ref, delegation summary)."""
-    tagged = run("partition", records, program=program, target=target, options=options)
+    tagged = run("partition", records, program=program, target=target, options=options,
+                 fused_ops=fused_ops_key(target, options))
     if not tagged["partitions"]:
         return tagged["program"], {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]

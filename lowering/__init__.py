@@ -4,12 +4,14 @@
            ─► adjust original program ─► memory plan ─► emit
 """
 
+from .backend_ops import FusedOp, apply_fused_ops, define_fused_op
 from .delegate import executorch_call_delegate
 from .errors import (
     BackendError,
     DynamicShapeError,
     EmitError,
     ExportError,
+    FusedOpError,
     LoweringError,
     MemoryPlanError,
     PartitionError,
@@ -38,6 +40,8 @@ __all__ = [
     "DynamicShapeError",
     "EmitError",
     "ExportError",
+    "FusedOp",
+    "FusedOpError",
     "LowerResult",
     "LoweredBackendModule",
     "LoweringError",
@@ -50,6 +54,8 @@ __all__ = [
     "Partitioner",
     "PreprocessResult",
     "SubmoduleError",
+    "apply_fused_ops",
+    "define_fused_op",
     "executorch_call_delegate",
     "emit_methods",
     "export",

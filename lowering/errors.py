@@ -36,3 +36,7 @@ class EmitError(LoweringError):
 
 class DynamicShapeError(LoweringError):
     """A dynamic-shape spec or a symbolic size that cannot be lowered (e.g. a Dim without a max)."""
+
+
+class FusedOpError(PartitionError):
+    """Stage 2: a backend's fused op is unusable (missing kernel, untraceable pattern)."""

@@ -56,8 +56,13 @@ class Partitioner(abc.ABC):
     """Tags the nodes of ``exported_program`` that a backend should take.
 
     It may only set ``node.meta["delegation_tag"]`` (and ``no_copy``); any other
-    change to the graph is rejected by :func:`check_partition_result`.
+    change to the graph is rejected by :func:`check_partition_result`.  The
+    graph changes a backend wants are declared in ``fused_ops``
+    (:class:`lowering.backend_ops.FusedOp`), applied by :func:`partition` first.
     """
+
+    #: The backend's fused ops, applied before :meth:`partition` runs.
+    fused_ops: tuple = ()
 
     @abc.abstractmethod
     def partition(self, exported_program: ExportedProgram) -> PartitionResult: ...
@@ -283,7 +288,9 @@ def _first_difference(before: list[tuple], after: list[tuple]) -> str:
 def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> PartitionResult:
     """Stage 2: run ``partitioner`` on a copy of the program, check and normalise its tags.
 
-    The input program is not modified.  The result's program has every getitem
+    The partitioner's fused ops (:mod:`lowering.backend_ops`) replace their
+    patterns first, so it tags the fused calls.  The input program is not
+    modified.  The result's program has every getitem
     tagged like its producer and every constant shared by several partitions
     duplicated (:func:`duplicate_shared_constants`); every backend id is known.
     """
@@ -292,6 +299,7 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     if not isinstance(partitioner, Partitioner):
         raise PartitionError(f"expected a lowering.Partitioner, got {type(partitioner).__name__}")
     program = copy_program(exported_program)
+    program = apply_backend_fused_ops(program, partitioner)
     before = graph_fingerprint(program.graph)
     result = partitioner.partition(program)
     check_partition_result(result, before, partitioner)
@@ -301,6 +309,18 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     tag_getitems_with_producer(program.graph)
     duplicate_shared_constants(program)
     return PartitionResult(program, dict(sorted(result.partition_tags.items())))
+
+
+def apply_backend_fused_ops(program: ExportedProgram, partitioner: Partitioner) -> ExportedProgram:
+    """Replace the patterns of ``partitioner.fused_ops`` (if it has any) by the fused ops.
+
+    Before::  %addmm = aten.addmm(%b, %x, %w)   %relu = aten.relu(%addmm)
+    After::   %addmm_relu = lowerflow_reference.addmm_relu(%b, %x, %w)
+    """
+    from .backend_ops import apply_fused_ops, fused_ops_of
+
+    fused = fused_ops_of(partitioner)
+    return apply_fused_ops(program, fused) if fused else program
 
 
 def partition_tags_of(graph: torch.fx.Graph) -> dict[str, str]:

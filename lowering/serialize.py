@@ -288,11 +288,17 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
     example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
     graph = blob(obj["graph"], "graph")
     try:
-        serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
-        # Dicts and tuples are used as they are: torch.load is never reached.
-        program = _serde.ExportedProgramDeserializer().deserialize(
-            serialized_ep, state_dict, constants, example_inputs
-        )
+        try:
+            program = _deserialize_graph(graph, state_dict, constants, example_inputs)
+        except Exception:
+            # A backend's fused op (lowering.backend_ops) exists once its backend is
+            # imported: import the registered backends, then try once more.
+            from .backend_ops import load_backend_op_libraries
+
+            if load_backend_op_libraries.cache_info().currsize:
+                raise
+            load_backend_op_libraries()
+            program = _deserialize_graph(graph, state_dict, constants, example_inputs)
     except SerializationError:
         raise
     except Exception as exc:
@@ -301,6 +307,12 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
         ) from exc
     drop_unused_output_getitems(program)
     return program
+
+
+def _deserialize_graph(graph: bytes, state_dict, constants, example_inputs) -> ExportedProgram:
+    serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
+    # Dicts and tuples are used as they are: torch.load is never reached.
+    return _serde.ExportedProgramDeserializer().deserialize(serialized_ep, state_dict, constants, example_inputs)
 
 
 #: How torch's serializer names an output of a multi-output node that no getitem read.

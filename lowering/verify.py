@@ -73,6 +73,7 @@ def verify(
     missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
     runner = _executorch_runner()
     missing_executorch = runner.missing_backends(backend_ids) if runner is not None else None
+    missing_ops = runner.missing_operators(program_operators(pte)) if runner is not None else None
     checks = []
     for label, inputs in inputs_at_sizes(model, example_inputs, dynamic_shapes):
         flat_inputs = pytree.tree_leaves(tuple(inputs))
@@ -86,6 +87,11 @@ def verify(
             continue
         if missing_executorch:
             check = RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing_executorch}")
+        elif missing_ops:
+            # E.g. a backend's fused op no backend took (lowering.backend_ops): ExecuTorch
+            # refuses to load the method ("Missing operator", error 0x14); lowerflow's
+            # executor ran it above through the op's own kernel.
+            check = RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}")
         else:
             check = _check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol)
         checks.append(dataclasses.replace(check, inputs=label))
@@ -144,6 +150,21 @@ def delegate_backend_ids(pte: bytes) -> list[str]:
     return ids
 
 
+def program_operators(pte: bytes) -> list[str]:
+    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use."""
+    from .pte import deserialize
+    from .pte.format import decode_string
+
+    names = []
+    for plan in deserialize(pte).program.executionPlan or []:
+        for op in plan.operators or []:
+            name, overload = decode_string(op.name), decode_string(op.overload)
+            qualified = f"{name}.{overload}" if overload else name
+            if qualified not in names:
+                names.append(qualified)
+    return names
+
+
 def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
     try:
         actual = run()
@@ -200,6 +221,17 @@ def _executorch_runner():
                     raise KeyError(f"program has no method {method_name!r}; methods: {sorted(program.method_names)}")
                 method = program.load_method(method_name)
                 return [list(method.execute(list(inputs))) for _ in range(calls)]
+
+        def missing_operators(self, operators: list[str]) -> list[str]:
+            with _EXECUTORCH_LOCK, _native_output_to_log():
+                registry = getattr(runtime_module.Runtime.get(), "operator_registry", None)
+                known = registry.operator_names if registry is not None else None
+            if known is None:
+                return []
+            # Only operators of namespaces the runtime has none of (a backend's own ops):
+            # a missing aten kernel is a failure to report, not a reason to skip.
+            namespaces = {name.partition("::")[0] for name in known}
+            return [op for op in operators if op not in known and op.partition("::")[0] not in namespaces]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:
             with _EXECUTORCH_LOCK, _native_output_to_log():

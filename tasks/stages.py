@@ -37,6 +37,7 @@ import torch
 
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
+from lowering.backend_ops import fused_ops_digest, fused_ops_of
 from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
@@ -63,7 +64,7 @@ from .store import ArtifactRef, ArtifactStore
 #: Bump a stage's version when its code changes what it produces.
 STAGE_VERSIONS = {
     "export": "1",
-    "partition": "1",
+    "partition": "2",
     "create_submodule": "2",
     "build_programs": "2",
     "preprocess": "1",
@@ -272,10 +273,38 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
 
-def run_partition(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:
-    """Stage 2: the tagged program and its tags (node name -> tag), stored apart."""
+def fused_ops_key(target: str, options: dict) -> str | None:
+    """The digest of the fused ops ``target``'s partitioner applies ("" for none): the
+    ``fused_ops`` parameter of stage 2, so its cache key changes with a declaration
+    (op schema, pattern, replacement, filters), wherever the backend's code lives.
+    Nothing is traced: it costs microseconds.
+
+    None when the partitioner or its fused ops are unusable: stage 2 then fails
+    with that error itself (a failed stage is never cached).
+    """
+    try:
+        partitioner = partitioner_for(target, options)
+        return fused_ops_digest(fused_ops_of(partitioner)) if partitioner is not None else ""
+    except Exception:
+        return None
+
+
+def run_partition(
+    store: ArtifactStore, program: ArtifactRef, target: str, options: dict, fused_ops: str | None = None
+) -> dict:
+    """Stage 2: the tagged program and its tags (node name -> tag), stored apart.
+
+    ``fused_ops`` is :func:`fused_ops_key` of the target, computed by the caller
+    (it is part of the cache key); a stale value is an error, never a wrong hit.
+    """
     _begin("partition")
-    result = partition(get_program(store, program), partitioner_for(target, options))
+    partitioner = partitioner_for(target, options)
+    if fused_ops is not None and fused_ops != fused_ops_digest(fused_ops_of(partitioner)):
+        raise RuntimeError(
+            f"target {target!r}: the fused ops of its partitioner changed while the flow ran "
+            "(fused_ops digest differs); lower again"
+        )
+    result = partition(get_program(store, program), partitioner)
     tagged = result.tagged_exported_program
     doc = {
         "tags": partition_tags_of(tagged.graph),

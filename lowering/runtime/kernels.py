@@ -43,12 +43,23 @@ def resolve_operator(name: str, overload: str) -> Kernel:
     if "::" not in name:
         raise ExecutorError(f"operator {qualified!r} has no namespace (expected e.g. 'aten::add')")
     namespace, op_name = name.split("::", 1)
-    try:
-        packet = getattr(getattr(torch.ops, namespace), op_name)
-        op = getattr(packet, overload or "default")
-    except (AttributeError, RuntimeError):
-        raise ExecutorError(f"operator {qualified!r} has no kernel in torch.ops or the executor") from None
+    op = _torch_op(namespace, op_name, overload)
+    if op is None and namespace != "aten":
+        # A backend's fused op (lowering.backend_ops): defined when its backend is imported.
+        from ..backend_ops import load_backend_op_libraries
+
+        load_backend_op_libraries()
+        op = _torch_op(namespace, op_name, overload)
+    if op is None:
+        raise ExecutorError(f"operator {qualified!r} has no kernel in torch.ops or the executor")
     return _aten_kernel(qualified, op)
+
+
+def _torch_op(namespace: str, op_name: str, overload: str) -> torch._ops.OpOverload | None:
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), op_name), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _aten_kernel(qualified: str, op: torch._ops.OpOverload) -> Kernel:

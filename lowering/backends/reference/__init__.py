@@ -1,6 +1,8 @@
 """The ``reference`` backend: an op-allowlist partitioner and a self-contained payload.
 
-``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops;
+``ReferencePartitioner`` tags maximal groups of allowlisted core-ATen ops
+(after fusing ``addmm → relu`` into the backend's own ``lowerflow_reference::addmm_relu``,
+see :mod:`.fused`);
 ``ReferenceBackend.preprocess`` memory-plans the partition's program and emits
 it as a nested ``.pte`` (stages 7 and 8 applied to the partition), and
 :class:`.runtime.ReferenceRuntime` executes that payload with lowerflow's own
@@ -18,6 +20,8 @@ from ...emit import emit_program
 from ...lowered_module import BackendDetails, PreprocessResult
 from ...memory_plan import memory_plan
 from ...partition import CompileSpec, OpSupportPartitioner
+from . import fused
+from .fused import ADDMM_RELU
 from .runtime import ReferenceRuntime
 
 BACKEND_ID = "ReferenceBackend"
@@ -45,22 +49,35 @@ SUPPORTED_OPS = frozenset(
         aten.convolution.default,
         aten._native_batch_norm_legit_no_training.default,
         aten.sum.dim_IntList,
+        ADDMM_RELU,  # a fused op: lowering.backend_ops, .fused
     }
 )
 
 
 class ReferencePartitioner(OpSupportPartitioner):
+    """Tags maximal groups of ``supported_ops``.
+
+    ``fused_ops`` (:class:`lowering.backend_ops.FusedOp`, or their op names from a
+    manifest) replace their patterns before tagging; by default the ones of
+    :data:`.fused.FUSED_OPS` whose op is in ``supported_ops``.  ``[]`` applies none.
+    """
+
     def __init__(
         self,
         supported_ops: Iterable[object] = SUPPORTED_OPS,
         *,
         compile_specs: Iterable[CompileSpec] = (),
         backend_id: str = BACKEND_ID,
+        fused_ops: Iterable[object] | None = None,
         **options,
     ) -> None:
+        supported_ops = list(supported_ops)
         if all(isinstance(op, str) for op in supported_ops):  # e.g. ["aten.add.Tensor"] from a manifest
             supported_ops = [_op_from_name(op) for op in supported_ops]
         super().__init__(backend_id, supported_ops, compile_specs=compile_specs, **options)
+        if fused_ops is None:
+            fused_ops = [f for f in fused.FUSED_OPS if f.op in supported_ops]
+        self.fused_ops = tuple(_fused_op_from_name(f) if isinstance(f, str) else f for f in fused_ops)
 
 
 def _op_from_name(name: str):
@@ -70,6 +87,14 @@ def _op_from_name(name: str):
         return getattr(getattr(getattr(torch.ops, namespace), op), overload)
     except AttributeError as exc:
         raise ValueError(f"unknown operator {name!r}") from exc
+
+
+def _fused_op_from_name(name: str):
+    """``"lowerflow_reference::addmm_relu"`` -> that entry of :data:`.fused.FUSED_OPS`."""
+    for candidate in fused.FUSED_OPS:
+        if candidate.name == name:
+            return candidate
+    raise ValueError(f"unknown fused op {name!r}; the reference backend has {[f.name for f in fused.FUSED_OPS]}")
 
 
 class ReferenceBackend(BackendDetails):
@@ -85,6 +110,7 @@ class ReferenceBackend(BackendDetails):
 
 
 __all__ = [
+    "ADDMM_RELU",
     "BACKEND_ID",
     "SUPPORTED_OPS",
     "ReferenceBackend",

@@ -15,6 +15,7 @@ it is found through the ``lowerflow.backends`` entry point (``xnnpack``).
 from __future__ import annotations
 
 from ...delegation import BackendDetails, PreprocessResult
+from . import fused  # defines lowerflow_xnnpack:: ops and their lowering rules
 from .partitioner import BACKEND_ID, XnnpackPartitioner
 from .preprocess import XnnpackPreprocessError, preprocess_program
 

@@ -43,12 +43,15 @@ class XnnpackPartitioner(OpSupportPartitioner):
         *,
         compile_specs: Iterable[CompileSpec] = (),
         backend_id: str = BACKEND_ID,
+        fused_ops: Iterable[object] = (),
         **options,
     ) -> None:
         options.setdefault("duplicate_shared_constants", True)
         options.setdefault("take_mutated_buffers", False)
         super().__init__(backend_id, self.is_supported, compile_specs=compile_specs, **options)
         self._ctx: Context | None = None
+        #: Opt-in fused ops (:mod:`.fused`): FusedOps or their names.
+        self.fused_ops = tuple(_fused_op(f) for f in fused_ops)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         self._ctx = Context(exported_program)
@@ -86,6 +89,17 @@ class XnnpackPartitioner(OpSupportPartitioner):
         if any(u.op != "call_function" or check_node(u, self._ctx) is not None for u in arg.users):
             return False
         return arg.op == "placeholder" or self._owned(arg.args[0])
+
+
+def _fused_op(item: object):
+    from . import fused
+
+    if not isinstance(item, str):
+        return item
+    for candidate in fused.FUSED_OPS:
+        if candidate.name == item:
+            return candidate
+    raise ValueError(f"unknown fused op {item!r}; the xnnpack backend has {[f.name for f in fused.FUSED_OPS]}")
 
 
 def _drop_oversized(result: PartitionResult) -> None:

@@ -493,7 +493,7 @@ class GraphBuilder:
         Before::  %t = permute_copy(%w, [1, 0])    %mm = mm(%x, %t)      (%w a delegate input)
         After::   FullyConnected(x, w) without the transpose-weights flag: w is [N, K] already
         """
-        weight_arg = {aten.mm.default: 1, aten.addmm.default: 2}
+        weight_arg = {aten.mm.default: 1, **dict.fromkeys(ADDMM_LIKE, 2)}
         for node in self.ep.graph.nodes:
             if (
                 node.target is aten.permute_copy.default
@@ -1043,13 +1043,18 @@ def _lower_pad(b: GraphBuilder, node: torch.fx.Node) -> None:
 # --------------------------------------------------------------------------- matmul
 
 
+#: Ops with ``addmm``'s arguments (bias, input, transposed weight): ``aten.addmm`` and
+#: the fused ops of :mod:`.fused` that add an activation to it.
+ADDMM_LIKE: set[Any] = {aten.addmm.default}
+
+
 def _check_addmm(node, ctx):
     if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
         return "alpha/beta != 1"
-    weight = node.args[2] if node.target is aten.addmm.default else node.args[1]
+    weight = node.args[2] if node.target in ADDMM_LIKE else node.args[1]
     if not ctx.is_static(weight) and val(weight).dim() != 2:
         return "weight is not 2-D"
-    if node.target is aten.addmm.default:
+    if node.target in ADDMM_LIKE:
         bias = node.args[0]
         if val(bias).numel() != val(node).shape[-1]:
             return "bias is not one value per output"
@@ -1059,7 +1064,7 @@ def _check_addmm(node, ctx):
 @_rule(aten.addmm.default, aten.mm.default, check=_check_addmm)
 def _lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
-    is_addmm = node.target is aten.addmm.default
+    is_addmm = node.target in ADDMM_LIKE
     x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
     x = b.get(x_node, NCHW)
     flags = P.FLAG_TRANSPOSE_WEIGHTS
