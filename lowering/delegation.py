@@ -94,15 +94,22 @@ class BackendDetails(abc.ABC):
     ) -> PreprocessResult: ...
 
 
+#: Backends found by entry-point name in this process (``reference`` -> ReferenceBackend).
+_BY_ENTRY_POINT: dict[str, type[BackendDetails]] = {}
+
+
 def find_backend(backend_id: str) -> type[BackendDetails]:
     """The BackendDetails subclass named ``backend_id`` (class name or entry-point name)."""
     for cls in _all_subclasses(BackendDetails):
         if cls.__name__ == backend_id:
             return cls
-    entries = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    if backend_id in _BY_ENTRY_POINT:
+        return _BY_ENTRY_POINT[backend_id]
+    entries = list(metadata.entry_points(group=ENTRY_POINT_GROUP))  # 25-50 ms: scans every distribution
     for entry in entries:
         if entry.name == backend_id:
-            return _load_entry(backend_id, entry)
+            _BY_ENTRY_POINT[backend_id] = _load_entry(backend_id, entry)
+            return _BY_ENTRY_POINT[backend_id]
     # A backend known by class name whose package is not imported yet: load the
     # registered backends once and look again.
     for entry in entries:
