@@ -34,6 +34,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import treespec_dumps
 
+from .control_flow import emit_control_flow, is_control_flow
 from .errors import EmitError
 from .pte import PteData, schema, serialize
 from .pte.scalar_types import DTYPE_TO_SCALAR_TYPE
@@ -98,6 +99,10 @@ class _MethodEmitter:
         #: fx node -> value id (tensor or other), or list of ids for multi-output nodes.
         self.node_values: dict[torch.fx.Node, Any] = {}
         self.node: torch.fx.Node | None = None
+        #: Key prefix of the values being emitted ("" at the top level, "<submodule>/" inside
+        #: a cond branch or map body) and the graph module holding their get_attr targets.
+        self.scope = ""
+        self.graph_module = ep.graph_module
 
     # ------------------------------------------------------------------ driver
 
@@ -204,9 +209,11 @@ class _MethodEmitter:
             self._emit_getitem(node)
         elif getattr(target, "__name__", "") == _DELEGATE_CALL:
             self._emit_delegate_call(node)
+        elif is_control_flow(node):
+            emit_control_flow(self, node)
         elif isinstance(target, torch._ops.OpOverload):
-            if node.name in self.aliases:
-                self.node_values[node] = self._planned_tensor(node.name, node.meta["val"])
+            if self.scope + node.name in self.aliases:
+                self.node_values[node] = self._planned_tensor(self.scope + node.name, node.meta["val"])
             else:
                 self._emit_kernel_call(node)
         else:
@@ -247,7 +254,7 @@ class _MethodEmitter:
         self.node_values[node] = results
 
     def _out_variant(self, node: torch.fx.Node):
-        qualified = self.plan.out_variants.get(node.name)
+        qualified = self.plan.out_variants.get(self.scope + node.name)
         if not qualified:
             raise self._error("the memory plan gives no out variant for this node")
         name, _, overload = qualified.rpartition(".")
@@ -280,9 +287,9 @@ class _MethodEmitter:
         """Planned tensor value(s) of a node's result: an id, or a list of ids for tuples."""
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return self._planned_tensor(node.name, val)
+            return self._planned_tensor(self.scope + node.name, val)
         if isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
-            return [self._planned_tensor(f"{node.name}.{i}", v) for i, v in enumerate(val)]
+            return [self._planned_tensor(f"{self.scope}{node.name}.{i}", v) for i, v in enumerate(val)]
         raise self._error(f"result of type {type(val).__name__} cannot be emitted")
 
     def _kernel_call(self, name: str, overload: str, args: Sequence[int]) -> None:
@@ -332,10 +339,11 @@ class _MethodEmitter:
         """Index of the BackendDelegate of the lowered module named by a get_attr node."""
         if not isinstance(module_node, torch.fx.Node) or module_node.op != "get_attr":
             raise self._error("the first argument of a delegate call must be a get_attr of a lowered module")
-        if module_node.target in self._delegate_of_module:
-            return self._delegate_of_module[module_node.target]
+        module_key = self.scope + module_node.target
+        if module_key in self._delegate_of_module:
+            return self._delegate_of_module[module_key]
         try:
-            lowered = getattr(self.ep.graph_module, module_node.target)
+            lowered = getattr(self.graph_module, module_node.target)
             backend_id, payload, compile_specs = lowered.backend_id, lowered.processed_bytes, lowered.compile_specs
         except AttributeError as exc:
             raise self._error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
@@ -350,7 +358,7 @@ class _MethodEmitter:
         reference.index = self._add_payload(bytes(payload))
         delegate.processed = reference
         delegate.compileSpecs = [_compile_spec(spec.key, spec.value) for spec in compile_specs]
-        self._delegate_of_module[module_node.target] = len(self.delegates)
+        self._delegate_of_module[module_key] = len(self.delegates)
         self.delegates.append(delegate)
         return len(self.delegates) - 1
 

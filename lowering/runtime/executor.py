@@ -301,7 +301,9 @@ class LoadedMethod:
         values = [self._resolve(i) for i in arg_ids[: kernel.num_args]]
         before = [_layout(values[i]) for i in kernel.written]
         try:
-            kernel.call(values)
+            result = kernel.call(values)
+            if kernel.returns_value:
+                self.values[arg_ids[kernel.num_args]] = result
         except ExecutorError:
             raise
         except Exception as exc:

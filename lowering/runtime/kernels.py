@@ -29,6 +29,9 @@ class Kernel:
     call: Callable[[list], Any]
     #: Positions of arguments the kernel writes (their memory must not move).
     written: tuple[int, ...] = ()
+    #: The kernel returns a non-tensor result (an int, a bool) that the
+    #: executor stores in the value after the arguments (ExecuTorch's prim ops).
+    returns_value: bool = False
 
 
 def resolve_operator(name: str, overload: str) -> Kernel:
@@ -77,8 +80,32 @@ def _nothing(values: list) -> None:
     """``_empty_dim_order.out``: the planned out tensor already exists."""
 
 
+def _copy_index(values: list) -> None:
+    """``executorch_prim::et_copy_index.tensor(copy_to, copy_from, index)``: ``copy_to[index] = copy_from``
+    (map's output, one iteration at a time)."""
+    copy_to, copy_from, index = values
+    if tuple(copy_to.shape[1:]) != tuple(copy_from.shape) or not 0 <= index < copy_to.shape[0]:
+        raise ExecutorError(
+            f"et_copy_index of {tuple(copy_from.shape)} into row {index} of {tuple(copy_to.shape)}"
+        )
+    copy_to[index].copy_(copy_from)
+
+
+def _prim(name: str, fn: Callable[..., Any], num_args: int) -> Kernel:
+    """A scalar prim op of ExecuTorch (``executorch_prim::add.Scalar``, ``aten::sym_size.int``):
+    its result is a value, not a tensor written in place."""
+    return Kernel(name, num_args, 1, lambda values: fn(*values), (), returns_value=True)
+
+
 #: ExecuTorch operators that are not torch ops, implemented here.
 _PYTHON_KERNELS: dict[str, Kernel] = {
+    "aten::sym_size.int": _prim("aten::sym_size.int", lambda t, dim: int(t.shape[dim]), 2),
+    "executorch_prim::add.Scalar": _prim("executorch_prim::add.Scalar", lambda a, b: a + b, 2),
+    "executorch_prim::sub.Scalar": _prim("executorch_prim::sub.Scalar", lambda a, b: a - b, 2),
+    "executorch_prim::eq.Scalar": _prim("executorch_prim::eq.Scalar", lambda a, b: a == b, 2),
+    "executorch_prim::et_copy_index.tensor": Kernel(
+        "executorch_prim::et_copy_index.tensor", 3, 0, _copy_index, (0,)
+    ),
     "dim_order_ops::_to_dim_order_copy.out": Kernel(
         "dim_order_ops::_to_dim_order_copy.out", 4, 1, _copy_into_out, (3,)
     ),
