@@ -251,6 +251,20 @@ def _lower_in(gm: torch.fx.GraphModule, lower: Callable[[ExportedProgram], Expor
     return changed
 
 
+def submodule_lowered_modules(gm: torch.fx.GraphModule) -> list:
+    """The lowered modules the cond / map submodules call (recursively), in graph order."""
+    from .delegate import executorch_call_delegate
+
+    found = []
+    for scope, module in iter_scopes(gm):
+        if not scope:
+            continue
+        for n in module.graph.nodes:
+            if n.op == "call_function" and n.target is executorch_call_delegate:
+                found.append(getattr(module, n.args[0].target))
+    return found
+
+
 def count_submodule_delegates(gm: torch.fx.GraphModule) -> int:
     """How many ``executorch_call_delegate`` nodes the cond / map submodules hold (recursively)."""
     from .delegate import executorch_call_delegate
