@@ -337,3 +337,14 @@ def test_cli_lowers_map_model_for_xnnpack(tmp_path):
     assert "XnnpackBackend" in _delegate_ids(pte)
     model, inputs = map_linear()
     assert_all_close(run_in_executorch(pte, inputs)[0], _eager(model, inputs))
+
+
+def test_tagging_the_cond_node_itself_is_a_partition_error(cond_model):
+    from lowering.errors import PartitionError
+    from tests._lowering import TagBy
+
+    model, inputs = cond_model
+    program = lowering.export(model, inputs)
+    whole = TagBy(lambda n: "T" if n.target is COND else None, constants=False)
+    with pytest.raises(PartitionError, match="tagged cond node 'cond' with 'T'.*not delegated as a whole"):
+        lowering.to_backend(program, whole)
