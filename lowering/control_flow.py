@@ -129,30 +129,26 @@ def for_each_submodule_graph(
 def check_control_flow(program: ExportedProgram, name: str) -> None:
     """Refuse control flow lowerflow cannot lower, naming the node and the model.
 
-    Supported: ``torch.cond`` with a tensor predicate and tensor outputs, and
-    ``torch.map`` over one tensor with one tensor output, not nested in another
-    cond or map.  Raises :class:`~lowering.errors.ExportError`.
+    Supported: ``torch.cond`` with a one-element bool tensor predicate and
+    tensor outputs, and ``torch.map`` over one tensor with one tensor output;
+    either may be nested in a branch or body of the other.  Raises
+    :class:`~lowering.errors.ExportError`.
     """
-    _check_graph(program.graph_module, name, nested_in=None)
+    _check_graph(program.graph_module, name, inside=None)
 
 
-def _check_graph(gm: torch.fx.GraphModule, name: str, nested_in: str | None) -> None:
+def _check_graph(gm: torch.fx.GraphModule, name: str, inside: str | None) -> None:
     from .errors import ExportError
 
     unsupported = _unsupported_ops()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        where = f"model {name!r}, node {node.name!r}"
+        where = f"model {name!r}, node {node.name!r}" + (f" (inside {inside!r})" if inside else "")
         if node.target in unsupported:
             raise ExportError(f"{where}: {unsupported[node.target]}")
         if not is_control_flow(node):
             continue
-        if nested_in is not None:
-            raise ExportError(
-                f"{where}: control flow nested inside {nested_in!r} is not supported; "
-                "move the inner torch.cond / torch.map out of the branch or body"
-            )
         outputs = node.meta.get("val")
         if not isinstance(outputs, (tuple, list)) or not all(isinstance(v, torch.Tensor) for v in outputs):
             raise ExportError(f"{where}: {node.target.__name__} must return tensors only")
@@ -174,7 +170,7 @@ def _check_graph(gm: torch.fx.GraphModule, name: str, nested_in: str | None) -> 
                     "return one tensor)"
                 )
         for sub in submodules_of(gm, node):
-            _check_graph(sub.module, name, nested_in=node.name)
+            _check_graph(sub.module, name, inside=sub.attr if inside is None else f"{inside}/{sub.attr}")
 
 
 # ---------------------------------------------------------------------------
@@ -222,9 +218,9 @@ def lower_control_flow_submodules(
     """Delegate the partitions inside every cond / map submodule (in place); returns how many
     submodules changed.
 
-    ``lower`` is the top-level partition-and-lower step (``to_backend`` with
-    the same partitioner), applied to :func:`submodule_program`; the delegated
-    graph module replaces the submodule.
+    ``lower`` is ``to_backend`` with the same partitioner, applied to
+    :func:`submodule_program` (it recurses into control flow nested there);
+    the delegated graph module replaces the submodule.
 
     Before::
 
@@ -242,9 +238,8 @@ def _lower_in(gm: torch.fx.GraphModule, lower: Callable[[ExportedProgram], Expor
     changed = 0
     for node in control_flow_nodes(gm.graph):
         for sub in submodules_of(gm, node):
-            lowered = lower(submodule_program(sub.module))
-            new_module = lowered.graph_module
-            changed += _lower_in(new_module, lower)
+            # ``lower`` handles the control flow nested in the submodule itself.
+            new_module = lower(submodule_program(sub.module)).graph_module
             if new_module is not sub.module:
                 setattr(gm, sub.attr, new_module)
                 changed += 1

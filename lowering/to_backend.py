@@ -56,7 +56,7 @@ def _lower_partitions(exported_program: ExportedProgram, partitioner: Partitione
     """The top level's partitions, then those inside every cond branch / map body."""
     program = _lower_graph_partitions(exported_program, partitioner)
     if has_control_flow(program.graph):
-        lower_control_flow_submodules(program, lambda sub: _lower_graph_partitions(sub, partitioner))
+        lower_control_flow_submodules(program, lambda sub: _lower_partitions(sub, partitioner))
     return program
 
 

@@ -257,12 +257,16 @@ class WhileLoop(nn.Module):
         return torch._higher_order_ops.while_loop(keep_going, step, (torch.tensor(0), x))[1]
 
 
-class CondInsideMap(nn.Module):
+class Scan(nn.Module):
     def forward(self, xs):
-        def body(x):
-            return torch.cond(x.sum() > 0, lambda x: x + 1.0, lambda x: x - 1.0, (x,))
+        from torch._higher_order_ops.scan import scan
 
-        return torch._higher_order_ops.map(body, xs)
+        return scan(lambda carry, x: (carry + x, carry * 2.0), torch.zeros(4), xs)[1]
+
+
+class MapWithTwoResults(nn.Module):
+    def forward(self, xs):
+        return torch._higher_order_ops.map(lambda x: (x + 1.0, x * 2.0), xs)
 
 
 class MapOverTwo(nn.Module):
@@ -274,10 +278,11 @@ class MapOverTwo(nn.Module):
     "model, inputs, fragments",
     [
         (WhileLoop(), (torch.randn(3),), ["model 'WhileLoop'", "node 'while_loop'", "torch.while_loop is not supported"]),
-        (CondInsideMap(), (torch.randn(3, 4),), ["model 'CondInsideMap'", "node 'cond'", "nested inside 'map_impl'"]),
+        (Scan(), (torch.randn(3, 4),), ["model 'Scan'", "node 'scan'", "torch.scan is not supported"]),
         (MapOverTwo(), (torch.randn(3, 4), torch.randn(3, 4)), ["model 'MapOverTwo'", "node 'map_impl'", "over 2 tensors"]),
+        (MapWithTwoResults(), (torch.randn(3, 4),), ["model 'MapWithTwoResults'", "node 'map_impl'", "2 outputs"]),
     ],
-    ids=["while_loop", "cond_in_map", "map_over_two"],
+    ids=["while_loop", "scan", "map_over_two", "map_two_results"],
 )
 def test_unsupported_control_flow_is_a_clear_export_error(model, inputs, fragments):
     with pytest.raises(ExportError) as info:
@@ -348,3 +353,69 @@ def test_tagging_the_cond_node_itself_is_a_partition_error(cond_model):
     whole = TagBy(lambda n: "T" if n.target is COND else None, constants=False)
     with pytest.raises(PartitionError, match="tagged cond node 'cond' with 'T'.*not delegated as a whole"):
         lowering.to_backend(program, whole)
+
+
+# --------------------------------------------------------------------------- nesting
+
+
+class CondInsideMap(nn.Module):
+    """Each slice takes its own branch: a linear layer or a shift."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, xs):
+        def body(x):
+            return torch.cond(x.sum() > 0, lambda x: torch.relu(self.fc(x)) + 1.0, lambda x: x - 1.0, (x,))
+
+        return torch._higher_order_ops.map(body, xs)
+
+
+class CondInsideCond(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        def inner(x, y):
+            return torch.cond(y.sum() > 0, lambda x: self.fc(x) * 2.0, lambda x: x - 3.0, (x,)) + y
+
+        return torch.cond(x.sum() > 0, inner, lambda x, y: x * y, (x, y))
+
+
+def _ones(sign: float = 1.0) -> torch.Tensor:
+    """A fresh tensor each call: example inputs that are one tensor object would be
+    exported as one input."""
+    return torch.full((2, 4), sign)
+
+
+@pytest.mark.parametrize("target", ["portable", "reference", "xnnpack"])
+@pytest.mark.parametrize(
+    "model, input_sets, delegates",
+    [
+        (CondInsideMap, [(torch.tensor([[1.0, 2, 3, 4], [-1, -2, -3, -4], [5, 6, 7, -30]]),)], 1),
+        (CondInsideCond, [(_ones(), _ones()), (_ones(), _ones(-1.0)), (_ones(-1.0), _ones())], 1),
+    ],
+    ids=["cond_in_map", "cond_in_cond"],
+)
+def test_nested_control_flow(model, input_sets, delegates, target):
+    """Every branch taken at least once; the linear layer in the innermost true branch is delegated;
+    the stored program (lowered modules inside nested submodules) reads back to the same .pte."""
+    from lowering.serialize import deserialize_any, serialize_any
+
+    model = model().eval()
+    result = lowering.lower(model, input_sets[0], partitioner=partitioner_for(target))
+    if target != "portable":
+        assert count_submodule_delegates(result.exported_program.graph_module) >= delegates
+        stored = serialize_any(result.exported_program)
+        again = deserialize_any(stored.manifest, stored.blobs.__getitem__)
+        assert lowering.lower(again).pte == result.pte
+    for inputs in input_sets:
+        expected = _eager(model, inputs)
+        assert_all_close(load(result.pte).run("forward", list(inputs)), expected)
+        if target != "reference":
+            pytest.importorskip("executorch")
+            assert_all_close(run_in_executorch(result.pte, inputs, calls=2)[1], expected)
