@@ -18,7 +18,9 @@ One method, ``forward``, one chain.  The program is walked in graph order:
   by the outputs; the lowered module's named data (weights keyed by sha256)
   goes to the program's ``named_data`` table, each distinct blob one segment;
 - mutated buffers are written back at the end with ``aten::copy_``, so the new
-  state is in the buffer's planned memory for the next call.
+  state is in the buffer's planned memory for the next call;
+- ``cond`` / ``map_impl`` inline their branches / body (values keyed
+  ``"<submodule>/<node>"``) between jumps: see :mod:`lowering.control_flow`.
 
 Values are keyed like the memory plan: a node's name, or ``"<name>.<i>"`` for
 output ``i`` of a multi-output node.

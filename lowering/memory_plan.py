@@ -34,6 +34,11 @@ How it works, one function each:
    first in that order), then, only if it misses the lower bound, a
    deterministic :func:`local_search` from it.
 
+A program with ``cond`` / ``map`` also plans the values of their branches and
+bodies (keys ``"<submodule>/<node>"``) on one timeline in execution order, a
+branch's result placed on the cond output it is moved to; see
+:mod:`lowering.control_flow` (:func:`_control_flow_lifetimes` is the hook).
+
 Two values may share bytes only if their lifetimes are disjoint; inclusive
 ranges mean an op's inputs and outputs never share memory.  The lower bound
 (the most bytes live at one step) is what no placement can beat.
