@@ -419,3 +419,25 @@ def test_nested_control_flow(model, input_sets, delegates, target):
         if target != "reference":
             pytest.importorskip("executorch")
             assert_all_close(run_in_executorch(result.pte, inputs, calls=2)[1], expected)
+
+
+def test_branch_returning_its_operand_is_moved_and_kept_alive(cond_model):
+    """torch.cond refuses a branch that returns its input, but a program built by hand may:
+    the MoveCall then points the cond's output at the operand, so the operand's memory must
+    live as long as the output does."""
+    pytest.importorskip("executorch")
+    model, inputs = cond_model
+    program = lowering.export(model, inputs)
+    false_branch = program.graph_module.false_graph_0
+    operand = next(n for n in false_branch.graph.nodes if n.op == "placeholder")
+    false_branch.graph.output_node().args = ((operand,),)
+    false_branch.graph.eliminate_dead_code()
+    false_branch.recompile()
+    result = lowering.lower(program)
+    plan = result.memory_plan
+    assert plan.allocations["x"].lifetime[1] >= plan.allocations["cond.0"].lifetime[1]
+    negative = _negated(inputs)
+    expected = [negative[0] + 1.0]  # cond_linear adds 1 to the cond's result
+    for got in (run_in_executorch(result.pte, negative, calls=2)[1], load(result.pte).run("forward", list(negative))):
+        assert_all_close(got, expected)
+    assert_all_close(run_in_executorch(result.pte, inputs)[0], _eager(model, inputs))
