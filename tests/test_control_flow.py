@@ -17,6 +17,7 @@ import lowering
 from examples.models import cond_linear, map_linear
 from lowering.control_flow import COND, MAP, count_submodule_delegates, iter_scopes
 from lowering.errors import ExportError
+from lowering.lower import is_edge_form
 from lowering.pte import deserialize
 from lowering.runtime import load
 from lowering.targets import partitioner_for
@@ -441,3 +442,12 @@ def test_branch_returning_its_operand_is_moved_and_kept_alive(cond_model):
     for got in (run_in_executorch(result.pte, negative, calls=2)[1], load(result.pte).run("forward", list(negative))):
         assert_all_close(got, expected)
     assert_all_close(run_in_executorch(result.pte, inputs)[0], _eager(model, inputs))
+
+
+def test_lower_decomposes_a_torch_export_program_with_control_flow(map_model):
+    """A program straight from torch.export has only the map at its top level but ``linear``
+    in its body: it is not in edge form, so ``lower`` decomposes it (same bytes as from the module)."""
+    model, inputs = map_model
+    raw = torch.export.export(model, inputs)
+    assert not is_edge_form(raw)
+    assert lowering.lower(raw).pte == lowering.lower(model, inputs).pte
