@@ -206,6 +206,57 @@ METHOD_MODELS = {
 }
 
 
+class CondLinear(nn.Module):
+    """``torch.cond`` on the data (the sign of ``x.sum()``): each branch a linear layer
+    (an addmm a backend takes) and an elementwise op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Linear(16, 16)
+        self.neg = nn.Linear(16, 16)
+
+    def forward(self, x):
+        def positive(x):
+            return torch.relu(self.pos(x))
+
+        def negative(x):
+            return self.neg(x) * 2.0
+
+        return torch.cond(x.sum() > 0, positive, negative, (x,)) + 1.0
+
+
+def cond_linear():
+    """Example inputs take the true branch; ``-inputs`` takes the false one."""
+    _seeded()
+    return CondLinear().eval(), (torch.rand(4, 16) + 0.1,)
+
+
+class MapLinear(nn.Module):
+    """``torch.map`` over the first dimension of ``xs``: a linear layer per slice plus ``y``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 8)
+
+    def forward(self, xs, y):
+        def body(x, y):
+            return torch.relu(self.fc(x)) + y
+
+        return torch._higher_order_ops.map(body, xs, y)
+
+
+def map_linear():
+    _seeded()
+    return MapLinear().eval(), (torch.randn(5, 4, 16), torch.randn(4, 8))
+
+
+#: Models with control flow (torch.cond / torch.map), by name; not in the demo fleet.
+CONTROL_FLOW_MODELS = {
+    "cond_linear": cond_linear,
+    "map_linear": map_linear,
+}
+
+
 #: name -> factory, the demo fleet and the suite the tests and benchmarks run over.
 MODELS = {
     "mlp": mlp,

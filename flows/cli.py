@@ -324,7 +324,7 @@ def stage_lines(target: str, stages: Sequence[dict]) -> list[str]:
         status = "cached" if r.get("cached") else ("FAILED" if state == "Failed" else "ran")
         size = f"  {r['bytes']:>12,} B" if isinstance(r.get("bytes"), int) else ""
         stage = r.get("stage", "?") + (f"[{r['method']}]" if r.get("method") else "")
-        lines.append(f"{target:<10} {stage:<17} {status:<7} {float(r.get('seconds') or 0.0):7.2f} s{size}")
+        lines.append(f"{target:<10} {stage:<19} {status:<7} {float(r.get('seconds') or 0.0):7.2f} s{size}")
     return lines
 
 

@@ -362,7 +362,8 @@ def delegate(run: Run, name, program, target, options, records):
     tagged = run("partition", records, program=program, target=target, options=options,
                  fused_ops=fused_ops_key(target, options))
     if not tagged["partitions"]:
-        return tagged["program"], {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
+        summary = {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
+        return delegate_control_flow(run, tagged["program"], tagged, target, options, records, summary)
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
     built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
@@ -379,7 +380,21 @@ def delegate(run: Run, name, program, target, options, records):
         "delegated_nodes": adjusted["delegated_nodes"],
         "total_nodes": tagged["total_nodes"],
     }
-    return adjusted["program"], summary
+    return delegate_control_flow(run, adjusted["program"], tagged, target, options, records, summary)
+
+
+def delegate_control_flow(run: Run, program, tagged, target, options, records, summary):
+    """The partitions inside cond branches / map bodies, when the program has any
+    (stage ``lower_control_flow``); returns (program ref, summary with them counted)."""
+    if not tagged.get("control_flow"):
+        return program, summary
+    inner = run("lower_control_flow", records, program=program, target=target, options=options)
+    summary = {
+        **summary,
+        "partitions": summary["partitions"] + inner["partitions"],
+        "delegated_nodes": summary["delegated_nodes"] + inner["delegated_nodes"],
+    }
+    return inner["program"], summary
 
 
 def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException, methods: bool = False) -> dict:

@@ -46,6 +46,7 @@ STAGE_ORDER = (
     "build_programs",
     "preprocess",
     "adjust",
+    "lower_control_flow",
     "memory_plan",
     "emit",
     "verify",

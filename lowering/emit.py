@@ -25,6 +25,8 @@ One method, ``forward``, one chain.  The program is walked in graph order:
   SymInts, ...) is a KernelCall of the runtime's prim op
   (:data:`lowering.dynamic.SYM_OPS`) whose args are its operands followed by
   an Int (Bool, Double) value the op writes, as ExecuTorch's emitter does.
+- ``cond`` / ``map_impl`` inline their branches / body (values keyed
+  ``"<submodule>/<node>"``) between jumps: see :mod:`lowering.control_flow`.
 
 Values are keyed like the memory plan: a node's name, or ``"<name>.<i>"`` for
 output ``i`` of a multi-output node.
@@ -41,6 +43,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import treespec_dumps
 
 from .dynamic import SYM_OPS, DynamicShapeError, is_sym_op, is_symbolic, upper_bound_shape
+from .control_flow import emit_control_flow, is_control_flow
 from .errors import EmitError
 from .pte import PteData, schema, serialize
 from .pte.scalar_types import DTYPE_TO_SCALAR_TYPE
@@ -106,6 +109,10 @@ class _MethodEmitter:
         #: fx node -> value id (tensor or other), or list of ids for multi-output nodes.
         self.node_values: dict[torch.fx.Node, Any] = {}
         self.node: torch.fx.Node | None = None
+        #: Key prefix of the values being emitted ("" at the top level, "<submodule>/" inside
+        #: a cond branch or map body) and the graph module holding their get_attr targets.
+        self.scope = ""
+        self.graph_module = ep.graph_module
 
     # ------------------------------------------------------------------ driver
 
@@ -217,9 +224,11 @@ class _MethodEmitter:
             self._emit_delegate_call(node)
         elif is_sym_op(target):
             self._emit_sym_op(node)
+        elif is_control_flow(node):
+            emit_control_flow(self, node)
         elif isinstance(target, torch._ops.OpOverload):
-            if node.name in self.aliases:
-                self.node_values[node] = self._planned_tensor(node.name, node.meta["val"])
+            if self.scope + node.name in self.aliases:
+                self.node_values[node] = self._planned_tensor(self.scope + node.name, node.meta["val"])
             else:
                 self._emit_kernel_call(node)
         else:
@@ -292,7 +301,7 @@ class _MethodEmitter:
         raise self._error(f"symbolic op operand of type {type(arg).__name__} cannot be emitted")
 
     def _out_variant(self, node: torch.fx.Node):
-        qualified = self.plan.out_variants.get(node.name)
+        qualified = self.plan.out_variants.get(self.scope + node.name)
         if not qualified:
             raise self._error("the memory plan gives no out variant for this node")
         name, _, overload = qualified.rpartition(".")
@@ -325,9 +334,9 @@ class _MethodEmitter:
         """Planned tensor value(s) of a node's result: an id, or a list of ids for tuples."""
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return self._planned_tensor(node.name, val)
+            return self._planned_tensor(self.scope + node.name, val)
         if isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
-            return [self._planned_tensor(f"{node.name}.{i}", v) for i, v in enumerate(val)]
+            return [self._planned_tensor(f"{self.scope}{node.name}.{i}", v) for i, v in enumerate(val)]
         raise self._error(f"result of type {type(val).__name__} cannot be emitted")
 
     def _kernel_call(self, name: str, overload: str, args: Sequence[int]) -> None:
@@ -377,10 +386,11 @@ class _MethodEmitter:
         """Index of the BackendDelegate of the lowered module named by a get_attr node."""
         if not isinstance(module_node, torch.fx.Node) or module_node.op != "get_attr":
             raise self._error("the first argument of a delegate call must be a get_attr of a lowered module")
-        if module_node.target in self._delegate_of_module:
-            return self._delegate_of_module[module_node.target]
+        module_key = self.scope + module_node.target
+        if module_key in self._delegate_of_module:
+            return self._delegate_of_module[module_key]
         try:
-            lowered = getattr(self.ep.graph_module, module_node.target)
+            lowered = getattr(self.graph_module, module_node.target)
             backend_id, payload, compile_specs = lowered.backend_id, lowered.processed_bytes, lowered.compile_specs
         except AttributeError as exc:
             raise self._error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
@@ -395,7 +405,7 @@ class _MethodEmitter:
         reference.index = self._add_payload(bytes(payload))
         delegate.processed = reference
         delegate.compileSpecs = [_compile_spec(spec.key, spec.value) for spec in compile_specs]
-        self._delegate_of_module[module_node.target] = len(self.delegates)
+        self._delegate_of_module[module_key] = len(self.delegates)
         self.delegates.append(delegate)
         return len(self.delegates) - 1
 

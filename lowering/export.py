@@ -227,6 +227,9 @@ def to_edge(
     if program is None:
         program = _slow_core_aten(exported, name)
     program = _finish_edge(program, fold_constants=fold_constants, name=name)
+    from .control_flow import check_control_flow
+
+    check_control_flow(program, name)
     program.graph_module.meta[PATH_META] = path
     try:
         check_bounded(program)
@@ -246,9 +249,26 @@ def _slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
     graph = decomposed.graph_module.graph
     replace_view_ops_with_copies(graph)
     remove_asserts(graph)
+    _clean_control_flow_submodules(decomposed)
     graph.lint()
     decomposed.graph_module.recompile()
     return decomposed
+
+
+def _clean_control_flow_submodules(program: ExportedProgram) -> int:
+    """The same clean-ups inside the branches / bodies of cond and map (decomposition
+    already applies there): view ops become copies, asserts go.
+
+    Before (``true_graph_0``): ``%permute = aten.permute.default(%p_a_weight, [1, 0])``
+    After: ``%permute = aten.permute_copy.default(%p_a_weight, [1, 0])``
+    """
+    from .control_flow import for_each_submodule_graph
+
+    def clean(module: torch.fx.GraphModule) -> None:
+        replace_view_ops_with_copies(module.graph)
+        remove_asserts(module.graph)
+
+    return for_each_submodule_graph(program.graph_module, clean)
 
 
 def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -> ExportedProgram:

@@ -185,9 +185,12 @@ def is_edge_form(program: ExportedProgram) -> bool:
     """Whether every ATen op is a non-aliasing core (or ``*_copy``) op.
 
     That is the form :func:`lowering.export.to_edge` produces; checking it
-    costs microseconds, re-decomposing costs a retrace (>= 0.15 s).
+    costs microseconds, re-decomposing costs a retrace (>= 0.15 s).  The
+    branches and bodies of cond / map are checked too.
     """
-    for node in program.graph.nodes:
+    from .control_flow import iter_scopes
+
+    for node in (n for _, gm in iter_scopes(program.graph_module) for n in gm.graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue

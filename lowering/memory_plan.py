@@ -34,6 +34,11 @@ How it works, one function each:
    first in that order), then, only if it misses the lower bound, a
    deterministic :func:`local_search` from it.
 
+A program with ``cond`` / ``map`` also plans the values of their branches and
+bodies (keys ``"<submodule>/<node>"``) on one timeline in execution order, a
+branch's result placed on the cond output it is moved to; see
+:mod:`lowering.control_flow` (:func:`_control_flow_lifetimes` is the hook).
+
 Two values may share bytes only if their lifetimes are disjoint; inclusive
 ranges mean an op's inputs and outputs never share memory.  The lower bound
 (the most bytes live at one step) is what no placement can beat.
@@ -54,6 +59,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .dynamic import DynamicShapeError, is_dynamic, is_sym_op, upper_bound_shape
+from .control_flow import has_control_flow, is_control_flow
 from .errors import MemoryPlanError
 
 #: The arena every planned tensor lives in; 0 is reserved for constants.
@@ -156,7 +162,9 @@ def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
     for node in graph.nodes:
         if node.op != "call_function" or _is_getitem(node) or _is_delegate_call(node):
             continue
-        if is_sym_op(node.target):  # a symbolic int op: a prim op of the runtime, no memory
+        if is_sym_op(node.target) or is_control_flow(node):
+            # a symbolic int op is a prim op of the runtime (no memory); a cond / map's
+            # submodules' ops are planned with their own keys
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             if _tensor_vals(node):
@@ -753,19 +761,22 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
     table = collect_values(ep, alignment)
     out_variants = find_out_variants(ep.graph)
     aliases = find_view_aliases(ep.graph, table)
-    own = compute_lifetimes(ep.graph, table)
-    lifetimes = extend_base_lifetimes(own, aliases)
+    if has_control_flow(ep.graph):
+        lifetimes, placed_on = _control_flow_lifetimes(ep, table, alignment, out_variants, aliases)
+    else:
+        own = compute_lifetimes(ep.graph, table)
+        lifetimes, placed_on = extend_base_lifetimes(own, aliases), aliases
     planned = [
         PlannedValue(key, value.size, *lifetimes[key])
         for key, value in table.values.items()
-        if key not in aliases
+        if key not in placed_on
     ]
     problem = PlacementProblem.from_values(planned)
     name, offsets, arena = choose_placement(problem, algorithm)
     offset_of = {v.key: offset for v, offset in zip(planned, offsets)}
     allocations = {
         key: TensorAllocation(
-            ARENA_MEM_ID, offset_of[aliases.get(key, key)], value.size, lifetimes[key]
+            ARENA_MEM_ID, offset_of[placed_on.get(key, key)], value.size, lifetimes[key]
         )
         for key, value in table.values.items()
     }
@@ -778,6 +789,26 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
         aliases=aliases,
         alignment=alignment,
     )
+
+
+def _control_flow_lifetimes(
+    ep: ExportedProgram,
+    table: ValueTable,
+    alignment: int,
+    out_variants: dict[str, str],
+    aliases: dict[str, str],
+) -> tuple[dict[str, tuple[int, int]], dict[str, str]]:
+    """Lifetimes and placement bases when the program has cond / map submodules.
+
+    Adds the submodules' values to ``table`` and their out variants (keys
+    ``"<submodule>/<node>"``) to ``out_variants``; see :mod:`lowering.control_flow`.
+    """
+    from .control_flow import control_flow_lifetimes, plan_control_flow_values, resolve_shared_lifetimes
+
+    flow = plan_control_flow_values(ep, table, alignment)
+    out_variants.update(flow.out_variants)
+    own = control_flow_lifetimes(ep, table)
+    return resolve_shared_lifetimes(own, aliases, flow)
 
 
 # ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from .control_flow import is_control_flow
 from .delegation import CompileSpec, DelegationSpec, find_backend  # re-exported here
 from .errors import PartitionError
 
@@ -255,6 +256,12 @@ def check_partition_result(
             raise PartitionError(
                 f"partitioner {name} tagged the output node with {tag!r}; "
                 "outputs cannot be delegated, tag the nodes that compute them"
+            )
+        if is_control_flow(node):
+            raise PartitionError(
+                f"partitioner {name} tagged {node.target.__name__} node {node.name!r} with {tag!r}; "
+                "a cond / map is not delegated as a whole: the partitions inside its branches "
+                "or body are found and lowered separately"
             )
         if node.op == "placeholder" and node.name in user_inputs:
             raise PartitionError(

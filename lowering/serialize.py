@@ -499,21 +499,25 @@ def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool 
     torch's serde writes a delegate call's module argument as the string
     ``"<name>-<backend id>"``; :func:`deserialize_delegated_program` links it back.
     A program without lowered modules is stored the same way with no delegates.
+    A lowered module inside a cond branch / map body is named by its scope
+    (``"true_graph_0/lowered_module_0"``).
     """
+    from .control_flow import iter_scopes
     from .delegate import is_lowered_module
 
     blobs: dict[str, bytes] = {}
     delegates = []
-    gm = ep.graph_module
-    for node in ep.graph.nodes:
-        if node.op != "get_attr" or not is_lowered_module(getattr(gm, node.target, None)):
-            continue
-        lowered = getattr(gm, node.target)
-        lowered.module_name = node.target  # what torch's serde writes for the call's argument
+    found = []
+    for scope, gm in iter_scopes(ep.graph_module):
+        for node in gm.graph.nodes:
+            if node.op == "get_attr" and is_lowered_module(getattr(gm, node.target, None)):
+                found.append((scope + node.target, getattr(gm, node.target)))
+    for name, lowered in found:
+        lowered.module_name = name  # what torch's serde writes for the call's argument
         processed = blob_digest(lowered.processed_bytes)
         blobs[processed] = lowered.processed_bytes
         entry = {
-            "name": node.target,
+            "name": name,
             "backend_id": lowered.backend_id,
             "compile_specs": [{"key": c.key, "value": c.value.hex()} for c in lowered.compile_specs],
             "processed": processed,
@@ -562,19 +566,22 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         modules[name] = LoweredBackendModule(
             original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs, named
         )
-    gm = program.graph_module
-    for node in list(program.graph.nodes):
-        if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
-            continue
-        reference = node.args[0]
-        name = reference.split("-", 1)[0] if isinstance(reference, str) else None
-        if name not in modules:
-            raise SerializationError(f"delegate call {node.name!r} names unknown lowered module {reference!r}")
-        gm.add_submodule(name, modules[name])
-        with program.graph.inserting_before(node):
-            attr = program.graph.get_attr(name)
-        node.args = (attr, *node.args[1:])
-    gm.recompile()
+    from .control_flow import iter_scopes
+
+    for scope, gm in list(iter_scopes(program.graph_module)):
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
+                continue
+            reference = node.args[0]
+            name = reference.split("-", 1)[0] if isinstance(reference, str) else None
+            if name not in modules or not name.startswith(scope):
+                raise SerializationError(f"delegate call {node.name!r} names unknown lowered module {reference!r}")
+            local = name[len(scope):]
+            gm.add_submodule(local, modules[name])
+            with gm.graph.inserting_before(node):
+                attr = gm.graph.get_attr(local)
+            node.args = (attr, *node.args[1:])
+        gm.recompile()
     return rebuild_program(program)
 
 
@@ -608,9 +615,10 @@ def named_data_from_json(
 
 def serialize_any(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
     """A plain program in the program format, one holding lowered modules in the delegated one."""
+    from .control_flow import iter_scopes
     from .delegate import executorch_call_delegate
 
-    if any(n.target is executorch_call_delegate for n in ep.graph.nodes):
+    if any(n.target is executorch_call_delegate for _, gm in iter_scopes(ep.graph_module) for n in gm.graph.nodes):
         return serialize_delegated_program(ep, keep_stack_traces=keep_stack_traces)
     return serialize_program(ep, keep_stack_traces=keep_stack_traces)
 

@@ -11,6 +11,7 @@ from typing import Sequence, overload
 from torch.export import ExportedProgram
 
 from .adjust import adjust_original_program, insert_lowered_module
+from .control_flow import has_control_flow, lower_control_flow_submodules
 from .errors import LoweringError, PartitionError
 from .lowered_module import LoweredBackendModule, preprocess
 from .partition import CompileSpec, Partitioner, partition
@@ -52,6 +53,15 @@ def to_backend(first, second, third=(), /):
 
 
 def _lower_partitions(exported_program: ExportedProgram, partitioner: Partitioner) -> ExportedProgram:
+    """The top level's partitions, then those inside every cond branch / map body."""
+    program = _lower_graph_partitions(exported_program, partitioner)
+    if has_control_flow(program.graph):
+        lower_control_flow_submodules(program, lambda sub: _lower_partitions(sub, partitioner))
+    return program
+
+
+def _lower_graph_partitions(exported_program: ExportedProgram, partitioner: Partitioner) -> ExportedProgram:
+    """Stages 2-6 on one graph (submodules of control flow untouched); a new program."""
     result = partition(exported_program, partitioner)
     program = result.tagged_exported_program
     if not result.partition_tags:

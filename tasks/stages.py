@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from lowering.control_flow import control_flow_nodes, lower_control_flow_submodules, submodule_lowered_modules
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
@@ -55,6 +56,7 @@ from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
+from lowering.to_backend import to_backend
 from lowering.verify import verify as verify_pte
 
 from .cache import CacheConfig, iter_refs, stage_task
@@ -64,7 +66,8 @@ from .store import ArtifactRef, ArtifactStore
 #: Bump a stage's version when its code changes what it produces.
 STAGE_VERSIONS = {
     "export": "1",
-    "partition": "2",
+    "partition": "3",
+    "lower_control_flow": "1",
     "create_submodule": "2",
     "build_programs": "2",
     "preprocess": "1",
@@ -319,6 +322,8 @@ def run_partition(
         "tagged": {"program": tagged_ref, "tags": put_doc(store, doc, "partition_tags")},
         "partitions": sorted(doc["partitions"]),
         "total_nodes": count_call_nodes(tagged),
+        # cond / map nodes: their branches and bodies are partitioned by lower_control_flow.
+        "control_flow": len(control_flow_nodes(tagged.graph)),
     }
 
 
@@ -451,6 +456,28 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
     return {"program": put_program(store, delegated), "delegated_nodes": delegated_nodes}
 
 
+def run_lower_control_flow(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:
+    """Stages 2-6 inside every cond branch and map body of the (top-level delegated) program.
+
+    The target's partitioner runs on each branch / body as a program of its own
+    whose inputs are all user inputs (a branch's weights arrive as operands),
+    and the delegated branch replaces it.  Keyed on the program's digest, the
+    target and its options: everything that decides the result.
+    """
+    _begin("lower_control_flow")
+    delegated = copy_program(get_program(store, program))
+    partitioner = partitioner_for(target, options)
+    lower_control_flow_submodules(delegated, lambda sub: to_backend(sub, partitioner))
+    lowered = submodule_lowered_modules(delegated.graph_module)
+    return {
+        "program": put_program(store, delegated),
+        "partitions": len(lowered),
+        "delegated_nodes": sum(
+            1 for module in lowered for n in module.original_module.graph.nodes if n.op == "call_function"
+        ),
+    }
+
+
 def run_memory_plan(store: ArtifactStore, program: ArtifactRef) -> dict:
     """Stage 7."""
     _begin("memory_plan")
@@ -535,6 +562,7 @@ class StageTasks:
         self.build_programs = make("build_programs", run_build_programs)
         self.preprocess = make("preprocess", run_preprocess, ignore=("label",))
         self.adjust = make("adjust", run_adjust)
+        self.lower_control_flow = make("lower_control_flow", run_lower_control_flow)
         self.memory_plan = make("memory_plan", run_memory_plan)
         self.emit = make("emit", run_emit)
         self.emit_methods = make("emit_methods", run_emit_methods)

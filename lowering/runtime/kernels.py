@@ -30,7 +30,8 @@ class Kernel:
     call: Callable[[list], Any]
     #: Positions of arguments the kernel writes (their memory must not move).
     written: tuple[int, ...] = ()
-    #: The call returns the result value (a symbolic scalar op): it goes to the trailing EValue.
+    #: The call returns a non-tensor result (a symbolic scalar op, ExecuTorch's prim ops):
+    #: it goes to the trailing EValue.
     returns_value: bool = False
 
 
@@ -134,8 +135,22 @@ _SYM_KERNELS: dict[str, Kernel] = {
     )
 }
 
+def _copy_index(values: list) -> None:
+    """``executorch_prim::et_copy_index.tensor(copy_to, copy_from, index)``: map's output, one
+    iteration at a time.  As ExecuTorch's kernel does, ``copy_to`` (DYNAMIC_BOUND) grows to
+    ``index + 1`` rows in place, then row ``index`` becomes ``copy_from``."""
+    copy_to, copy_from, index = values
+    if index < 0:
+        raise ExecutorError(f"et_copy_index into row {index}")
+    copy_to.resize_((index + 1, *copy_from.shape))
+    copy_to[index].copy_(copy_from)
+
+
 #: ExecuTorch operators that are not torch ops, implemented here.
 _PYTHON_KERNELS: dict[str, Kernel] = {
+    "executorch_prim::et_copy_index.tensor": Kernel(
+        "executorch_prim::et_copy_index.tensor", 3, 0, _copy_index, (0,)
+    ),
     "dim_order_ops::_to_dim_order_copy.out": Kernel(
         "dim_order_ops::_to_dim_order_copy.out", 4, 1, _copy_into_out, (3,)
     ),
