@@ -307,10 +307,17 @@ def define_fused_op(qualified: str, schema: str, kernel: Callable[..., torch.Ten
     library.impl(name, kernel, "CompositeExplicitAutograd")
 
     def out_kernel(*args, out, **kwargs):
-        out.copy_(kernel(*args, **kwargs))
+        result = kernel(*args, **kwargs)
+        if out.shape != result.shape:  # as ATen's out kernels do (a dynamic out arrives emptied)
+            out.resize_(result.shape)
+        out.copy_(result)
         return out
 
     library.impl(f"{name}.out", out_kernel, "CompositeExplicitAutograd")
+    # Shapes for torch.export, in Python: the C++ path to a CompositeExplicitAutograd kernel
+    # takes concrete sizes only, so a dynamic-shape program could not trace the op.
+    torch.library.register_fake(qualified, kernel, lib=library)
+    torch.library.register_fake(f"{qualified}.out", out_kernel, lib=library)
     _LIBRARIES.append(library)
     return getattr(getattr(torch.ops, namespace), name).default
 
