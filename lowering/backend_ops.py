@@ -359,8 +359,11 @@ def apply_fused_ops(program: ExportedProgram, fused_ops: Iterable[FusedOp]) -> E
     replaced = 0
     for fused in fused_ops:
         try:
+            # Graphs, not GraphModules: given a GraphModule replacement, torch.fx deletes
+            # every submodule the top graph does not name, e.g. a cond branch's own branches.
             matches = replace_pattern_with_filters(
-                gm, fused.pattern_graph, fused.replacement_graph, match_filters=list(fused.match_filters)
+                gm, fused.pattern_graph.graph, fused.replacement_graph.graph,
+                match_filters=list(fused.match_filters),
             )
         except FusedOpError:
             raise
