@@ -58,6 +58,7 @@ def lower(
     example_inputs: Sequence[Any] | None = None,
     *,
     partitioner: Any = None,
+    share_mutable_buffers: bool = False,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -67,12 +68,16 @@ def lower(
     brought to the edge form unless it already is (e.g. it came from
     :func:`lowering.export`).  With a ``partitioner``, its partitions are
     delegated by :func:`lowering.to_backend.to_backend`; without one nothing
-    is delegated.
+    is delegated.  ``share_mutable_buffers`` is for a dict of methods (see
+    :func:`lower_methods`).
     """
+    if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
+        raise LoweringError("lower: share_mutable_buffers applies to a dict of methods, not one model")
     if isinstance(model_or_exported_program, Mapping):
         if example_inputs is not None:
             raise LoweringError("lower: example_inputs go inside the methods dict, one per method")
-        return lower_methods(model_or_exported_program, partitioner=partitioner)
+        return lower_methods(model_or_exported_program, partitioner=partitioner,
+                             share_mutable_buffers=share_mutable_buffers)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs)
@@ -86,14 +91,20 @@ def lower(
 
 def _delegate_and_plan(program: ExportedProgram, partitioner: Any, timings: dict[str, float]):
     """to_backend (with a partitioner) and memory plan: (final program, its plan)."""
-    if partitioner is not None:
-        from .to_backend import to_backend
-
-        with _timed(timings, "to_backend"):
-            program = to_backend(program, partitioner)
+    program = _delegate(program, partitioner, timings)
     with _timed(timings, "memory_plan"):
         plan = memory_plan(program)
     return program, plan
+
+
+def _delegate(program: ExportedProgram, partitioner: Any, timings: dict[str, float]) -> ExportedProgram:
+    """to_backend with a partitioner; the program itself without one."""
+    if partitioner is None:
+        return program
+    from .to_backend import to_backend
+
+    with _timed(timings, "to_backend"):
+        return to_backend(program, partitioner)
 
 
 @dataclass(frozen=True)
@@ -111,7 +122,9 @@ class MethodsLowerResult:
         return list(self.memory_plans)
 
 
-def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> MethodsLowerResult:
+def lower_methods(
+    methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False
+) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
     ``methods``: ``{name: (module, example_inputs[, dynamic_shapes]) | ExportedProgram}``;
@@ -121,8 +134,22 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
     ``partitioner`` and memory-planned on its own, then all are emitted together
     (methods sorted by name: the same methods give the same bytes whatever the
     dict order).  The emit stage's seconds are reported under every method.
+
+    ``share_mutable_buffers``: mutable buffers (a KV cache) are state of the
+    program, not of one method: each buffer name has one place in a shared
+    arena (mem_id 2) that every method reads and writes, so ``decode`` sees
+    what ``prefill`` wrote on the same loaded program (see
+    :func:`lowering.methods.plan_shared_state`).  Without it, a buffer one
+    method mutates and another uses is a MethodError.
     """
-    from .methods import check_no_shared_state, emit_methods, method_entries, mutated_buffers
+    from .methods import (
+        check_no_shared_state,
+        check_shared_state_names,
+        emit_methods,
+        method_entries,
+        mutated_buffers,
+        plan_shared_state,
+    )
 
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
@@ -136,12 +163,20 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
             else:
                 program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
         programs[name] = program
-    check_no_shared_state(
-        {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)},
-        {name: mutated_buffers(program) for name, program in programs.items()},
-    )
-    for name in entries:
-        programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])
+    modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
+    mutated = {name: mutated_buffers(program) for name, program in programs.items()}
+    if not share_mutable_buffers:
+        check_no_shared_state(modules, mutated)
+        for name in entries:
+            programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])
+    else:
+        check_shared_state_names(modules, mutated)
+        for name in entries:
+            programs[name] = _delegate(programs[name], partitioner, timings[name])
+        shared = plan_shared_state(programs)
+        for name in entries:
+            with _timed(timings[name], "memory_plan"):
+                plans[name] = memory_plan(programs[name], shared_state=shared)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
         pte = emit_methods({name: (programs[name], plans[name]) for name in entries})

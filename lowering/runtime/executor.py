@@ -15,6 +15,13 @@ Memory model (the same as ExecuTorch's):
 A loaded method keeps its arenas, so state (mutable buffers, delegate
 handles) persists across calls on it; :meth:`LoadedProgram.run` reuses one
 loaded method per name.
+
+Arenas ``memory_id >= 2`` (shared mutable state, see
+:class:`lowering.memory_plan.SharedState`) belong to the loaded program, not to
+a method: every method of one :class:`LoadedProgram` views the same bytes
+(sized to the largest method's request), so ``decode`` reads what ``prefill``
+wrote.  As in ExecuTorch, a method copies its initial values into them when it
+is loaded: load every method before running any (:meth:`LoadedProgram.load_all`).
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ class LoadedProgram:
         self.pte = pte
         self._plans = {decode_string(plan.name): plan for plan in pte.program.executionPlan or []}
         self._methods: dict[str, LoadedMethod] = {}
+        self.shared_arenas = _shared_arenas(self._plans.values())
+
+    def load_all(self) -> "LoadedProgram":
+        """Load every method (in program order); returns self."""
+        for name in self._plans:
+            self.method(name)
+        return self
 
     @property
     def method_names(self) -> list[str]:
@@ -56,7 +70,7 @@ class LoadedProgram:
         if name not in self._methods:
             if name not in self._plans:
                 raise ExecutorError(f"program has no method {name!r}; methods: {self.method_names}")
-            self._methods[name] = LoadedMethod(self._plans[name], self.pte)
+            self._methods[name] = LoadedMethod(self._plans[name], self.pte, self.shared_arenas)
         return self._methods[name]
 
     def run(self, method_name: str = "forward", inputs: Sequence[Any] = ()) -> list[Any]:
@@ -86,10 +100,14 @@ class _Step:
 class LoadedMethod:
     """An execution plan with its arenas allocated, values built and kernels resolved."""
 
-    def __init__(self, plan: fb.ExecutionPlanT, pte: PteData) -> None:
+    def __init__(self, plan: fb.ExecutionPlanT, pte: PteData, shared_arenas: dict[int, torch.Tensor] | None = None) -> None:
         self.name = decode_string(plan.name)
         self._pte = pte
-        self.arenas = [torch.zeros(int(size), dtype=torch.uint8) for size in _ints(plan.nonConstBufferSizes)]
+        shared = shared_arenas or {}
+        self.arenas = [
+            shared[mem_id] if mem_id in shared else torch.zeros(int(size), dtype=torch.uint8)
+            for mem_id, size in enumerate(_ints(plan.nonConstBufferSizes))
+        ]
         self._initialized: set[int] = set()
         self.values: list[Any] = [self._build_value(i, ev) for i, ev in enumerate(plan.values or [])]
         self.inputs = _ints(plan.inputs)
@@ -331,6 +349,16 @@ class LoadedMethod:
                 slot.copy_(result)
             else:
                 self.values[index] = result
+
+
+def _shared_arenas(plans) -> dict[int, torch.Tensor]:
+    """One arena per memory id >= 2 (shared state), as large as the largest request."""
+    sizes: dict[int, int] = {}
+    for plan in plans:
+        for mem_id, size in enumerate(_ints(plan.nonConstBufferSizes)):
+            if mem_id >= 2:
+                sizes[mem_id] = max(sizes.get(mem_id, 0), int(size))
+    return {mem_id: torch.zeros(size, dtype=torch.uint8) for mem_id, size in sizes.items()}
 
 
 def _location(allocation: fb.AllocationDetailsT) -> tuple[int, int]:
