@@ -262,6 +262,9 @@ def kv_cache_decoder():
     }
 
 
+kv_cache_decoder.share_mutable_buffers = True  # what a model spec reads (tasks.model_spec)
+
+
 #: name -> factory of several methods ({method: (module, example_inputs)}).
 METHOD_MODELS = {
     "encoder_decoder": encoder_decoder,

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from lowering.methods import check_no_shared_state
+from lowering.methods import check_no_shared_state, check_shared_state_names
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
@@ -219,7 +219,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     try:
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
-        planned = run("memory_plan", records, program=program)
+        planned = run("memory_plan", records, program=program, shared_with=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
@@ -251,8 +251,12 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
         return _all_failed(manifest, targets, records, exc, methods=True)
+    modules = {method: sub.module for method, sub in loaded.methods.items()}
+    share = loaded.share_mutable_buffers
+    if share:
+        manifest["share_mutable_buffers"] = True
     try:
-        check_no_shared_state({method: sub.module for method, sub in loaded.methods.items()}, mutated)
+        (check_shared_state_names if share else check_no_shared_state)(modules, mutated)
     except Exception as exc:
         records.append({"stage": "check_methods", "state": "Failed", "cached": False, "seconds": 0.0, "bytes": None})
         return _all_failed(manifest, targets, records, exc, methods=True)
@@ -260,25 +264,34 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     for target in targets:
         manifest["targets"][target] = lower_target_methods(
             run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records), verify,
+            shared=loaded.fingerprint.digest if share else None,
         )
     return manifest
 
 
-def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify) -> dict:
-    """The stages after export of every method for one target, one emit, verify per method."""
+def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
+                         shared: str | None = None) -> dict:
+    """The stages after export of every method for one target, one emit, verify per method.
+
+    ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
+    every method is delegated before any is memory-planned (the shared state's places
+    depend on every method's program), and verify also runs the methods in sequence
+    on one program (stage ``verify_sequence``)."""
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
     }
     try:
-        planned = {}
+        planned, delegated = {}, {}
         for method, program in programs.items():
-            run_method = for_method(run, method)
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate(
-                    run_method, f"{name}.{method}", program, target, options, records)
-            plan = run_method("memory_plan", records, program=program)
+                    for_method(run, method), f"{name}.{method}", program, target, options, records)
+            delegated[method] = program
+        for method, program in delegated.items():
+            plan = for_method(run, method)("memory_plan", records, program=program,
+                                           shared_with=dict(delegated) if shared else None)
             methods[method]["memory_plan"] = {
                 **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm")}, "ref": plan["plan"].to_json(),
             }
@@ -291,7 +304,11 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method)
-            result["verify"] = _combined_verify({m: e["verify"] for m, e in methods.items()})
+            reports = {m: e["verify"] for m, e in methods.items()}
+            if shared:
+                result["verify_sequence"] = reports["(sequence)"] = run(
+                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared)
+            result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
         if publish is not None:

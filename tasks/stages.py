@@ -41,7 +41,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods, mutated_buffers
+from lowering.methods import emit_methods, mutated_buffers, plan_shared_state
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -54,7 +54,7 @@ from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
-from lowering.verify import verify as verify_pte
+from lowering.verify import verify as verify_pte, verify_call_sequence
 
 from .cache import CacheConfig, iter_refs, stage_task
 from .model_spec import live_model
@@ -72,6 +72,7 @@ STAGE_VERSIONS = {
     "emit": "1",
     "emit_methods": "1",
     "verify": "2",
+    "verify_sequence": "1",
 }
 
 
@@ -422,10 +423,15 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
     return {"program": put_program(store, delegated), "delegated_nodes": delegated_nodes}
 
 
-def run_memory_plan(store: ArtifactStore, program: ArtifactRef) -> dict:
-    """Stage 7."""
+def run_memory_plan(store: ArtifactStore, program: ArtifactRef, shared_with: dict | None = None) -> dict:
+    """Stage 7.  ``shared_with``: for one method of several that share their mutable
+    buffers, ``{method: program ref}`` of every method (the shared state's places
+    depend on them all, so the key covers them all)."""
     _begin("memory_plan")
-    plan = memory_plan(get_program(store, program))
+    shared = None
+    if shared_with:
+        shared = plan_shared_state({m: get_program(store, ref) for m, ref in shared_with.items()})
+    plan = memory_plan(get_program(store, program), shared_state=shared)
     ref = store.put_bytes(canonical_json(plan.to_dict()), "memory_plan")
     LIVE.put(ref, plan)
     return {
@@ -475,6 +481,16 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method).to_dict()
 
 
+def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
+    """The check of state shared across methods: every method in program order, twice,
+    on one loaded program against the eager modules (sharing their state) run the
+    same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's."""
+    _begin("verify_sequence")
+    loaded = live_model(model, fingerprint)
+    methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
+    return verify_call_sequence(store.get_bytes(pte), methods).to_dict()
+
+
 # --------------------------------------------------------------------------- Prefect tasks
 
 
@@ -509,6 +525,7 @@ class StageTasks:
         self.emit = make("emit", run_emit)
         self.emit_methods = make("emit_methods", run_emit_methods)
         self.verify = make("verify", run_verify)
+        self.verify_sequence = make("verify_sequence", run_verify_sequence)
 
 
 class StageLookup:

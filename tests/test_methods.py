@@ -7,6 +7,7 @@ the model spec form ``{method: (module, inputs)}``, the cached flow and the CLI.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -585,3 +586,29 @@ def test_flow_rejects_state_shared_across_methods(tmp_path):
     error = info.value.manifest["targets"]["portable"]["error"]
     assert error.startswith("check_methods: MethodError: method 'step' mutates buffer 'state.count'"), error
     assert not (store / "outputs" / "shared" / "portable.pte").exists()
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_lowers_methods_sharing_a_kv_cache(tmp_path, kv_lowered):
+    """``kv_cache_decoder.share_mutable_buffers = True``: the flow plans the shared cache,
+    emits the same bytes as lower_methods, and verify runs the methods in sequence on
+    one program in both runtimes; a warm run runs nothing."""
+    pytest.importorskip("executorch")
+    from flows.lower_model import lower_model
+    from tasks.store import ArtifactStore
+
+    store = tmp_path / "store"
+    model = f"{MODELS}:kv_cache_decoder"
+    cold, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
+    assert cold["share_mutable_buffers"] is True
+    assert ran["memory_plan"] == 4 and ran["verify"] == 4 and ran["verify_sequence"] == 2
+    for target in (PORTABLE, "xnnpack"):
+        entry = cold["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert entry["pte"]["sha256"] == hashlib.sha256(kv_lowered[target][0].pte).hexdigest()  # = lower_methods
+        sequence = entry["verify_sequence"]
+        assert sequence["ok"] is True and {c["runtime"] for c in sequence["checks"] if c["ok"]} == {"lowerflow", "executorch"}
+        assert {c["method"] for c in entry["verify"]["checks"]} == {"decode", "prefill", "(sequence)"}
+    assert ArtifactStore(str(store)).get_json("kv_cache_decoder/manifest.json")["share_mutable_buffers"] is True
+    warm, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
+    assert sum(ran.values()) == 0, dict(ran)
