@@ -293,7 +293,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             plan = for_method(run, method)("memory_plan", records, program=program,
                                            shared_with=dict(delegated) if shared else None)
             methods[method]["memory_plan"] = {
-                **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm")}, "ref": plan["plan"].to_json(),
+                **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm", "shared_state_bytes") if k in plan},
+                "ref": plan["plan"].to_json(),
             }
             planned[method] = {"program": program, "plan": plan["plan"]}
         result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
@@ -334,9 +335,11 @@ def for_method(run: Run, method: str) -> Run:
 
 
 def _total_plan(plans: list[dict]) -> dict:
-    """The methods' memory plans summed (each method has its own arena)."""
+    """The methods' memory plans summed (each method has its own arena; shared state,
+    in every method's plan, is counted once)."""
+    shared = max((int(p.get("shared_state_bytes", 0)) for p in plans), default=0)
     return {
-        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans),
+        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans) - shared * max(len(plans) - 1, 0),
         "lower_bound": sum(int(p["lower_bound"]) for p in plans),
         "algorithm": ",".join(sorted({str(p["algorithm"]) for p in plans})),
     }

@@ -434,12 +434,15 @@ def run_memory_plan(store: ArtifactStore, program: ArtifactRef, shared_with: dic
     plan = memory_plan(get_program(store, program), shared_state=shared)
     ref = store.put_bytes(canonical_json(plan.to_dict()), "memory_plan")
     LIVE.put(ref, plan)
-    return {
+    result = {
         "plan": ref,
         "arena_bytes": int(sum(plan.arena_sizes)),
         "lower_bound": int(plan.lower_bound),
         "algorithm": plan.algorithm,
     }
+    if shared is not None:
+        result["shared_state_bytes"] = int(shared.size)  # counted once over the methods
+    return result
 
 
 def get_memory_plan(store: ArtifactStore, ref: ArtifactRef) -> MemoryPlan:

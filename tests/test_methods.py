@@ -609,6 +609,14 @@ def test_flow_lowers_methods_sharing_a_kv_cache(tmp_path, kv_lowered):
         sequence = entry["verify_sequence"]
         assert sequence["ok"] is True and {c["runtime"] for c in sequence["checks"] if c["ok"]} == {"lowerflow", "executorch"}
         assert {c["method"] for c in entry["verify"]["checks"]} == {"decode", "prefill", "(sequence)"}
-    assert ArtifactStore(str(store)).get_json("kv_cache_decoder/manifest.json")["share_mutable_buffers"] is True
+        plans = entry["methods"]
+        assert plans["prefill"]["memory_plan"]["shared_state_bytes"] == 4096
+        assert entry["memory_plan"]["arena_bytes"] == sum(p["memory_plan"]["arena_bytes"] for p in plans.values()) - 4096
+    published = ArtifactStore(str(store)).get_json("kv_cache_decoder/manifest.json")
+    assert published["share_mutable_buffers"] is True
+    from flows.reports import model_report_markdown
+
+    report = model_report_markdown(published)
+    assert "| prefill |" in report and "| decode |" in report and "executorch ((sequence))" in report, report
     warm, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
     assert sum(ran.values()) == 0, dict(ran)
