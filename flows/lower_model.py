@@ -219,7 +219,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     try:
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
-        planned = run("memory_plan", records, program=program, shared_with=None)
+        planned = run("memory_plan", records, program=program, state_of=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
@@ -264,19 +264,20 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     for target in targets:
         manifest["targets"][target] = lower_target_methods(
             run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records), verify,
-            shared=loaded.fingerprint.digest if share else None,
+            shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
         )
     return manifest
 
 
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
-                         shared: str | None = None) -> dict:
+                         shared: str | None = None, stateful: bool = False) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
     every method is delegated before any is memory-planned (the shared state's places
     depend on every method's program), and verify also runs the methods in sequence
-    on one program (stage ``verify_sequence``)."""
+    on one program (stage ``verify_sequence``).  ``stateful``: some method mutates a
+    buffer; then each method's memory plan places the state of all (arena 2)."""
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
@@ -290,8 +291,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                     for_method(run, method), f"{name}.{method}", program, target, options, records)
             delegated[method] = program
         for method, program in delegated.items():
-            plan = for_method(run, method)("memory_plan", records, program=program,
-                                           shared_with=dict(delegated) if shared else None)
+            state_of = {"method": method, "programs": dict(delegated), "share": bool(shared)} if stateful else None
+            plan = for_method(run, method)("memory_plan", records, program=program, state_of=state_of)
             methods[method]["memory_plan"] = {
                 **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm", "shared_state_bytes") if k in plan},
                 "ref": plan["plan"].to_json(),

@@ -140,7 +140,10 @@ def lower_methods(
     arena (mem_id 2) that every method reads and writes, so ``decode`` sees
     what ``prefill`` wrote on the same loaded program (see
     :func:`lowering.methods.plan_shared_state`).  Without it, a buffer one
-    method mutates and another uses is a MethodError.
+    method mutates and another uses is a MethodError, and each method's own
+    mutable buffers get a region of arena 2 of their own
+    (:func:`lowering.methods.plan_method_state`: ExecuTorch's runtime shares
+    arena 1 between the methods of a program).
     """
     from .methods import (
         check_no_shared_state,
@@ -148,7 +151,7 @@ def lower_methods(
         emit_methods,
         method_entries,
         mutated_buffers,
-        plan_shared_state,
+        plan_method_state,
     )
 
     entries = method_entries(methods, "lower")
@@ -165,18 +168,13 @@ def lower_methods(
         programs[name] = program
     modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
-    if not share_mutable_buffers:
-        check_no_shared_state(modules, mutated)
-        for name in entries:
-            programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])
-    else:
-        check_shared_state_names(modules, mutated)
-        for name in entries:
-            programs[name] = _delegate(programs[name], partitioner, timings[name])
-        shared = plan_shared_state(programs)
-        for name in entries:
-            with _timed(timings[name], "memory_plan"):
-                plans[name] = memory_plan(programs[name], shared_state=shared)
+    (check_shared_state_names if share_mutable_buffers else check_no_shared_state)(modules, mutated)
+    for name in entries:
+        programs[name] = _delegate(programs[name], partitioner, timings[name])
+    states = plan_method_state(programs, share=share_mutable_buffers)
+    for name in entries:
+        with _timed(timings[name], "memory_plan"):
+            plans[name] = memory_plan(programs[name], shared_state=states[name] if states else None)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
         pte = emit_methods({name: (programs[name], plans[name]) for name in entries})

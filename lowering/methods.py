@@ -285,6 +285,35 @@ def plan_shared_state(programs: Mapping[str, ExportedProgram], alignment: int = 
     return SharedState(offsets, size)
 
 
+def plan_method_state(programs: Mapping[str, ExportedProgram], *, share: bool, alignment: int = 16):
+    """``{method: SharedState}``: where each method's mutable buffers live, or None
+    if no method mutates a buffer.
+
+    ExecuTorch's runtime lets the methods of one program share their planned
+    arenas (its Python runtime sizes one set to the largest method), so state in
+    a method's arena 1 would be overwritten by another method's activations:
+    state always goes to arena 2.  ``share``: one place per buffer name, the same
+    in every method (:func:`plan_shared_state`); otherwise each method's buffers
+    get a region of their own (regions in method name order)::
+
+        share=False   step: count -> 0            other: state -> 256     size 512 in both
+        share=True    prefill, decode: cache.k -> 0, cache.v -> 2048      size 4096 in both
+    """
+    from .memory_plan import SharedState
+
+    if not any(mutated_buffers(program) for program in programs.values()):
+        return None
+    if share:
+        shared = plan_shared_state(programs, alignment)
+        return {name: shared for name in programs}
+    regions, base = {}, 0
+    for name in method_order(programs):
+        own = plan_shared_state({name: programs[name]}, alignment)
+        regions[name] = {fqn: base + offset for fqn, offset in own.offsets.items()}
+        base += own.size
+    return {name: SharedState(offsets, base) for name, offsets in regions.items()}
+
+
 def _state_tensor(program: ExportedProgram, fqn: str, method: str) -> torch.Tensor:
     tensor = program.state_dict.get(fqn, program.constants.get(fqn))
     if not isinstance(tensor, torch.Tensor):

@@ -41,7 +41,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods, mutated_buffers, plan_shared_state
+from lowering.methods import emit_methods, mutated_buffers, plan_method_state
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -423,14 +423,17 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
     return {"program": put_program(store, delegated), "delegated_nodes": delegated_nodes}
 
 
-def run_memory_plan(store: ArtifactStore, program: ArtifactRef, shared_with: dict | None = None) -> dict:
-    """Stage 7.  ``shared_with``: for one method of several that share their mutable
-    buffers, ``{method: program ref}`` of every method (the shared state's places
-    depend on them all, so the key covers them all)."""
+def run_memory_plan(store: ArtifactStore, program: ArtifactRef, state_of: dict | None = None) -> dict:
+    """Stage 7.  ``state_of``: for one method of several with mutable buffers,
+    ``{"method": name, "programs": {method: program ref}, "share": bool}`` (where
+    its state lives depends on every method's program, so the key covers them all;
+    lowering.methods.plan_method_state)."""
     _begin("memory_plan")
     shared = None
-    if shared_with:
-        shared = plan_shared_state({m: get_program(store, ref) for m, ref in shared_with.items()})
+    if state_of:
+        programs = {m: get_program(store, ref) for m, ref in state_of["programs"].items()}
+        states = plan_method_state(programs, share=bool(state_of["share"]))
+        shared = states[state_of["method"]] if states else None
     plan = memory_plan(get_program(store, program), shared_state=shared)
     ref = store.put_bytes(canonical_json(plan.to_dict()), "memory_plan")
     LIVE.put(ref, plan)

@@ -295,6 +295,40 @@ def test_a_method_that_only_reads_shared_state_sees_the_writes():
         torch.testing.assert_close(ours.run(name, [x])[0], expected)
 
 
+def test_a_method_keeps_its_own_state_while_another_method_runs():
+    """Not shared: ``step``'s counter is its own, yet ExecuTorch's runtime lets the
+    methods of a program share arena 1 (so does ours), so the state lives in a
+    region of arena 2 no other method's activations touch."""
+    pytest.importorskip("executorch")
+    from executorch.runtime import Runtime
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(64))
+
+        def forward(self, x):
+            self.count.add_(x)
+            return self.count * 1
+
+    class Other(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3 + 1) * 2 - 5
+
+    x = torch.ones(64)
+    result = lower_methods({"step": (Step(), (x,)), "other": (Other(), (x,))})
+    plan = result.memory_plans["step"]
+    assert plan.allocations["b_count"].mem_id == 2 and plan.arena_sizes[2] == result.memory_plans["other"].arena_sizes[2]
+    program = Runtime.get().load_program(result.pte)
+    et = {name: program.load_method(name) for name in ("other", "step")}
+    ours = load(result.pte).load_all()
+    for runtime in (lambda name, inputs: et[name].execute(inputs), ours.run):
+        outputs = [runtime(name, [x * scale])[0] for name, scale in (("step", 1), ("other", 7), ("step", 1))]
+        torch.testing.assert_close(outputs[0], torch.full((64,), 1.0))
+        torch.testing.assert_close(outputs[1], (x * 7 * 3 + 1) * 2 - 5)
+        torch.testing.assert_close(outputs[2], torch.full((64,), 2.0))  # was 40.0 with the counter in arena 1
+
+
 @pytest.mark.parametrize(
     ("read_shape", "read_value", "fragment"),
     [((2, 1), 0.0, r"shared buffer 'state.count' is torch.float32\[2, 1\] in method 'read' but torch.float32\[2\] in method 'step'"),

@@ -16,12 +16,14 @@ A loaded method keeps its arenas, so state (mutable buffers, delegate
 handles) persists across calls on it; :meth:`LoadedProgram.run` reuses one
 loaded method per name.
 
-Arenas ``memory_id >= 2`` (shared mutable state, see
-:class:`lowering.memory_plan.SharedState`) belong to the loaded program, not to
-a method: every method of one :class:`LoadedProgram` views the same bytes
-(sized to the largest method's request), so ``decode`` reads what ``prefill``
-wrote.  As in ExecuTorch, a method copies its initial values into them when it
-is loaded: load every method before running any (:meth:`LoadedProgram.load_all`).
+The arenas belong to the loaded program, not to a method, as in ExecuTorch's
+Python runtime: every method of one :class:`LoadedProgram` views the same
+arena per memory id (sized to the largest method's request).  So the methods
+overwrite each other's activations (outputs are copied out), and state in
+arena 2 (:class:`lowering.memory_plan.SharedState`) is seen by every method:
+``decode`` reads what ``prefill`` wrote.  As in ExecuTorch, a method copies
+its initial values into the arenas when it is loaded: load every method before
+running any (:meth:`LoadedProgram.load_all`).
 """
 
 from __future__ import annotations
@@ -352,11 +354,11 @@ class LoadedMethod:
 
 
 def _shared_arenas(plans) -> dict[int, torch.Tensor]:
-    """One arena per memory id >= 2 (shared state), as large as the largest request."""
+    """One arena per memory id >= 1 for all methods, as large as the largest request."""
     sizes: dict[int, int] = {}
     for plan in plans:
         for mem_id, size in enumerate(_ints(plan.nonConstBufferSizes)):
-            if mem_id >= 2:
+            if mem_id >= 1:
                 sizes[mem_id] = max(sizes.get(mem_id, 0), int(size))
     return {mem_id: torch.zeros(size, dtype=torch.uint8) for mem_id, size in sizes.items()}
 
