@@ -34,6 +34,11 @@ How it works, one function each:
    first in that order), then, only if it misses the lower bound, a
    deterministic :func:`local_search` from it.
 
+A method of a program whose methods have mutable buffers gets a
+:class:`SharedState` (``memory_plan(ep, shared_state=...)``): those buffers go
+to arena 2 at fixed offsets, outside arena 1's placement
+(:func:`lowering.methods.plan_method_state`).
+
 Two values may share bytes only if their lifetimes are disjoint; inclusive
 ranges mean an op's inputs and outputs never share memory.  The lower bound
 (the most bytes live at one step) is what no placement can beat.
