@@ -200,9 +200,75 @@ def encoder_decoder():
     }
 
 
+class KVCacheDecoder(nn.Module):
+    """One attention layer over a KV cache held in buffers (the state ``prefill``
+    writes and ``decode`` reads and extends)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, max_len: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.wq = nn.Linear(dim, dim)
+        self.wk = nn.Linear(dim, dim)
+        self.wv = nn.Linear(dim, dim)
+        self.wo = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("k_cache", torch.zeros(1, max_len, dim))
+        self.register_buffer("v_cache", torch.zeros(1, max_len, dim))
+        self.register_buffer("positions", torch.arange(max_len), persistent=False)
+        self.scale = dim ** -0.5
+
+    def step(self, tokens, input_pos):
+        """tokens [1, T] at positions input_pos [T]: write their K/V, attend causally."""
+        x = self.embed(tokens)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        self.k_cache[:, input_pos] = k
+        self.v_cache[:, input_pos] = v
+        scores = torch.matmul(q, self.k_cache.transpose(1, 2)) * self.scale
+        visible = self.positions.unsqueeze(0) <= input_pos.unsqueeze(1)
+        scores = scores.masked_fill(torch.logical_not(visible), float("-inf"))
+        attended = torch.matmul(torch.softmax(scores, dim=-1), self.v_cache)
+        return self.head(self.wo(attended) + x)
+
+
+class Prefill(nn.Module):
+    """Method ``prefill``: a prompt [1, T] at positions 0..T-1 -> logits [1, T, vocab]."""
+
+    def __init__(self, model: KVCacheDecoder) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model.step(tokens, self.model.positions[: tokens.shape[1]])
+
+
+class DecodeStep(nn.Module):
+    """Method ``decode``: one token [1, 1] at position pos [1] -> logits [1, 1, vocab]."""
+
+    def __init__(self, model: KVCacheDecoder) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, token, pos):
+        return self.model.step(token, pos)
+
+
+def kv_cache_decoder():
+    """``prefill`` and ``decode`` sharing one KV cache (lower with share_mutable_buffers=True)."""
+    _seeded()
+    model = KVCacheDecoder().eval()
+    return {
+        "prefill": (Prefill(model).eval(), (torch.tensor([[3, 17, 42, 5, 9]], dtype=torch.long),)),
+        "decode": (DecodeStep(model).eval(), (torch.tensor([[7]]), torch.tensor([5]))),
+    }
+
+
+kv_cache_decoder.share_mutable_buffers = True  # what a model spec reads (tasks.model_spec)
+
+
 #: name -> factory of several methods ({method: (module, example_inputs)}).
 METHOD_MODELS = {
     "encoder_decoder": encoder_decoder,
+    "kv_cache_decoder": kv_cache_decoder,
 }
 
 

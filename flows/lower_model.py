@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from lowering.methods import check_no_shared_state
+from lowering.methods import check_no_shared_state, check_shared_state_names
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
@@ -239,7 +239,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     try:
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
-        planned = run("memory_plan", records, program=program)
+        planned = run("memory_plan", records, program=program, state_of=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
@@ -271,8 +271,12 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
         return _all_failed(manifest, targets, records, exc, methods=True)
+    modules = {method: sub.module for method, sub in loaded.methods.items()}
+    share = loaded.share_mutable_buffers
+    if share:
+        manifest["share_mutable_buffers"] = True
     try:
-        check_no_shared_state({method: sub.module for method, sub in loaded.methods.items()}, mutated)
+        (check_shared_state_names if share else check_no_shared_state)(modules, mutated)
     except Exception as exc:
         records.append({"stage": "check_methods", "state": "Failed", "cached": False, "seconds": 0.0, "bytes": None})
         return _all_failed(manifest, targets, records, exc, methods=True)
@@ -280,27 +284,38 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     for target in targets:
         manifest["targets"][target] = lower_target_methods(
             run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records), verify,
+            shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
         )
     return manifest
 
 
-def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify) -> dict:
-    """The stages after export of every method for one target, one emit, verify per method."""
+def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
+                         shared: str | None = None, stateful: bool = False) -> dict:
+    """The stages after export of every method for one target, one emit, verify per method.
+
+    ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
+    every method is delegated before any is memory-planned (the shared state's places
+    depend on every method's program), and verify also runs the methods in sequence
+    on one program (stage ``verify_sequence``).  ``stateful``: some method mutates a
+    buffer; then each method's memory plan places the state of all (arena 2)."""
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
     }
     try:
-        planned = {}
+        planned, delegated = {}, {}
         for method, program in programs.items():
-            run_method = for_method(run, method)
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate(
-                    run_method, f"{name}.{method}", program, target, options, records)
-            plan = run_method("memory_plan", records, program=program)
+                    for_method(run, method), f"{name}.{method}", program, target, options, records)
+            delegated[method] = program
+        for method, program in delegated.items():
+            state_of = {"method": method, "programs": dict(delegated), "share": bool(shared)} if stateful else None
+            plan = for_method(run, method)("memory_plan", records, program=program, state_of=state_of)
             methods[method]["memory_plan"] = {
-                **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm")}, "ref": plan["plan"].to_json(),
+                **{k: plan[k] for k in ("arena_bytes", "lower_bound", "algorithm", "shared_state_bytes") if k in plan},
+                "ref": plan["plan"].to_json(),
             }
             planned[method] = {"program": program, "plan": plan["plan"]}
         result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
@@ -311,7 +326,11 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method)
-            result["verify"] = _combined_verify({m: e["verify"] for m, e in methods.items()})
+            reports = {m: e["verify"] for m, e in methods.items()}
+            if shared:
+                result["verify_sequence"] = reports["(sequence)"] = run(
+                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared)
+            result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
         if publish is not None:
@@ -337,9 +356,11 @@ def for_method(run: Run, method: str) -> Run:
 
 
 def _total_plan(plans: list[dict]) -> dict:
-    """The methods' memory plans summed (each method has its own arena)."""
+    """The methods' memory plans summed (each method has its own arena; shared state,
+    in every method's plan, is counted once)."""
+    shared = max((int(p.get("shared_state_bytes", 0)) for p in plans), default=0)
     return {
-        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans),
+        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans) - shared * max(len(plans) - 1, 0),
         "lower_bound": sum(int(p["lower_bound"]) for p in plans),
         "algorithm": ",".join(sorted({str(p["algorithm"]) for p in plans})),
     }

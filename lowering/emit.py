@@ -178,7 +178,8 @@ class _MethodEmitter:
         kind = spec.kind
         if kind == InputKind.USER_INPUT:
             self._emit_user_input(node)
-        elif kind == InputKind.BUFFER and spec.target in self.mutated_targets:
+        elif kind == InputKind.BUFFER and (spec.target in self.mutated_targets or node.name in self.plan.allocations):
+            # State: mutated here, or planned as state shared with another method.
             initial = self._state_tensor(spec.target)
             value = self._planned_tensor(node.name, node.meta["val"])
             self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)

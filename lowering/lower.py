@@ -59,6 +59,7 @@ def lower(
     *,
     partitioner: Any = None,
     dynamic_shapes: Any = None,
+    share_mutable_buffers: bool = False,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -70,14 +71,18 @@ def lower(
     delegated by :func:`lowering.to_backend.to_backend`; without one nothing
     is delegated.  ``dynamic_shapes`` (torch.export's argument, every
     ``torch.export.Dim`` with a max) makes those dims dynamic: the ``.pte``
-    runs at any size in their ranges.
+    runs at any size in their ranges.  ``share_mutable_buffers`` is for a dict
+    of methods (see :func:`lower_methods`).
     """
+    if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
+        raise LoweringError("lower: share_mutable_buffers applies to a dict of methods, not one model")
     if isinstance(model_or_exported_program, Mapping):
         if example_inputs is not None:
             raise LoweringError("lower: example_inputs go inside the methods dict, one per method")
         if dynamic_shapes is not None:
             raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
-        return lower_methods(model_or_exported_program, partitioner=partitioner)
+        return lower_methods(model_or_exported_program, partitioner=partitioner,
+                             share_mutable_buffers=share_mutable_buffers)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
@@ -91,14 +96,20 @@ def lower(
 
 def _delegate_and_plan(program: ExportedProgram, partitioner: Any, timings: dict[str, float]):
     """to_backend (with a partitioner) and memory plan: (final program, its plan)."""
-    if partitioner is not None:
-        from .to_backend import to_backend
-
-        with _timed(timings, "to_backend"):
-            program = to_backend(program, partitioner)
+    program = _delegate(program, partitioner, timings)
     with _timed(timings, "memory_plan"):
         plan = memory_plan(program)
     return program, plan
+
+
+def _delegate(program: ExportedProgram, partitioner: Any, timings: dict[str, float]) -> ExportedProgram:
+    """to_backend with a partitioner; the program itself without one."""
+    if partitioner is None:
+        return program
+    from .to_backend import to_backend
+
+    with _timed(timings, "to_backend"):
+        return to_backend(program, partitioner)
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,9 @@ class MethodsLowerResult:
         return list(self.memory_plans)
 
 
-def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> MethodsLowerResult:
+def lower_methods(
+    methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False
+) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
     ``methods``: ``{name: (module, example_inputs[, dynamic_shapes]) | ExportedProgram}``;
@@ -126,8 +139,25 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
     ``partitioner`` and memory-planned on its own, then all are emitted together
     (methods sorted by name: the same methods give the same bytes whatever the
     dict order).  The emit stage's seconds are reported under every method.
+
+    ``share_mutable_buffers``: mutable buffers (a KV cache) are state of the
+    program, not of one method: each buffer name has one place in a shared
+    arena (mem_id 2) that every method reads and writes, so ``decode`` sees
+    what ``prefill`` wrote on the same loaded program (see
+    :func:`lowering.methods.plan_shared_state`).  Without it, a buffer one
+    method mutates and another uses is a MethodError, and each method's own
+    mutable buffers get a region of arena 2 of their own
+    (:func:`lowering.methods.plan_method_state`: ExecuTorch's runtime shares
+    arena 1 between the methods of a program).
     """
-    from .methods import check_no_shared_state, emit_methods, method_entries, mutated_buffers
+    from .methods import (
+        check_no_shared_state,
+        check_shared_state_names,
+        emit_methods,
+        method_entries,
+        mutated_buffers,
+        plan_method_state,
+    )
 
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
@@ -141,12 +171,15 @@ def lower_methods(methods: Mapping[str, Any], *, partitioner: Any = None) -> Met
             else:
                 program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
         programs[name] = program
-    check_no_shared_state(
-        {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)},
-        {name: mutated_buffers(program) for name, program in programs.items()},
-    )
+    modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
+    mutated = {name: mutated_buffers(program) for name, program in programs.items()}
+    (check_shared_state_names if share_mutable_buffers else check_no_shared_state)(modules, mutated)
     for name in entries:
-        programs[name], plans[name] = _delegate_and_plan(programs[name], partitioner, timings[name])
+        programs[name] = _delegate(programs[name], partitioner, timings[name])
+    states = plan_method_state(programs, share=share_mutable_buffers)
+    for name in entries:
+        with _timed(timings[name], "memory_plan"):
+            plans[name] = memory_plan(programs[name], shared_state=states[name] if states else None)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
         pte = emit_methods({name: (programs[name], plans[name]) for name in entries})

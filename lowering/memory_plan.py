@@ -39,6 +39,11 @@ bodies (keys ``"<submodule>/<node>"``) on one timeline in execution order, a
 branch's result placed on the cond output it is moved to; see
 :mod:`lowering.control_flow` (:func:`_control_flow_lifetimes` is the hook).
 
+A method of a program whose methods have mutable buffers gets a
+:class:`SharedState` (``memory_plan(ep, shared_state=...)``): those buffers go
+to arena 2 at fixed offsets, outside arena 1's placement
+(:func:`lowering.methods.plan_method_state`).
+
 Two values may share bytes only if their lifetimes are disjoint; inclusive
 ranges mean an op's inputs and outputs never share memory.  The lower bound
 (the most bytes live at one step) is what no placement can beat.
@@ -64,6 +69,10 @@ from .errors import MemoryPlanError
 
 #: The arena every planned tensor lives in; 0 is reserved for constants.
 ARENA_MEM_ID = 1
+
+#: The arena of mutable state shared across the methods of one program
+#: (ExecuTorch's ``MemoryPlanningPass(share_mutable_buffers=True)`` uses 2 too).
+SHARED_STATE_MEM_ID = 2
 
 
 # ---------------------------------------------------------------------------
@@ -145,6 +154,29 @@ class MemoryPlan:
             aliases=dict(d.get("aliases", {})),
             alignment=int(d.get("alignment", 16)),
         )
+
+
+@dataclass(frozen=True)
+class SharedState:
+    """Where mutable buffers shared across methods live: arena
+    :data:`SHARED_STATE_MEM_ID`, one fixed offset per buffer name (fqn), the same
+    in every method of the program.  State persists, so nothing else shares
+    its bytes::
+
+        SharedState(offsets={"cache.k": 0, "cache.v": 4096}, size=8192)
+        method "prefill": b_cache_k -> (mem_id 2, offset 0)     arena_sizes (0, A_prefill, 8192)
+        method "decode":  b_cache_k -> (mem_id 2, offset 0)     arena_sizes (0, A_decode, 8192)
+    """
+
+    offsets: dict[str, int]
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"offsets": dict(self.offsets), "size": self.size}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SharedState":
+        return cls({k: int(v) for k, v in d["offsets"].items()}, int(d["size"]))
 
 
 # ---------------------------------------------------------------------------
@@ -254,14 +286,16 @@ class ValueTable:
     mutated: set[str]
 
 
-def collect_values(ep: ExportedProgram, alignment: int) -> ValueTable:
+def collect_values(ep: ExportedProgram, alignment: int, shared: Iterable[str] = ()) -> ValueTable:
     """User inputs, mutated buffers and every op output; constants are left out.
 
     A tensor with symbolic sizes (dynamic shapes) is sized at its upper bound
     (every symbol at the max of its ``range_constraints``); one without an
-    upper bound raises :class:`MemoryPlanError` naming the value.
+    upper bound raises :class:`MemoryPlanError` naming the value.  Buffers named
+    in ``shared`` (shared state) are planned too, even where this method only
+    reads them.
     """
-    planned_inputs, mutated_inputs = _planned_inputs(ep)
+    planned_inputs, mutated_inputs = _planned_inputs(ep, shared)
     values: dict[str, TensorValue] = {}
     refs: dict[torch.fx.Node, list[str]] = {}
     for node in ep.graph.nodes:
@@ -286,12 +320,13 @@ def collect_values(ep: ExportedProgram, alignment: int) -> ValueTable:
     return ValueTable(values, refs, mutated_inputs)
 
 
-def _planned_inputs(ep: ExportedProgram) -> tuple[set[str], set[str]]:
-    """Placeholder names that get memory (user inputs, mutated buffers), and the
-    mutated buffers among them.  Parameters, lifted constants and buffers that
-    are never mutated are constants."""
+def _planned_inputs(ep: ExportedProgram, shared: Iterable[str] = ()) -> tuple[set[str], set[str]]:
+    """Placeholder names that get memory (user inputs, mutated or shared buffers),
+    and the state buffers among them.  Parameters, lifted constants and buffers
+    that are never mutated (nor shared) are constants."""
     sig = ep.graph_signature
     mutated_fqns = {s.target for s in sig.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+    mutated_fqns |= set(shared)
     planned: set[str] = set()
     mutated: set[str] = set()
     for spec in sig.input_specs:
@@ -749,8 +784,19 @@ def choose_placement(problem: PlacementProblem, algorithm: str = "auto") -> tupl
 # ---------------------------------------------------------------------------
 
 
-def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int = 16) -> MemoryPlan:
-    """Plan the memory of ``ep`` (not mutated); see the module docstring."""
+def memory_plan(
+    ep: ExportedProgram,
+    *,
+    algorithm: str = "auto",
+    alignment: int = 16,
+    shared_state: SharedState | None = None,
+) -> MemoryPlan:
+    """Plan the memory of ``ep`` (not mutated); see the module docstring.
+
+    With ``shared_state`` (one method of several sharing mutable buffers), the
+    buffers it names are placed at its offsets in arena
+    :data:`SHARED_STATE_MEM_ID` and left out of arena 1's placement.
+    """
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise MemoryPlanError(
             f"unknown memory planning algorithm {algorithm!r}; "
@@ -758,7 +804,9 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
         )
     if alignment <= 0 or alignment & (alignment - 1):
         raise MemoryPlanError(f"alignment must be a power of two, got {alignment}")
-    table = collect_values(ep, alignment)
+    shared = shared_state.offsets if shared_state is not None else {}
+    table = collect_values(ep, alignment, shared)
+    shared_keys = _shared_state_keys(ep, shared, table)
     out_variants = find_out_variants(ep.graph)
     aliases = find_view_aliases(ep.graph, table)
     if has_control_flow(ep.graph):
@@ -769,21 +817,20 @@ def memory_plan(ep: ExportedProgram, *, algorithm: str = "auto", alignment: int 
     planned = [
         PlannedValue(key, value.size, *lifetimes[key])
         for key, value in table.values.items()
-        if key not in placed_on
+        if key not in placed_on and key not in shared_keys
     ]
     problem = PlacementProblem.from_values(planned)
     name, offsets, arena = choose_placement(problem, algorithm)
     offset_of = {v.key: offset for v, offset in zip(planned, offsets)}
-    allocations = {
-        key: TensorAllocation(
-            ARENA_MEM_ID, offset_of[placed_on.get(key, key)], value.size, lifetimes[key]
-        )
-        for key, value in table.values.items()
-    }
+    allocations = {}
+    for key, value in table.values.items():
+        root = placed_on.get(key, key)
+        mem_id, offset = (SHARED_STATE_MEM_ID, shared_keys[root]) if root in shared_keys else (ARENA_MEM_ID, offset_of[root])
+        allocations[key] = TensorAllocation(mem_id, offset, value.size, lifetimes[key])
     return MemoryPlan(
         out_variants=out_variants,
         allocations=allocations,
-        arena_sizes=(0, arena),
+        arena_sizes=(0, arena) if shared_state is None else (0, arena, shared_state.size),
         lower_bound=problem.lower_bound,
         algorithm=name,
         aliases=aliases,
@@ -809,6 +856,26 @@ def _control_flow_lifetimes(
     out_variants.update(flow.out_variants)
     own = control_flow_lifetimes(ep, table)
     return resolve_shared_lifetimes(own, aliases, flow)
+
+
+def _shared_state_keys(ep: ExportedProgram, shared: Mapping[str, int], table: ValueTable) -> dict[str, int]:
+    """Placeholder name -> shared offset, for the buffers of ``ep`` named in ``shared``.
+
+    A mutated buffer missing from ``shared`` is a MemoryPlanError: with shared
+    state, every method's state lives in the shared arena.
+    """
+    if not shared:
+        return {}
+    keys: dict[str, int] = {}
+    for spec in ep.graph_signature.input_specs:
+        name = getattr(spec.arg, "name", None)
+        if spec.kind != InputKind.BUFFER or name not in table.values:
+            continue
+        if spec.target not in shared:
+            raise MemoryPlanError(f"mutable buffer {spec.target!r} has no place in the shared state "
+                                  f"(shared: {sorted(shared)})")
+        keys[name] = shared[spec.target]
+    return keys
 
 
 # ---------------------------------------------------------------------------

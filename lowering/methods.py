@@ -16,9 +16,19 @@ method names and emits the methods into ONE program::
 
 Method order in the program is sorted by name (as ExecuTorch's emitter does),
 whatever the order of the mapping, so the bytes depend only on the methods.
-Mutable buffers are per method (each method's planned memory holds its own
-state, as in ExecuTorch); two methods sharing one mutated buffer are rejected
-by :func:`check_no_shared_state`.
+
+Mutable buffers are per method by default (each method's planned memory holds
+its own state); two methods sharing one mutated buffer are rejected by
+:func:`check_no_shared_state`.  With shared mutable buffers (ExecuTorch's
+``MemoryPlanningPass(share_mutable_buffers=True)``), :func:`plan_shared_state`
+gives every mutable buffer, by name, one place in a shared arena (mem_id 2)
+that each method's memory plan uses::
+
+    prefill: mutates cache.k, cache.v    ─┐   SharedState(offsets={"cache.k": 0,
+    decode:  mutates cache.k, cache.v    ─┴─►              "cache.v": 4096}, size=8192)
+    every method: cache.k at (mem_id 2, offset 0), initial value in the mutable
+    segment once; a runtime holds one arena 2 per loaded program, so the
+    methods read each other's writes.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
 from .errors import EmitError, LoweringError
 from .pte import PteData, schema, serialize
@@ -73,9 +84,8 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> Pte
 
 def merge_methods(methods: list[tuple[str, PteData]]) -> PteData:
     """One program from single-method ones: the plans renamed and concatenated, their
-    data pooled.  Constants, delegate payloads and named data with equal bytes are
-    stored once; mutable initial values are kept per method (each method owns its
-    state).  The inputs' tables are modified (they are fresh from :func:`build_pte`).
+    data pooled.  Constants, mutable initial values, delegate payloads and named
+    data with equal bytes are stored once.  The inputs' tables are modified (they are fresh from :func:`build_pte`).
     """
     names = [name for name, _ in methods]
     if len(set(names)) != len(names):
@@ -106,6 +116,7 @@ class _DataPool:
         self.constants: list[bytes] = [b""]
         self._constant_index: dict[bytes, int] = {}
         self.mutable_data: list[bytes] = [b""]
+        self._mutable_index: dict[bytes, int] = {}
         self.payloads: list[bytes] = []
         self._payload_index: dict[bytes, int] = {}
         self.named_data: dict[str, bytes] = {}
@@ -139,8 +150,12 @@ class _DataPool:
         return self._constant_index[data]
 
     def _mutable(self, data: bytes) -> int:
-        self.mutable_data.append(data)
-        return len(self.mutable_data) - 1
+        """Initial values are read-only sources copied into planned memory at load:
+        equal bytes are stored once (a shared buffer's value is in every method)."""
+        if data not in self._mutable_index:
+            self._mutable_index[data] = len(self.mutable_data)
+            self.mutable_data.append(data)
+        return self._mutable_index[data]
 
     def _payload(self, data: bytes) -> int:
         if data not in self._payload_index:
@@ -213,9 +228,109 @@ def check_no_shared_state(modules: Mapping[str, torch.nn.Module], mutated: Mappi
                 other, other_fqn = others[0]
                 raise MethodError(
                     f"method {name!r} mutates buffer {fqn!r}, which method {other!r} also uses "
-                    f"(as {other_fqn!r}); state shared across methods is not supported: "
-                    "each method of a program has its own memory"
+                    f"(as {other_fqn!r}); each method of a program has its own memory unless "
+                    "mutable buffers are shared: pass share_mutable_buffers=True"
                 )
+
+
+def check_shared_state_names(modules: Mapping[str, torch.nn.Module], mutated: Mapping[str, Iterable[str]]) -> None:
+    """Raise MethodError if a mutated buffer is one tensor under two names.
+
+    Shared state is matched by buffer name (as in ExecuTorch), so the methods
+    must reach a shared buffer under the same name (``prefill = Prefill(model)``,
+    ``decode = Decode(model)``: both see ``model.cache_k``).
+    """
+    names: dict[int, tuple[str, str]] = {}
+    for name in sorted(modules):
+        state = dict(_named_state(modules[name]))
+        for fqn in sorted(set(mutated.get(name, ())) & set(state)):
+            names.setdefault(state[fqn].untyped_storage().data_ptr(), (name, fqn))
+    for name in sorted(modules):
+        for fqn, tensor in _named_state(modules[name]):
+            first = names.get(tensor.untyped_storage().data_ptr())
+            if first is not None and first[1] != fqn:
+                raise MethodError(
+                    f"method {name!r} uses buffer {first[1]!r} of method {first[0]!r} under another "
+                    f"name, {fqn!r}; shared mutable buffers are matched by name: give the methods' "
+                    "modules the same attribute path to the shared module"
+                )
+
+
+def plan_shared_state(programs: Mapping[str, ExportedProgram], alignment: int = 16):
+    """The :class:`~lowering.memory_plan.SharedState` of ``{method: program}``.
+
+    Every buffer any method mutates gets one place (buffer names sorted,
+    offsets aligned, no reuse: state persists).  A buffer used by several
+    methods must have the same dtype, shape and initial value in each, else
+    MethodError naming the buffer and the methods.
+    """
+    from .memory_plan import SharedState
+
+    mutated = sorted({fqn for program in programs.values() for fqn in mutated_buffers(program)})
+    first: dict[str, tuple[str, torch.Tensor]] = {}
+    for name in method_order(programs):
+        program = programs[name]
+        buffers = {s.target for s in program.graph_signature.input_specs if s.kind == InputKind.BUFFER}
+        for fqn in mutated:
+            if fqn not in buffers:
+                continue
+            tensor = _state_tensor(program, fqn, name)
+            seen = first.setdefault(fqn, (name, tensor))
+            _check_same_state(fqn, seen, (name, tensor))
+    offsets, size = {}, 0
+    for fqn in mutated:
+        tensor = first[fqn][1]
+        offsets[fqn] = size
+        size += -(-tensor.numel() * tensor.element_size() // alignment) * alignment
+    return SharedState(offsets, size)
+
+
+def plan_method_state(programs: Mapping[str, ExportedProgram], *, share: bool, alignment: int = 16):
+    """``{method: SharedState}``: where each method's mutable buffers live, or None
+    if no method mutates a buffer.
+
+    ExecuTorch's runtime lets the methods of one program share their planned
+    arenas (its Python runtime sizes one set to the largest method), so state in
+    a method's arena 1 would be overwritten by another method's activations:
+    state always goes to arena 2.  ``share``: one place per buffer name, the same
+    in every method (:func:`plan_shared_state`); otherwise each method's buffers
+    get a region of their own (regions in method name order)::
+
+        share=False   step: count -> 0            other: state -> 256     size 512 in both
+        share=True    prefill, decode: cache.k -> 0, cache.v -> 2048      size 4096 in both
+    """
+    from .memory_plan import SharedState
+
+    if not any(mutated_buffers(program) for program in programs.values()):
+        return None
+    if share:
+        shared = plan_shared_state(programs, alignment)
+        return {name: shared for name in programs}
+    regions, base = {}, 0
+    for name in method_order(programs):
+        own = plan_shared_state({name: programs[name]}, alignment)
+        regions[name] = {fqn: base + offset for fqn, offset in own.offsets.items()}
+        base += own.size
+    return {name: SharedState(offsets, base) for name, offsets in regions.items()}
+
+
+def _state_tensor(program: ExportedProgram, fqn: str, method: str) -> torch.Tensor:
+    tensor = program.state_dict.get(fqn, program.constants.get(fqn))
+    if not isinstance(tensor, torch.Tensor):
+        raise MethodError(f"method {method!r}: buffer {fqn!r} has no tensor in the program's state")
+    return tensor.detach()
+
+
+def _check_same_state(fqn: str, first: tuple[str, torch.Tensor], other: tuple[str, torch.Tensor]) -> None:
+    (a, x), (b, y) = first, other
+    if a == b:
+        return
+    if x.dtype != y.dtype or x.shape != y.shape:
+        raise MethodError(f"shared buffer {fqn!r} is {x.dtype}{list(x.shape)} in method {a!r} but "
+                          f"{y.dtype}{list(y.shape)} in method {b!r}; a shared buffer must be the same in every method")
+    if not torch.equal(x, y):
+        raise MethodError(f"shared buffer {fqn!r} has a different initial value in method {a!r} than in "
+                          f"method {b!r}; a shared buffer must be the same in every method")
 
 
 def _named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -128,6 +128,63 @@ def verify_methods(
     return reports
 
 
+def verify_call_sequence(
+    pte: bytes,
+    methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]],
+    sequence: Sequence[tuple[str, Sequence[Any]]] | None = None,
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+) -> VerifyReport:
+    """Run a sequence of method calls on ONE loaded program in each runtime against one
+    copy of the eager modules run in the same order: the check of state shared
+    across methods (``prefill`` then ``decode`` reading its KV cache).
+
+    ``methods``: ``{name: (module, example_inputs)}``, deep-copied together so modules
+    sharing a submodule still share it.  ``sequence``: ``[(method, inputs), ...]``;
+    default :func:`round_robin` (every method on its example inputs in program
+    order, twice, so each method runs after every other one).  Every method is
+    loaded before the first call (loading a method writes its initial state).
+    """
+    import copy
+
+    if sequence is None:
+        sequence = round_robin(methods)
+    reference = copy.deepcopy({name: module for name, (module, _) in methods.items()})
+    calls = [(name, pytree.tree_leaves(tuple(inputs))) for name, inputs in sequence]
+    expected = []
+    with torch.no_grad():
+        for name, inputs in sequence:
+            expected.append(pytree.tree_leaves(reference[name](*inputs)))
+    names = sorted(methods)
+    backend_ids = delegate_backend_ids(pte)
+    missing = _missing_lowerflow_runtimes(backend_ids)
+    if missing:
+        checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
+    else:
+        checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(pte, names, calls), expected, atol, rtol)]
+    runner = _executorch_runner()
+    if runner is not None:
+        missing = runner.missing_backends(backend_ids)
+        if missing:
+            checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
+        else:
+            checks.append(_check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol))
+    return VerifyReport(checks)
+
+
+def round_robin(methods: dict[str, tuple[Any, Sequence[Any]]], rounds: int = 2) -> list[tuple[str, Sequence[Any]]]:
+    """Every method on its example inputs, in name (program) order, ``rounds`` times."""
+    return [(name, methods[name][1]) for _ in range(rounds) for name in sorted(methods)]
+
+
+def _run_lowerflow_sequence(pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
+    program = load(pte)
+    for name in names:
+        program.method(name)
+    return [program.run(name, inputs) for name, inputs in calls]
+
+
 def method_names(pte: bytes) -> list[str]:
     """The names of the program's methods, in program order."""
     from .pte import deserialize
@@ -232,6 +289,13 @@ def _executorch_runner():
             # a missing aten kernel is a failure to report, not a reason to skip.
             namespaces = {name.partition("::")[0] for name in known}
             return [op for op in operators if op not in known and op.partition("::")[0] not in namespaces]
+
+        def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
+            """``calls`` ``[(method, flat inputs)]`` on one program, every method loaded first."""
+            with _EXECUTORCH_LOCK, _native_output_to_log():
+                program = runtime_module.Runtime.get().load_program(pte)
+                methods = {name: program.load_method(name) for name in names}
+                return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
 
         def missing_backends(self, backend_ids: list[str]) -> list[str]:
             with _EXECUTORCH_LOCK, _native_output_to_log():

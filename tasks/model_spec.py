@@ -5,6 +5,8 @@
   ``torch.export.Dim`` objects each with a max; see :mod:`lowering.dynamic`), or
   ``{method_name: (nn.Module, example_inputs)}`` for a program of several methods
   (e.g. ``encode`` and ``decode`` wrappers over one model; see :func:`load_methods`).
+  Methods that share mutable buffers (``prefill`` and ``decode`` over one KV cache)
+  say so with ``factory.share_mutable_buffers = True`` (see ``lowering.lower_methods``).
   The file's directory is importable while it loads and while the factory runs,
   so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
@@ -124,6 +126,8 @@ class LoadedModel:
     #: torch.export's ``dynamic_shapes`` for the module: the factory's, or the
     #: ``dynamic_shapes`` option (JSON form) when given; None: static.
     dynamic_shapes: Any = None
+    #: The methods share their mutable buffers (the factory's ``share_mutable_buffers``).
+    share_mutable_buffers: bool = False
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -149,7 +153,8 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
                     f"model spec {spec.text!r} has several methods {sorted(module)}: the "
                     "dynamic_shapes option is for a model of one method"
                 )
-            return _load_methods(spec, module, factory_module, options)
+            share = _share_mutable_buffers(spec, getattr(factory_module, spec.factory))
+            return _load_methods(spec, module, factory_module, options, share)
         dynamic_shapes = _dynamic_shapes(spec, module, inputs, dynamic_shapes, override)
         try:
             fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options,
@@ -198,7 +203,18 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
     return dict(module) if isinstance(module, dict) else {"forward": (module, inputs)}
 
 
-def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: dict | None) -> LoadedModel:
+def _share_mutable_buffers(spec: ModelSpec, factory: Any) -> bool:
+    """A factory of several methods asks for shared mutable buffers (a KV cache that
+    ``prefill`` writes and ``decode`` reads) with ``factory.share_mutable_buffers = True``."""
+    share = getattr(factory, "share_mutable_buffers", False)
+    if not isinstance(share, bool):
+        raise ModelSpecError(f"model spec {spec.text!r}: {spec.factory}.share_mutable_buffers must be "
+                             f"True or False, got {share!r}")
+    return share
+
+
+def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: dict | None,
+                  share_mutable_buffers: bool = False) -> LoadedModel:
     """A LoadedModel of several methods: one per method (fingerprinted alone, so a method's
     export is keyed on its own module and inputs), and a fingerprint over them all."""
     loaded = {}
@@ -212,7 +228,7 @@ def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: 
             ) from exc
         loaded[name] = LoadedModel(spec, fp, module, inputs, method=name)
     fingerprint = fingerprint_methods({name: m.fingerprint for name, m in loaded.items()})
-    return LoadedModel(spec, fingerprint, methods=loaded)
+    return LoadedModel(spec, fingerprint, methods=loaded, share_mutable_buffers=share_mutable_buffers)
 
 
 def _factory_methods(spec: ModelSpec, result: Any) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...]]]:

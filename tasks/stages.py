@@ -43,7 +43,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods, mutated_buffers
+from lowering.methods import emit_methods, mutated_buffers, plan_method_state
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -57,7 +57,7 @@ from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
 from lowering.to_backend import to_backend
-from lowering.verify import verify as verify_pte
+from lowering.verify import verify as verify_pte, verify_call_sequence
 
 from .cache import CacheConfig, iter_refs, stage_task
 from .model_spec import live_model
@@ -76,6 +76,7 @@ STAGE_VERSIONS = {
     "emit": "1",
     "emit_methods": "1",
     "verify": "2",
+    "verify_sequence": "1",
 }
 
 
@@ -478,18 +479,29 @@ def run_lower_control_flow(store: ArtifactStore, program: ArtifactRef, target: s
     }
 
 
-def run_memory_plan(store: ArtifactStore, program: ArtifactRef) -> dict:
-    """Stage 7."""
+def run_memory_plan(store: ArtifactStore, program: ArtifactRef, state_of: dict | None = None) -> dict:
+    """Stage 7.  ``state_of``: for one method of several with mutable buffers,
+    ``{"method": name, "programs": {method: program ref}, "share": bool}`` (where
+    its state lives depends on every method's program, so the key covers them all;
+    lowering.methods.plan_method_state)."""
     _begin("memory_plan")
-    plan = memory_plan(get_program(store, program))
+    shared = None
+    if state_of:
+        programs = {m: get_program(store, ref) for m, ref in state_of["programs"].items()}
+        states = plan_method_state(programs, share=bool(state_of["share"]))
+        shared = states[state_of["method"]] if states else None
+    plan = memory_plan(get_program(store, program), shared_state=shared)
     ref = store.put_bytes(canonical_json(plan.to_dict()), "memory_plan")
     LIVE.put(ref, plan)
-    return {
+    result = {
         "plan": ref,
         "arena_bytes": int(sum(plan.arena_sizes)),
         "lower_bound": int(plan.lower_bound),
         "algorithm": plan.algorithm,
     }
+    if shared is not None:
+        result["shared_state_bytes"] = int(shared.size)  # counted once over the methods
+    return result
 
 
 def get_memory_plan(store: ArtifactStore, ref: ArtifactRef) -> MemoryPlan:
@@ -532,6 +544,16 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
                       dynamic_shapes=loaded.dynamic_shapes).to_dict()
 
 
+def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
+    """The check of state shared across methods: every method in program order, twice,
+    on one loaded program against the eager modules (sharing their state) run the
+    same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's."""
+    _begin("verify_sequence")
+    loaded = live_model(model, fingerprint)
+    methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
+    return verify_call_sequence(store.get_bytes(pte), methods).to_dict()
+
+
 # --------------------------------------------------------------------------- Prefect tasks
 
 
@@ -567,6 +589,7 @@ class StageTasks:
         self.emit = make("emit", run_emit)
         self.emit_methods = make("emit_methods", run_emit_methods)
         self.verify = make("verify", run_verify)
+        self.verify_sequence = make("verify_sequence", run_verify_sequence)
 
 
 class StageLookup:

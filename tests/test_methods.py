@@ -7,6 +7,7 @@ the model spec form ``{method: (module, inputs)}``, the cached flow and the CLI.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from examples.models import MLP, Decode, Seq2Seq, encoder_decoder, mlp
-from lowering import MethodError, lower, lower_methods
+from lowering import LoweringError, MethodError, lower, lower_methods
 from lowering.pte import deserialize
 from lowering.pte.format import decode_string
 from lowering.runtime import load
@@ -182,6 +183,205 @@ def test_state_shared_across_methods_is_rejected():
     x = torch.ones(2)
     with pytest.raises(MethodError, match=r"method 'step' mutates buffer 'state.count', which method 'read'"):
         lower_methods({"step": (Step(state), (x,)), "read": (Read(state), (x,))})
+
+
+# --- shared mutable buffers (a KV cache prefill writes and decode reads) ---------------------------
+
+PROMPT = torch.tensor([[3, 17, 42, 5, 9]])
+DECODE_STEPS = [(torch.tensor([[7]]), torch.tensor([5])), (torch.tensor([[1]]), torch.tensor([6])),
+                (torch.tensor([[33]]), torch.tensor([7]))]
+KV_SEQUENCE = [("prefill", (PROMPT,))] + [("decode", step) for step in DECODE_STEPS]
+
+
+@pytest.fixture(scope="module")
+def kv_lowered():
+    """target -> (MethodsLowerResult with shared KV cache, the eager outputs of KV_SEQUENCE)."""
+    from examples.models import kv_cache_decoder
+
+    eager = kv_cache_decoder()
+    expected = [_eager(eager[name][0], inputs) for name, inputs in KV_SEQUENCE]
+    out = {}
+    for target in (PORTABLE, "xnnpack"):
+        result = lower_methods(kv_cache_decoder(), partitioner=_partitioner(target), share_mutable_buffers=True)
+        out[target] = (result, expected)
+    return out
+
+
+@pytest.mark.parametrize("target", (PORTABLE, "xnnpack"))
+def test_executorch_decode_reads_the_kv_cache_prefill_wrote(kv_lowered, target):
+    """ExecuTorch's runtime: load both methods of the one .pte, prefill the prompt,
+    then decode three tokens: every output equals the eager model run the same way."""
+    pytest.importorskip("executorch")
+    from executorch.runtime import Runtime
+
+    result, expected = kv_lowered[target]
+    program = Runtime.get().load_program(result.pte)
+    methods = {name: program.load_method(name) for name in ("prefill", "decode")}
+    for (name, inputs), want in zip(KV_SEQUENCE, expected):
+        assert_all_close(list(methods[name].execute(list(inputs))), want)
+    # The decode outputs depend on the cache: decode alone on a fresh program differs.
+    fresh = Runtime.get().load_program(result.pte).load_method("decode")
+    assert not torch.allclose(fresh.execute(list(DECODE_STEPS[0]))[0], expected[1][0], atol=1e-3)
+
+
+@pytest.mark.parametrize("target", (PORTABLE, "xnnpack"))
+def test_our_executor_shares_state_between_methods_of_one_program(kv_lowered, target):
+    result, expected = kv_lowered[target]
+    program = load(result.pte).load_all()
+    for (name, inputs), want in zip(KV_SEQUENCE, expected):
+        assert_all_close(program.run(name, list(inputs)), want)
+    fresh = load(result.pte)
+    assert not torch.allclose(fresh.run("decode", list(DECODE_STEPS[0]))[0], expected[1][0], atol=1e-3)
+
+
+def test_shared_buffers_have_one_place_in_every_method(kv_lowered):
+    """Each cache buffer: mem_id 2, the same offset in both methods, its initial value
+    stored once; the activations stay in each method's own arena 1."""
+    result, _ = kv_lowered["xnnpack"]
+    places = {}
+    for name, plan in result.memory_plans.items():
+        program = result.exported_programs[name]
+        buffers = {s.arg.name: s.target for s in program.graph_signature.input_specs if s.target in ("model.k_cache", "model.v_cache")}
+        places[name] = {fqn: (plan.allocations[node].mem_id, plan.allocations[node].offset) for node, fqn in buffers.items()}
+        assert plan.arena_sizes[2] == 2 * 16 * 32 * 4
+        assert all(a.mem_id == 1 for key, a in plan.allocations.items() if key not in buffers)
+    assert places["prefill"] == places["decode"] == {"model.k_cache": (2, 0), "model.v_cache": (2, 2048)}
+    pte = deserialize(result.pte)
+    assert [list(p.nonConstBufferSizes)[2] for p in pte.program.executionPlan] == [4096, 4096]
+    assert len(pte.mutable_data) == 2  # b"" and the zeros both caches start from
+
+
+def _counter_methods(read_shape=(2,), read_value=0.0):
+    """``step`` adds to a counter buffer, ``read`` only reads it (under the same name)."""
+
+    class Counter(torch.nn.Module):
+        def __init__(self, shape=(2,), value=0.0):
+            super().__init__()
+            self.register_buffer("count", torch.full(shape, value))
+
+    class Step(torch.nn.Module):
+        def __init__(self, state):
+            super().__init__()
+            self.state = state
+
+        def forward(self, x):
+            self.state.count.add_(x)
+            return self.state.count * 1
+
+    class Read(Step):
+        def forward(self, x):
+            return self.state.count + x
+
+    state = Counter()
+    other = state if (read_shape, read_value) == ((2,), 0.0) else Counter(read_shape, read_value)
+    return {"step": (Step(state), (torch.ones(2),)), "read": (Read(other), (torch.ones(2),))}
+
+
+def test_a_method_that_only_reads_shared_state_sees_the_writes():
+    """``read`` does not mutate ``state.count`` but still reads it from the shared arena."""
+    pytest.importorskip("executorch")
+    from executorch.runtime import Runtime
+
+    result = lower(_counter_methods(), share_mutable_buffers=True)
+    assert result.memory_plans["read"].allocations["b_state_count"].mem_id == 2
+    x = torch.ones(2)
+    sequence = ["step", "read", "step", "read"]
+    want = [torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([2.0, 2.0]), torch.tensor([3.0, 3.0])]
+    program = Runtime.get().load_program(result.pte)
+    et = {name: program.load_method(name) for name in ("read", "step")}
+    ours = load(result.pte).load_all()
+    for name, expected in zip(sequence, want):
+        torch.testing.assert_close(et[name].execute([x])[0], expected)
+        torch.testing.assert_close(ours.run(name, [x])[0], expected)
+
+
+def test_a_method_keeps_its_own_state_while_another_method_runs():
+    """Not shared: ``step``'s counter is its own, yet ExecuTorch's runtime lets the
+    methods of a program share arena 1 (so does ours), so the state lives in a
+    region of arena 2 no other method's activations touch."""
+    pytest.importorskip("executorch")
+    from executorch.runtime import Runtime
+
+    class Step(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(64))
+
+        def forward(self, x):
+            self.count.add_(x)
+            return self.count * 1
+
+    class Other(torch.nn.Module):
+        def forward(self, x):
+            return (x * 3 + 1) * 2 - 5
+
+    x = torch.ones(64)
+    result = lower_methods({"step": (Step(), (x,)), "other": (Other(), (x,))})
+    plan = result.memory_plans["step"]
+    assert plan.allocations["b_count"].mem_id == 2 and plan.arena_sizes[2] == result.memory_plans["other"].arena_sizes[2]
+    program = Runtime.get().load_program(result.pte)
+    et = {name: program.load_method(name) for name in ("other", "step")}
+    ours = load(result.pte).load_all()
+    for runtime in (lambda name, inputs: et[name].execute(inputs), ours.run):
+        outputs = [runtime(name, [x * scale])[0] for name, scale in (("step", 1), ("other", 7), ("step", 1))]
+        torch.testing.assert_close(outputs[0], torch.full((64,), 1.0))
+        torch.testing.assert_close(outputs[1], (x * 7 * 3 + 1) * 2 - 5)
+        torch.testing.assert_close(outputs[2], torch.full((64,), 2.0))  # was 40.0 with the counter in arena 1
+
+
+@pytest.mark.parametrize(
+    ("read_shape", "read_value", "fragment"),
+    [((2, 1), 0.0, r"shared buffer 'state.count' is torch.float32\[2, 1\] in method 'read' but torch.float32\[2\] in method 'step'"),
+     ((2,), 1.0, r"shared buffer 'state.count' has a different initial value in method 'read' than in method 'step'")],
+)
+def test_a_shared_buffer_must_be_the_same_in_every_method(read_shape, read_value, fragment):
+    with pytest.raises(MethodError, match=fragment):
+        lower_methods(_counter_methods(read_shape, read_value), share_mutable_buffers=True)
+
+
+def test_shared_state_without_the_option_points_at_it():
+    from examples.models import kv_cache_decoder
+
+    with pytest.raises(MethodError, match=r"method 'decode' mutates buffer 'model.k_cache'.*share_mutable_buffers=True"):
+        lower_methods(kv_cache_decoder())
+    with pytest.raises(LoweringError, match="share_mutable_buffers applies to a dict of methods"):
+        lower(*mlp(), share_mutable_buffers=True)
+
+
+def test_a_shared_buffer_under_two_names_is_rejected():
+    """Shared state is matched by buffer name: one tensor reached as two names is an error."""
+    from examples.models import DecodeStep, KVCacheDecoder, Prefill
+
+    model = KVCacheDecoder().eval()
+
+    class Renamed(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, token, pos):
+            return self.inner.step(token, pos)
+
+    methods = {"prefill": (Prefill(model), (PROMPT,)), "decode": (Renamed(model), DECODE_STEPS[0])}
+    with pytest.raises(MethodError, match=r"uses buffer 'inner.k_cache' of method 'decode' under another name, 'model.k_cache'"):
+        lower_methods(methods, share_mutable_buffers=True)
+    assert DecodeStep  # the wrapper that keeps the name (used by kv_cache_decoder)
+
+
+def test_verify_call_sequence_checks_state_across_methods(kv_lowered):
+    """The sequence check passes on the shared-cache program, and fails against eager
+    modules that do not share the cache (so it can fail)."""
+    from examples.models import kv_cache_decoder
+    from lowering.verify import round_robin, verify_call_sequence
+
+    result, _ = kv_lowered[PORTABLE]
+    methods = kv_cache_decoder()
+    assert [name for name, _ in round_robin(methods)] == ["decode", "prefill", "decode", "prefill"]
+    report = verify_call_sequence(result.pte, methods)
+    assert report.ok and {c.runtime for c in report.checks if c.ok} >= {"lowerflow"}, report
+    unshared = {"prefill": kv_cache_decoder()["prefill"], "decode": kv_cache_decoder()["decode"]}
+    report = verify_call_sequence(result.pte, unshared)
+    assert not report.ok and all(c.ok is False for c in report.checks), report
 
 
 # --- model specs ---------------------------------------------------------------------------------
@@ -420,3 +620,37 @@ def test_flow_rejects_state_shared_across_methods(tmp_path):
     error = info.value.manifest["targets"]["portable"]["error"]
     assert error.startswith("check_methods: MethodError: method 'step' mutates buffer 'state.count'"), error
     assert not (store / "outputs" / "shared" / "portable.pte").exists()
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_lowers_methods_sharing_a_kv_cache(tmp_path, kv_lowered):
+    """``kv_cache_decoder.share_mutable_buffers = True``: the flow plans the shared cache,
+    emits the same bytes as lower_methods, and verify runs the methods in sequence on
+    one program in both runtimes; a warm run runs nothing."""
+    pytest.importorskip("executorch")
+    from flows.lower_model import lower_model
+    from tasks.store import ArtifactStore
+
+    store = tmp_path / "store"
+    model = f"{MODELS}:kv_cache_decoder"
+    cold, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
+    assert cold["share_mutable_buffers"] is True
+    assert ran["memory_plan"] == 4 and ran["verify"] == 4 and ran["verify_sequence"] == 2
+    for target in (PORTABLE, "xnnpack"):
+        entry = cold["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert entry["pte"]["sha256"] == hashlib.sha256(kv_lowered[target][0].pte).hexdigest()  # = lower_methods
+        sequence = entry["verify_sequence"]
+        assert sequence["ok"] is True and {c["runtime"] for c in sequence["checks"] if c["ok"]} == {"lowerflow", "executorch"}
+        assert {c["method"] for c in entry["verify"]["checks"]} == {"decode", "prefill", "(sequence)"}
+        plans = entry["methods"]
+        assert plans["prefill"]["memory_plan"]["shared_state_bytes"] == 4096
+        assert entry["memory_plan"]["arena_bytes"] == sum(p["memory_plan"]["arena_bytes"] for p in plans.values()) - 4096
+    published = ArtifactStore(str(store)).get_json("kv_cache_decoder/manifest.json")
+    assert published["share_mutable_buffers"] is True
+    from flows.reports import model_report_markdown
+
+    report = model_report_markdown(published)
+    assert "| prefill |" in report and "| decode |" in report and "executorch ((sequence))" in report, report
+    warm, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
+    assert sum(ran.values()) == 0, dict(ran)

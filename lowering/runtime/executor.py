@@ -19,6 +19,15 @@ Memory model (the same as ExecuTorch's):
 A loaded method keeps its arenas, so state (mutable buffers, delegate
 handles) persists across calls on it; :meth:`LoadedProgram.run` reuses one
 loaded method per name.
+
+The arenas belong to the loaded program, not to a method, as in ExecuTorch's
+Python runtime: every method of one :class:`LoadedProgram` views the same
+arena per memory id (sized to the largest method's request).  So the methods
+overwrite each other's activations (outputs are copied out), and state in
+arena 2 (:class:`lowering.memory_plan.SharedState`) is seen by every method:
+``decode`` reads what ``prefill`` wrote.  As in ExecuTorch, a method copies
+its initial values into the arenas when it is loaded: load every method before
+running any (:meth:`LoadedProgram.load_all`).
 """
 
 from __future__ import annotations
@@ -50,6 +59,13 @@ class LoadedProgram:
         self.pte = pte
         self._plans = {decode_string(plan.name): plan for plan in pte.program.executionPlan or []}
         self._methods: dict[str, LoadedMethod] = {}
+        self.shared_arenas = _shared_arenas(self._plans.values())
+
+    def load_all(self) -> "LoadedProgram":
+        """Load every method (in program order); returns self."""
+        for name in self._plans:
+            self.method(name)
+        return self
 
     @property
     def method_names(self) -> list[str]:
@@ -60,7 +76,7 @@ class LoadedProgram:
         if name not in self._methods:
             if name not in self._plans:
                 raise ExecutorError(f"program has no method {name!r}; methods: {self.method_names}")
-            self._methods[name] = LoadedMethod(self._plans[name], self.pte)
+            self._methods[name] = LoadedMethod(self._plans[name], self.pte, self.shared_arenas)
         return self._methods[name]
 
     def run(self, method_name: str = "forward", inputs: Sequence[Any] = ()) -> list[Any]:
@@ -90,10 +106,14 @@ class _Step:
 class LoadedMethod:
     """An execution plan with its arenas allocated, values built and kernels resolved."""
 
-    def __init__(self, plan: fb.ExecutionPlanT, pte: PteData) -> None:
+    def __init__(self, plan: fb.ExecutionPlanT, pte: PteData, shared_arenas: dict[int, torch.Tensor] | None = None) -> None:
         self.name = decode_string(plan.name)
         self._pte = pte
-        self.arenas = [torch.zeros(int(size), dtype=torch.uint8) for size in _ints(plan.nonConstBufferSizes)]
+        shared = shared_arenas or {}
+        self.arenas = [
+            shared[mem_id] if mem_id in shared else torch.zeros(int(size), dtype=torch.uint8)
+            for mem_id, size in enumerate(_ints(plan.nonConstBufferSizes))
+        ]
         self._initialized: set[int] = set()
         #: DYNAMIC_BOUND tensor values -> their capacity in elements.
         self._capacity: dict[int, int] = {}
@@ -378,6 +398,16 @@ class LoadedMethod:
                 slot.copy_(result)
             else:
                 self.values[index] = result
+
+
+def _shared_arenas(plans) -> dict[int, torch.Tensor]:
+    """One arena per memory id >= 1 for all methods, as large as the largest request."""
+    sizes: dict[int, int] = {}
+    for plan in plans:
+        for mem_id, size in enumerate(_ints(plan.nonConstBufferSizes)):
+            if mem_id >= 1:
+                sizes[mem_id] = max(sizes.get(mem_id, 0), int(size))
+    return {mem_id: torch.zeros(size, dtype=torch.uint8) for mem_id, size in sizes.items()}
 
 
 def _location(allocation: fb.AllocationDetailsT) -> tuple[int, int]:
