@@ -39,7 +39,9 @@ def heartbeat_events(flow_run_id: str) -> list:
 
 def test_installed_in_the_engine_of_the_pinned_prefect():
     assert prefect.__version__ == heartbeats.PREFECT_VERSION, "re-check flows/heartbeats.py against this Prefect"
-    assert prefect.flow_engine._send_heartbeats is heartbeats.send_heartbeats
+    installed = prefect.flow_engine._send_heartbeats
+    # By name: a test that re-imports lowerflow's modules leaves an equal, not identical, function.
+    assert (installed.__module__, installed.__qualname__) == ("flows.heartbeats", "send_heartbeats")
 
 
 def test_a_flow_run_still_sends_its_heartbeat_and_the_thread_ends_with_the_run(prefect_api):
