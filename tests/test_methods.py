@@ -577,7 +577,7 @@ def test_a_failing_method_names_itself_and_publishes_nothing(tmp_path):
         "import torch\nfrom examples.models import encoder_decoder\n\n"
         "class Bad(torch.nn.Module):\n"
         "    def forward(self, x):\n"
-        "        return x.nonzero()\n\n"  # a data-dependent shape: the emit stage rejects it
+        "        return x * 2 if x.sum() > 0 else x\n\n"  # Python control flow on data: export fails
         "def factory():\n"
         "    return {**encoder_decoder(), 'bad': (Bad(), (torch.ones(3),))}\n"
     )
