@@ -45,12 +45,31 @@ def executorch_pte(name: str) -> bytes:
         return bytes(to_edge(exported).to_executorch().buffer)
 
 
+class ExecutorchMethod:
+    """``forward`` of a ``.pte`` loaded in ExecuTorch's runtime, holding its ``Program``.
+
+    ExecuTorch reads constants, mutable buffers' initial values and delegate
+    payloads in place from the bytes a program was loaded from, and only its
+    ``Program`` references those bytes: its ``Method`` does not reference the
+    ``Program``.  ``load_program(pte).load_method("forward")`` on bytes nobody
+    else holds runs on freed memory (NaN outputs, or a crash), so the method is
+    kept here together with its program.
+    """
+
+    def __init__(self, pte: bytes, name: str = "forward") -> None:
+        from executorch.runtime import Runtime
+
+        self.program = Runtime.get().load_program(pte)
+        self.method = self.program.load_method(name)
+
+    def execute(self, inputs) -> list:
+        return list(self.method.execute(list(inputs)))
+
+
 def run_in_executorch(pte: bytes, inputs, calls: int = 1) -> list[list[torch.Tensor]]:
     """Outputs of ``calls`` successive executions of forward on one loaded Method."""
-    from executorch.runtime import Runtime
-
-    method = Runtime.get().load_program(pte).load_method("forward")
-    return [list(method.execute(list(inputs))) for _ in range(calls)]
+    method = ExecutorchMethod(pte)
+    return [method.execute(inputs) for _ in range(calls)]
 
 
 def assert_all_close(actual, expected, *, atol=1e-5, rtol=1e-4) -> None:

@@ -10,6 +10,7 @@ its KV cache in mutable buffers.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from lowering.pte.generated import program_generated as fb
 from lowering.runtime import ExecutorError, load
 from lowering.targets import partitioner_for
 from lowering.verify import verify
+from tests._interop import ExecutorchMethod
 
 pytest.importorskip("executorch")
 
@@ -62,12 +64,6 @@ def lowered():
         return cache[name, target]
 
     return get
-
-
-def _executorch_method(pte: bytes):
-    from executorch.runtime import Runtime
-
-    return Runtime.get().load_program(pte).load_method("forward")
 
 
 def _flat(out):
@@ -160,7 +156,7 @@ def test_executorch_runs_every_size_in_the_range_on_one_method(lowered, name, ta
     model, inputs, _, result = lowered(name, target)
     high = 32 if name == "dynamic_mlp" else 24
     sizes = [high, 1, 7, inputs[0].shape[0], 2, high]  # largest first, then down and up again
-    executorch, ours = _executorch_method(result.pte), load(result.pte).method("forward")
+    executorch, ours = ExecutorchMethod(result.pte), load(result.pte).method("forward")
     for n in sizes:
         sized = _sized(inputs, n)
         with torch.no_grad():
@@ -259,7 +255,7 @@ def test_gpt_decoder_token_by_token_matches_eager(lowered, target):
     assert [tuple(e.shape) for e in expected] == [(7, 64)] + [(1, 64)] * 8
     runners = {"lowerflow": load(result.pte).method("forward")}
     if target != "reference":  # ExecuTorch's runtime has no ReferenceBackend
-        runners["executorch"] = _executorch_method(result.pte)
+        runners["executorch"] = ExecutorchMethod(result.pte)
     for runtime, method in runners.items():
         call = (lambda m: lambda t, p: list(m.execute([t, p]))[0])(method)
         actual = run_token_by_token(call, PROMPT, 8)
@@ -276,7 +272,7 @@ def test_gpt_decoder_prefill_at_the_longest_prompt(lowered):
     eager = copy.deepcopy(model)
     with torch.no_grad():
         expected = run_token_by_token(eager, prompt, 2)
-    method = _executorch_method(result.pte)
+    method = ExecutorchMethod(result.pte)
     actual = run_token_by_token(lambda t, p: list(method.execute([t, p]))[0], prompt, 2)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
@@ -500,7 +496,7 @@ def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_pat
         assert stages["export"] != "cached" and stages["memory_plan"] != "cached", result.stdout
         outputs[max_] = out.read_bytes()
     assert _input_bound(outputs[8]) == [8, 64] and _input_bound(outputs[16]) == [16, 64]
-    method = _executorch_method(outputs[16])
+    method = ExecutorchMethod(outputs[16])
     model, _, _ = DYNAMIC_MODELS["dynamic_mlp"]()
     x = torch.randn(16, 64)
     with torch.no_grad():
@@ -529,9 +525,10 @@ def test_a_stored_dynamic_program_plans_and_emits_the_same_bytes(lowered, name, 
     assert emit_program(restored, plan) == result.pte
 
 
-def test_flow_lowers_the_gpt_decoder_for_portable_and_xnnpack(fresh_stages, tmp_path):
-    """The decoder by its spec through the flow; verify runs it at 1 and 16 tokens, and the
-    published .pte runs token by token in ExecuTorch's runtime."""
+def test_flow_lowers_the_gpt_decoder_for_portable_and_xnnpack(fresh_stages, lowered, tmp_path):
+    """The decoder by its spec through the flow; verify runs it at 1 and 16 tokens, the
+    published .pte is the library's, byte for byte, and runs token by token in ExecuTorch's
+    runtime (from bytes only the loaded method holds)."""
     from flows.lower_model import lower_model
 
     manifest = lower_model(f"{DYNAMIC}:gpt_decoder", ["portable", "xnnpack"], store=str(tmp_path / "store"))
@@ -544,11 +541,29 @@ def test_flow_lowers_the_gpt_decoder_for_portable_and_xnnpack(fresh_stages, tmp_
         checks = result["verify"]["checks"]
         assert {(c["runtime"], c["inputs"]) for c in checks if c["ok"]} == {
             (r, s) for r in ("lowerflow", "executorch") for s in ("example", "seq=1", "seq=16")}
-        method = _executorch_method(_pte_bytes(manifest, target))
+        assert _pte_bytes(manifest, target) == lowered("gpt_decoder", target)[3].pte, target
+        method = ExecutorchMethod(_pte_bytes(manifest, target))
         actual = run_token_by_token(lambda t, p: list(method.execute([t, p]))[0], PROMPT, 4)
         for a, e in zip(actual, expected):
             torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
     assert manifest["targets"]["xnnpack"]["delegation"]["delegated_nodes"] > 0
+
+
+@pytest.mark.parametrize("target", ["portable", "xnnpack"])
+def test_an_executorch_method_outlives_the_bytes_it_was_loaded_from(lowered, target):
+    """ExecuTorch reads constants, the KV cache's initial zeros and XNNPACK's payload in
+    place from the bytes a program was loaded from, and its Method does not hold its
+    Program (the bytes' only owner): a method loaded from bytes nobody else holds gave
+    NaN logits or crashed.  ExecutorchMethod keeps them; the freed memory is reused here."""
+    model, _, _, result = lowered("gpt_decoder", target)
+    method = ExecutorchMethod(bytearray(result.pte))  # the runtime's bytes(...) copy is the only one
+    gc.collect()
+    _reused = [b"\xff" * len(result.pte) for _ in range(8)]  # NaN floats where freed bytes were
+    with torch.no_grad():
+        expected = run_token_by_token(copy.deepcopy(model), PROMPT, 2)
+    actual = run_token_by_token(lambda t, p: method.execute([t, p])[0], PROMPT, 2)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("target", ["reference", "xnnpack"])
