@@ -3,7 +3,7 @@
 * ``path/to/file.py:factory`` — a Python file; ``factory()`` returns ``(nn.Module, example_inputs)``,
   ``(nn.Module, example_inputs, dynamic_shapes)`` (torch.export's argument,
   ``torch.export.Dim`` objects each with a max; see :mod:`lowering.dynamic`), or
-  ``{method_name: (nn.Module, example_inputs)}`` for a program of several methods
+  ``{method_name: (nn.Module, example_inputs[, dynamic_shapes])}`` for a program of several methods
   (e.g. ``encode`` and ``decode`` wrappers over one model; see :func:`load_methods`).
   Methods that share mutable buffers (``prefill`` and ``decode`` over one KV cache)
   say so with ``factory.share_mutable_buffers = True`` (see ``lowering.lower_methods``).
@@ -167,9 +167,10 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
 
 
 def _dynamic_shapes(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any,
-                    override: Any) -> Any:
+                    override: Any, method: str | None = None) -> Any:
     """The dynamic shapes to export with: the JSON ``override`` if given, else the
-    factory's; checked against forward's arguments and the example inputs."""
+    factory's (of ``method``, for several); checked against forward's arguments and the
+    example inputs."""
     try:
         if override is not None:
             dynamic_shapes = dynamic_shapes_from_json(override)
@@ -177,7 +178,8 @@ def _dynamic_shapes(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, dyn
             dynamic_shapes_to_json(dynamic_shapes)  # every Dim has a max
         check_against_inputs(dynamic_shapes, module, inputs)
     except DynamicShapeError as exc:
-        raise ModelSpecError(f"model spec {spec.text!r}: {exc}") from None
+        where = f"model spec {spec.text!r}" + (f": method {method!r}" if method else "")
+        raise ModelSpecError(f"{where}: {exc}") from None
     return dynamic_shapes
 
 
@@ -200,7 +202,9 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
         module, inputs, _, _ = _run_factory(spec)
-    return dict(module) if isinstance(module, dict) else {"forward": (module, inputs)}
+    if isinstance(module, dict):
+        return {name: (method, method_inputs) for name, (method, method_inputs, _) in module.items()}
+    return {"forward": (module, inputs)}
 
 
 def _share_mutable_buffers(spec: ModelSpec, factory: Any) -> bool:
@@ -218,21 +222,23 @@ def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: 
     """A LoadedModel of several methods: one per method (fingerprinted alone, so a method's
     export is keyed on its own module and inputs), and a fingerprint over them all."""
     loaded = {}
-    for name, (module, inputs) in methods.items():
+    for name, (module, inputs, dynamic_shapes) in methods.items():
         try:
-            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options)
+            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options,
+                                    dynamic_shapes=dynamic_shapes_to_json(dynamic_shapes))
         except Exception as exc:
             raise ModelSpecError(
                 f"model spec {spec.text!r}: method {name!r}: cannot fingerprint the model: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        loaded[name] = LoadedModel(spec, fp, module, inputs, method=name)
+        loaded[name] = LoadedModel(spec, fp, module, inputs, method=name, dynamic_shapes=dynamic_shapes)
     fingerprint = fingerprint_methods({name: m.fingerprint for name, m in loaded.items()})
     return LoadedModel(spec, fingerprint, methods=loaded, share_mutable_buffers=share_mutable_buffers)
 
 
-def _factory_methods(spec: ModelSpec, result: Any) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...]]]:
-    """Check a factory's ``{method_name: (nn.Module, example_inputs)}``; sorted by name."""
+def _factory_methods(spec: ModelSpec, result: Any) -> dict[str, tuple[torch.nn.Module, tuple[Any, ...], Any]]:
+    """Check a factory's ``{method_name: (nn.Module, example_inputs[, dynamic_shapes])}``;
+    ``{name: (module, inputs, dynamic_shapes or None)}`` sorted by name."""
     from lowering.methods import MethodError, check_method_name
 
     if not result:
@@ -245,13 +251,13 @@ def _factory_methods(spec: ModelSpec, result: Any) -> dict[str, tuple[torch.nn.M
             raise ModelSpecError(str(exc)) from None
         value = result[name]
         where = f"model spec {spec.text!r}: method {name!r}"
-        if isinstance(value, tuple) and len(value) == 3:
-            raise ModelSpecError(f"{where}: dynamic_shapes (a third element) are not supported "
-                                 "for a model of several methods yet")
-        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], torch.nn.Module)):
-            raise ModelSpecError(f"{where}: expected (nn.Module, example_inputs), got {_describe(value)}")
-        module, inputs = value
-        methods[name] = (module, tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,))
+        if not (isinstance(value, tuple) and len(value) in (2, 3) and isinstance(value[0], torch.nn.Module)):
+            raise ModelSpecError(f"{where}: expected (nn.Module, example_inputs[, dynamic_shapes]), "
+                                 f"got {_describe(value)}")
+        module, inputs = value[:2]
+        inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+        dynamic_shapes = value[2] if len(value) == 3 else None
+        methods[name] = (module, inputs, _dynamic_shapes(spec, module, inputs, dynamic_shapes, None, name))
     return methods
 
 

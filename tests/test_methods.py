@@ -411,8 +411,9 @@ def test_spec_of_several_methods_loads_each_with_its_own_fingerprint():
     [
         ("{}", "empty dict of methods"),
         ("{'bad name': (MLP(), (torch.randn(1, 64),))}", "method name 'bad name' must be a Python identifier"),
-        ("{'encode': MLP()}", "method 'encode': expected (nn.Module, example_inputs), got MLP"),
-        ("{'encode': (MLP(), (torch.randn(1, 64),), None)}", "method 'encode': dynamic_shapes"),
+        ("{'encode': MLP()}", "method 'encode': expected (nn.Module, example_inputs[, dynamic_shapes]), got MLP"),
+        ("{'encode': (MLP(), (torch.randn(1, 64),), {'x': {0: torch.export.Dim('b')}})}",
+         "method 'encode': "),
     ],
 )
 def test_bad_method_entries_name_the_spec_and_method(tmp_path, returns, fragment):
@@ -654,3 +655,47 @@ def test_flow_lowers_methods_sharing_a_kv_cache(tmp_path, kv_lowered):
     assert "| prefill |" in report and "| decode |" in report and "executorch ((sequence))" in report, report
     warm, ran = _executions(lower_model, model=model, targets=[PORTABLE, "xnnpack"], store=str(store))
     assert sum(ran.values()) == 0, dict(ran)
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_prefill_of_any_prompt_length_and_decode_share_a_kv_cache(tmp_path):
+    """The LLM case: ``prefill`` with a dynamic prompt length (a third element per method)
+    and ``decode`` over one shared KV cache, through the flow; ExecuTorch's runtime runs
+    prompts of 1, 4 and 8 tokens, each followed by decode steps, against eager."""
+    pytest.importorskip("executorch")
+    import copy
+
+    from executorch.runtime import Runtime
+
+    from examples.models import kv_cache_decoder
+    from flows.lower_model import lower_model
+
+    path = tmp_path / "llm.py"
+    path.write_text(
+        "import torch\nfrom examples.models import kv_cache_decoder\n\n"
+        "def factory():\n"
+        "    methods = kv_cache_decoder()\n"
+        "    prefill, inputs = methods['prefill']\n"
+        "    seq = torch.export.Dim('seq', min=1, max=8)\n"
+        "    return {**methods, 'prefill': (prefill, inputs, {'tokens': {1: seq}})}\n\n"
+        "factory.share_mutable_buffers = True\n"
+    )
+    store = tmp_path / "store"
+    manifest, _ = _executions(
+        lower_model, model=f"{path}:factory", targets=[PORTABLE, "xnnpack"], store=str(store), name="llm"
+    )
+    for target in (PORTABLE, "xnnpack"):
+        entry = manifest["targets"][target]
+        assert entry["ok"], entry["error"]
+        sizes = {c.get("inputs") for c in entry["verify"]["checks"] if c.get("method") == "prefill" and c["ok"]}
+        assert {"seq=1", "seq=8"} <= sizes, entry["verify"]
+        pte = (store / "outputs" / "llm" / f"{target}.pte").read_bytes()
+        for length in (1, 4, 8):
+            program = Runtime.get().load_program(pte)  # held: it owns the bytes the runtime reads
+            prefill, decode = program.load_method("prefill"), program.load_method("decode")
+            eager = copy.deepcopy(kv_cache_decoder())
+            tokens = torch.arange(length).reshape(1, length) % 64
+            assert_all_close(list(prefill.execute([tokens])), flatten(eager["prefill"][0](tokens)), atol=1e-4)
+            for step in range(2):
+                token, pos = torch.tensor([[7 + step]]), torch.tensor([length + step])
+                assert_all_close(list(decode.execute([token, pos])), flatten(eager["decode"][0](token, pos)), atol=1e-4)
