@@ -156,14 +156,19 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
             share = _share_mutable_buffers(spec, getattr(factory_module, spec.factory))
             return _load_methods(spec, module, factory_module, options, share)
         dynamic_shapes = _dynamic_shapes(spec, module, inputs, dynamic_shapes, override)
-        try:
-            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options,
-                                    dynamic_shapes=dynamic_shapes_to_json(dynamic_shapes))
-        except Exception as exc:
-            raise ModelSpecError(
-                f"model spec {spec.text!r}: cannot fingerprint the model: {type(exc).__name__}: {exc}"
-            ) from exc
+        fp = _fingerprint(spec, module, inputs, factory_module, options, dynamic_shapes)
     return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes)
+
+
+def _fingerprint(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, factory_module: Any,
+                 options: dict | None, dynamic_shapes: Any, method: str | None = None) -> Fingerprint:
+    """:func:`fingerprint_module`, its failure a ModelSpecError naming the spec (and method)."""
+    try:
+        return fingerprint_module(module, inputs, factory_module=factory_module, options=options,
+                                  dynamic_shapes=dynamic_shapes_to_json(dynamic_shapes))
+    except Exception as exc:
+        where = f"model spec {spec.text!r}" + (f": method {method!r}" if method else "")
+        raise ModelSpecError(f"{where}: cannot fingerprint the model: {type(exc).__name__}: {exc}") from exc
 
 
 def _dynamic_shapes(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, dynamic_shapes: Any,
@@ -223,14 +228,7 @@ def _load_methods(spec: ModelSpec, methods: dict, factory_module: Any, options: 
     export is keyed on its own module and inputs), and a fingerprint over them all."""
     loaded = {}
     for name, (module, inputs, dynamic_shapes) in methods.items():
-        try:
-            fp = fingerprint_module(module, inputs, factory_module=factory_module, options=options,
-                                    dynamic_shapes=dynamic_shapes_to_json(dynamic_shapes))
-        except Exception as exc:
-            raise ModelSpecError(
-                f"model spec {spec.text!r}: method {name!r}: cannot fingerprint the model: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        fp = _fingerprint(spec, module, inputs, factory_module, options, dynamic_shapes, name)
         loaded[name] = LoadedModel(spec, fp, module, inputs, method=name, dynamic_shapes=dynamic_shapes)
     fingerprint = fingerprint_methods({name: m.fingerprint for name, m in loaded.items()})
     return LoadedModel(spec, fingerprint, methods=loaded, share_mutable_buffers=share_mutable_buffers)

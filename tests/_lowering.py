@@ -74,3 +74,16 @@ def assert_close_tree(actual, expected, atol=1e-5, rtol=1e-4):
     assert sa == se, f"structure differs: {sa} vs {se}"
     for x, y in zip(a, e):
         torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+
+
+def executions_during(fn, *args, **kwargs):
+    """``(fn(...), the stages it executed)`` (a Counter of tasks.stages.EXECUTIONS); live
+    objects are dropped afterwards, so the next run reads what the store has."""
+    from tasks import stages
+
+    before = stages.EXECUTIONS.copy()
+    try:
+        result = fn(*args, **kwargs)
+    finally:
+        stages.LIVE.clear()
+    return result, stages.EXECUTIONS - before

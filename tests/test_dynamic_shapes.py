@@ -36,6 +36,7 @@ from lowering.runtime import ExecutorError, load
 from lowering.targets import partitioner_for
 from lowering.verify import verify
 from tests._interop import ExecutorchMethod
+from tests._lowering import executions_during as _executions_during
 
 pytest.importorskip("executorch")
 
@@ -359,15 +360,6 @@ def test_spec_is_checked_against_forward_and_the_example_inputs():
 # --------------------------------------------------------------------------- flows, cache keys, manifest, CLI
 
 
-def _executions_during(fn, *args, **kwargs):
-    from tasks import stages
-
-    before = stages.EXECUTIONS.copy()
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        stages.LIVE.clear()  # the next run must read what the store has
-    return result, stages.EXECUTIONS - before
 
 
 def _pte_bytes(manifest, target):

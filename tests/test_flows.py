@@ -19,6 +19,7 @@ from flows.manifest import ManifestError
 from lowering.backends.reference import ReferenceBackend
 from tasks import stages
 from tasks.store import ArtifactRef, ArtifactStore
+from tests._lowering import executions_during
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
@@ -27,13 +28,6 @@ MODELS = ROOT / "examples" / "models.py"
 pytestmark = pytest.mark.usefixtures("fresh_stages")
 
 
-def executions_during(fn, *args, **kwargs):
-    before = stages.EXECUTIONS.copy()
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        stages.LIVE.clear()  # the next run must read what the store has
-    return result, stages.EXECUTIONS - before
 
 
 def records(manifest, target):

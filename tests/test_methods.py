@@ -24,6 +24,7 @@ from lowering.targets import PORTABLE, partitioner_for
 from lowering.verify import verify_methods
 
 from ._interop import assert_all_close, flatten
+from tests._lowering import executions_during as _executions
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "examples" / "models.py"
@@ -450,15 +451,6 @@ def factory():
 # --- the cached flow and the CLI ------------------------------------------------------------------
 
 
-def _executions(fn, *args, **kwargs):
-    from tasks import stages
-
-    before = stages.EXECUTIONS.copy()
-    try:
-        result = fn(*args, **kwargs)
-    finally:
-        stages.LIVE.clear()
-    return result, stages.EXECUTIONS - before
 
 
 @pytest.mark.usefixtures("fresh_stages")
