@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--name", metavar="NAME", help="the worker's name in Prefect (default: a generated one)")
     worker.add_argument("--threads", type=int, default=1, metavar="N",
                         help="torch threads per flow run (default: 1; OMP_NUM_THREADS wins if set)")
+    worker.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                        help="a module the warm process imports once for every run (the fleet's model code, "
+                             "e.g. transformers.models.bert.modeling_bert); repeat for several")
     worker.set_defaults(run=cmd_worker)
 
     plan = sub.add_parser("plan", parents=[common], help="show which stages of a fleet would run or hit the cache",
@@ -379,11 +382,25 @@ def cmd_worker(args: argparse.Namespace) -> int:
                        "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
     if args.limit < 1 or args.threads < 1:
         raise CLIError(f"--limit and --threads must be at least 1, not {args.limit} and {args.threads}", EXIT_USAGE)
+    missing = [m for m in args.preload if not _module_exists(m)]
+    if missing:
+        raise CLIError(f"--preload: no module {', '.join(map(repr, missing))} in this Python "
+                       f"({sys.executable})", EXIT_USAGE)
     queues = args.work_queues or ["models"]
     say(f"worker on pool {args.pool} (queues {', '.join(queues)}, {args.limit} run(s) at once) at "
         f"{prefect_api_url()}; Ctrl-C stops it")
-    run_worker(args.pool, queues, args.limit, name=args.name, threads=args.threads)
+    run_worker(args.pool, queues, args.limit, name=args.name, threads=args.threads, preload=args.preload)
     return EXIT_OK
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``import name`` would find a module (its parent packages are imported to look)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def prefect_api_url() -> str | None:

@@ -130,6 +130,8 @@ def failed_manifest(params: dict, error: str) -> dict:
 
 #: Seconds between two looks at the model runs a fleet waits for.
 POLL_SECONDS = 0.25
+#: The state types a model run ends in (``State.is_final``).
+FINAL_STATE_TYPES = ["COMPLETED", "FAILED", "CRASHED", "CANCELLED"]
 #: Seconds between two "still waiting" log lines (a pool with no worker waits forever).
 WAITING_LOG_SECONDS = 60.0
 
@@ -229,16 +231,19 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
     model's targets as ``"<name>/<target> ok|FAILED ..."`` when it finishes (what the
     CLI's progress lines listen to)."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
     logger = get_run_logger()
     pending = {run_id: name for name, run_id in runs.items()}
     outcomes: dict[str, tuple[bool, dict]] = {}
     last_log = time.monotonic()
+    # Only the runs that ended: most polls find none, and an empty answer is the
+    # cheapest one the server gives (it polls four times a second for the whole fleet).
+    ended = FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL_STATE_TYPES))
     with get_client(sync_client=True) as client:
         while pending:
-            for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(pending)))):
-                if run.state is None or not run.state.is_final():
+            for run in client.read_flow_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(pending)),
+                                                                            state=ended)):
+                if run.state is None or not run.state.is_final() or run.id not in pending:
                     continue
                 name = pending.pop(run.id)
                 outcomes[name] = _finished(run, members[name], store)

@@ -472,6 +472,7 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
     plan = as_memory_plan(plan)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.collections import PolyCollection
     from matplotlib.patches import Rectangle
     from matplotlib.ticker import StrMethodFormatter
     import matplotlib.style
@@ -485,13 +486,17 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
         arena = plan.arena_bytes
         steps = max((a.lifetime[1] + 1 for _, a in tensors), default=1)
         top = max(arena, plan.lower_bound, 1) * 1.08
-        for i, (key, alloc) in enumerate(tensors):
+        # One collection for all rectangles: drawn in one call, and no per-patch update of
+        # the data limits (which grows quadratically: 0.45 s of the LSTM's 416 tensors).
+        ax.add_collection(PolyCollection(
+            [_box(alloc) for _, alloc in tensors], closed=True,
+            facecolors=[colors(i % 20) for i in range(len(tensors))], edgecolors="black", linewidths=0.5))
+        for key, alloc in tensors:
             first, last = alloc.lifetime
-            box = ax.add_patch(Rectangle((first, alloc.offset), last + 1 - first, alloc.size,
-                                         facecolor=colors(i % 20), edgecolor="black", linewidth=0.5))
             if (last + 1 - first) >= 0.08 * steps and alloc.size >= 0.06 * top:
                 label = ax.text(first + 0.2, alloc.offset + alloc.size / 2, key, fontsize=7, va="center", clip_on=True)
-                label.set_clip_path(box)  # names longer than their box are cut at its edge
+                # names longer than their box are cut at its edge
+                label.set_clip_path(Rectangle((first, alloc.offset), last + 1 - first, alloc.size, transform=ax.transData))
         ax.axhline(plan.lower_bound, color="tab:red", linestyle="--", linewidth=1,
                    label=f"lower bound {plan.lower_bound:,} B")
         ax.axhline(arena, color="black", linestyle=":", linewidth=1, label=f"arena {arena:,} B")
@@ -510,6 +515,13 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
         out = io.BytesIO()
         fig.savefig(out, format="png", metadata={"Software": None})
     return out.getvalue()
+
+
+def _box(alloc: Any) -> list[tuple[float, float]]:
+    """The corners of an allocation's rectangle: its inclusive lifetime by its bytes."""
+    first, last = alloc.lifetime
+    bottom, height = alloc.offset, alloc.size
+    return [(first, bottom), (last + 1, bottom), (last + 1, bottom + height), (first, bottom + height)]
 
 
 def planned_tensors(plan: MemoryPlan) -> list[tuple[str, Any]]:

@@ -53,16 +53,19 @@ PRELOAD = (
     "lowering.backends.reference",
     "lowering.backends.xnnpack",
 )
-#: Imported too when installed: the ExecuTorch runtime (verify), transformers (HF models),
-#: what the run reports draw with, and what Prefect imports on a flow's first call.
-OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "flows.reports", "matplotlib.backends.backend_agg",
-                    "matplotlib.figure", "fastapi.encoders")
+#: Imported too when installed: the ExecuTorch runtime (verify), transformers (HF models:
+#: ``modeling_utils`` is what every model class imports, 1.1 s; the classes themselves
+#: take 0.01-0.1 s each, and ``lowerflow worker --preload`` names a fleet's), what the
+#: run reports draw with, and what Prefect imports on a flow's first call.
+OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "transformers.modeling_utils", "flows.reports",
+                    "matplotlib.backends.backend_agg", "matplotlib.collections", "matplotlib.figure",
+                    "fastapi.encoders")
 #: Per-process work done once in the warm parent, not in every run: which distribution
 #: each top-level module belongs to (0.7 s), the digest of lowerflow's sources (0.5 s),
 #: and matplotlib's first picture (fonts, Agg: 0.6 s of a report's first memory-plan picture).
 #: Both are checked for staleness with the modules (see :func:`stamp_files`).
 WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions",
-           "flows.warm_start:draw_a_picture")
+           "flows.warm_start:draw_a_picture", "flows.warm_start:share_api_tls_context")
 
 _HEADER = struct.Struct("!I")
 
@@ -297,6 +300,55 @@ def _close(fds: list[int]) -> None:
             pass
 
 
+#: The Prefect version whose API clients :func:`share_api_tls_context` was written against.
+TLS_PREFECT_VERSION = "3.8.8"
+
+
+def share_api_tls_context() -> None:
+    """Make Prefect's verified TLS context once per CA file, not once per API client.
+
+    Prefect 3.8.8 builds a new ``ssl.create_default_context(cafile=...)`` for each
+    ``PrefectClient``/``SyncPrefectClient`` (35-40 ms: it parses ~150 CA certificates),
+    and a flow run makes about eight of them: 0.3 s of CPU a run (py-spy, issue 9).
+    After this, a client made with Prefect's own TLS settings (no ``verify`` of its own,
+    not ``PREFECT_API_TLS_INSECURE_SKIP_VERIFY``) gets the context that the same call made
+    for the same CA file (``PREFECT_API_SSL_CERT_FILE``, else certifi's bundle) before:
+    the warm parent makes the one its settings name, so every child starts with it.
+    Prefect never changes a context it is given.  Only on the Prefect version this was
+    checked against.
+    """
+    import ssl
+
+    import certifi
+    import prefect
+    from prefect.client import orchestration
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+    if prefect.__version__ != TLS_PREFECT_VERSION:
+        return
+    contexts: dict[str, ssl.SSLContext] = {}
+
+    def verified_context(cafile: str) -> ssl.SSLContext:
+        if cafile not in contexts:
+            contexts[cafile] = ssl.create_default_context(cafile=cafile)
+        return contexts[cafile]
+
+    def sharing(init):
+        def __init__(self, *args, httpx_settings=None, **kwargs):
+            if not (httpx_settings or {}).get("verify") and not PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value():
+                cafile = PREFECT_API_SSL_CERT_FILE.value() or certifi.where()
+                httpx_settings = {**(httpx_settings or {}), "verify": verified_context(cafile)}
+            init(self, *args, httpx_settings=httpx_settings, **kwargs)
+
+        __init__.__wrapped__ = init
+        return __init__
+
+    for client in (orchestration.PrefectClient, orchestration.SyncPrefectClient):
+        if not hasattr(client.__init__, "__wrapped__"):
+            client.__init__ = sharing(client.__init__)
+    verified_context(PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+
+
 def draw_a_picture() -> None:
     """Draw and encode a small figure with text (loads matplotlib's fonts; no threads)."""
     import io
@@ -317,31 +369,102 @@ def draw_a_picture() -> None:
 # --------------------------------------------------------------------------- the worker
 
 
+#: The one pull step a deployment of code already on the worker has (``prefect deploy``
+#: without ``pull``, or ``flow.from_source(<local directory>)``).
+SET_WORKING_DIRECTORY = "prefect.deployments.steps.set_working_directory"
+
+
+def local_entrypoint(deployment) -> tuple[str, str] | None:
+    """(directory, entrypoint) of a deployment whose code is already here: its only pull
+    step is ``set_working_directory`` to an existing directory and its entrypoint is a
+    ``path.py:flow``.  None for anything else (git clones, storage blocks, module paths).
+
+    For such a deployment, a flow run started in ``directory`` with
+    ``PREFECT__FLOW_ENTRYPOINT=entrypoint`` loads the same flow as the engine's
+    ``load_flow_from_flow_run`` (read the deployment, run the step: ``chdir``, import the
+    entrypoint), without reading the deployment again nor emitting the step's event:
+    0.1-0.3 s of every flow run (issue 9).
+    """
+    steps = getattr(deployment, "pull_steps", None) or []
+    entrypoint = getattr(deployment, "entrypoint", None) or ""
+    if len(steps) != 1 or ":" not in entrypoint or getattr(deployment, "storage_document_id", None):
+        return None
+    if not isinstance(steps[0], dict) or len(steps[0]) != 1:
+        return None
+    (step, settings), = steps[0].items()
+    if step not in (SET_WORKING_DIRECTORY, "prefect.deployments.steps.pull.set_working_directory"):
+        return None
+    directory = settings.get("directory") if isinstance(settings, dict) else None
+    if not isinstance(directory, str) or "{{" in directory or not os.path.isdir(directory):
+        return None  # templated ({{ ... }}) or not on this machine: let the engine run the step
+    return directory, entrypoint
+
+
 def warm_worker_class():
     """Prefect's ProcessWorker whose flow runs start with ``flows.warm_start run
-    prefect.engine`` (unless a deployment sets its own ``command``)."""
+    prefect.engine`` (unless a deployment sets its own ``command``), loading a
+    :func:`local_entrypoint` deployment's flow straight from its entrypoint."""
     from prefect.utilities.processutils import command_to_string
-    from prefect.workers.process import ProcessWorker
+    from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
+
+    class WarmJobConfiguration(ProcessJobConfiguration):
+        def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, work_pool=None,
+                                 worker_name=None, worker_id=None):
+            super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
+            local = local_entrypoint(deployment) if deployment is not None else None
+            if local is not None and "PREFECT__FLOW_ENTRYPOINT" not in self.env:
+                self.working_dir = local[0]
+                self.env["PREFECT__FLOW_ENTRYPOINT"] = local[1]
 
     class WarmProcessWorker(ProcessWorker):
+        job_configuration = WarmJobConfiguration
+
         async def run(self, flow_run, configuration, task_status=None):
             if not configuration._command_configured:
                 configuration.command = command_to_string(
                     [sys.executable, "-m", "flows.warm_start", "run", "prefect.engine"])
                 configuration._command_configured = True
-            return await super().run(flow_run, configuration, task_status)
+            try:
+                return await super().run(flow_run, configuration, task_status)
+            finally:
+                self._poll_soon()
+
+        async def get_and_submit_flow_runs(self):
+            """Prefect's poll, skipped while every slot is taken (nothing could be submitted:
+            a busy worker's polls only cost the server, ~15 ms of its CPU each, two a
+            second per worker); :meth:`_poll_soon` polls as soon as a slot frees."""
+            if self._limiter is not None and self._limiter.available_tokens < 1:
+                import prefect.types._datetime
+
+                self._last_polled_time = prefect.types._datetime.now("UTC")  # the health check's "still polling"
+                return []
+            return await super().get_and_submit_flow_runs()
+
+        def _poll_soon(self):
+            """Look for the next run as soon as this one's process has ended: a busy worker
+            otherwise idles until its next poll (``PREFECT_WORKER_QUERY_SECONDS``; 0.25 s
+            on average, a run).  The poll starts once the caller has released the run's
+            limit slot, which it does before it next awaits."""
+            if self._runs_task_group is not None:
+                try:
+                    self._runs_task_group.start_soon(self.get_and_submit_flow_runs)
+                except RuntimeError:  # shutting down
+                    pass
 
     return WarmProcessWorker
 
 
 def run_worker(pool: str, work_queues: list[str], limit: int | None, query_seconds: float = 0.5,
-               name: str | None = None, threads: int = 1) -> None:
+               name: str | None = None, threads: int = 1, preload: list[str] = ()) -> None:
     """``lowerflow worker``: a warm parent and a :func:`warm_worker_class` worker polling
     ``pool`` (its ``work_queues``, at most ``limit`` runs at once), until interrupted.
 
     ``threads``: torch's intra-op threads per flow run (``OMP_NUM_THREADS``, unless set):
     one worker per core, each run on one thread, rather than every run spreading over
-    every core and the workers of a machine fighting for them."""
+    every core and the workers of a machine fighting for them.
+
+    ``preload``: more modules for the warm parent to import once (a fleet's model zoo,
+    e.g. ``transformers.models.bert.modeling_bert``: 0.3-1 s a run otherwise)."""
     import shutil
     import subprocess
     import tempfile
@@ -350,7 +473,7 @@ def run_worker(pool: str, work_queues: list[str], limit: int | None, query_secon
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # read when the warm parent imports torch
     directory = tempfile.mkdtemp(prefix="lowerflow-warm-")
     path = os.path.join(directory, "warm.sock")
-    parent = subprocess.Popen([sys.executable, "-m", "flows.warm_start", "serve", path])
+    parent = subprocess.Popen([sys.executable, "-m", "flows.warm_start", "serve", path, *preload])
     try:
         deadline = time.monotonic() + 300
         while not os.path.exists(path):

@@ -292,6 +292,12 @@ def test_fleet_fans_out_to_both_model_workers(deployment, store, tmp_path):
     # polls every second), so each model worker ran one.
     ran_on = {run.parameters["name"]: ran_by(deployment, run.id) for run in children}
     assert sorted(w for ws in ran_on.values() for w in ws) == sorted(MODEL_WORKERS), ran_on
+    # The plain Prefect worker's run loaded its flow through the deployment's pull step;
+    # lowerflow worker's run from the entrypoint, in the step's directory (no step, no event).
+    pulled = pull_step_runs(deployment, {str(r.id) for r in children},
+                            {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[0]]})
+    assert {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[0]]} <= pulled
+    assert not {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[1]]} & pulled
     spans = sorted((r.start_time, r.end_time) for r in children)
     print(f"fleet run {fleet_run.start_time:%T}-{fleet_run.end_time:%T}, model runs "
           + ", ".join(f"{r.name} {r.start_time:%T}-{r.end_time:%T} on {ran_on[r.parameters['name']]}" for r in children)
@@ -319,6 +325,22 @@ def test_cli_fleet_on_the_pool(deployment, store, tmp_path):
         assert (store / "outputs" / m / "portable.pte").read_bytes()[4:8] == b"ET12"
     assert len(fleet_ids) == 1  # children of the CLI's one fleet run
     assert sorted(r.name for r in child_runs(deployment, str(fleet_ids.pop()))) == sorted(models)
+
+
+def pull_step_runs(deployment: Deployment, runs: set[str], expected: set[str], timeout: float = 60) -> set[str]:
+    """Which of flow runs ``runs`` have a ``prefect.flow-run.pull-step.executed`` event, once
+    every run of ``expected`` has one (events are persisted in batches), or at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with deployment.client() as client:
+            answer = client._client.post("/events/filter", json={"limit": 50, "filter": {
+                "event": {"name": ["prefect.flow-run.pull-step.executed"]},
+                "resource": {"id": [f"prefect.flow-run.{run}" for run in runs]}}})
+        answer.raise_for_status()
+        runs = {e["resource"]["prefect.resource.id"].removeprefix("prefect.flow-run.") for e in answer.json()["events"]}
+        if expected <= runs or time.monotonic() > deadline:
+            return runs
+        time.sleep(1)
 
 
 def ran_by(deployment: Deployment, run_id) -> list[str]:

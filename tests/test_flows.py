@@ -285,3 +285,12 @@ def test_lower_model_on_a_memory_store():
     assert ArtifactStore(url).get_named("buffer_mutation/reference.pte")[4:8] == b"ET12"
     _, ran = executions_during(lower_model, f"{MODELS}:buffer_mutation", ["reference"], store=url)
     assert sum(ran.values()) == 0
+
+
+def test_a_fleet_waits_for_the_state_types_prefect_calls_final():
+    """The pool fleet asks the server only for its runs that ended (flows/lower_fleet.py)."""
+    from prefect.client.schemas.objects import State, StateType
+
+    from flows.lower_fleet import FINAL_STATE_TYPES
+
+    assert sorted(FINAL_STATE_TYPES) == sorted(t.value for t in StateType if State(type=t).is_final())

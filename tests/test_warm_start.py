@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,128 @@ def test_sigterm_to_the_client_reaches_the_child(warm_parent):
         assert client.stdout.read().strip() == "TERM"
     finally:
         client.kill()
+
+
+TLS_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    from prefect.client.orchestration import PrefectClient, SyncPrefectClient
+
+    def context(client):
+        return client._client._transport._pool._ssl_context
+
+    a, b = SyncPrefectClient("http://127.0.0.1:9/api"), PrefectClient("http://127.0.0.1:9/api")
+    print(json.dumps({"shared": context(a) is context(b), "verifies": context(a).check_hostname,
+                      "modeling_utils": "transformers.modeling_utils" in sys.modules}))
+    """
+)
+
+
+def test_a_warm_childs_api_clients_share_one_verified_tls_context(warm_parent, tmp_path):
+    """Prefect builds a TLS context per API client (35-40 ms each, ~8 a flow run); a warm
+    child's clients share the one made for the same CA file, and a child whose settings
+    name another CA file, or no verification, gets what Prefect itself would make."""
+    _sock, probe, env, _parent = warm_parent
+    (probe.parent / "warm_tls_probe.py").write_text(TLS_PROBE)  # on the warm parent's sys.path
+
+    def seen(**extra):
+        done = subprocess.run([sys.executable, "-m", "flows.warm_start", "run", "warm_tls_probe"],
+                              env={**env, **extra}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    default = seen()
+    assert default == {"shared": True, "verifies": True, "modeling_utils": True}  # transformers: a test extra
+    import certifi
+
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(Path(certifi.where()).read_bytes())
+    assert seen(PREFECT_API_SSL_CERT_FILE=str(bundle))["verifies"] is True
+    insecure = seen(PREFECT_API_TLS_INSECURE_SKIP_VERIFY="true")
+    assert (insecure["shared"], insecure["verifies"]) == (False, False)  # Prefect's own, per client
+
+
+def test_worker_preload_of_a_missing_module_is_refused_before_any_work():
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "worker", "--pool", "p", "--preload", "no_such_zoo.models"],
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_API_URL": "http://127.0.0.1:9/api"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--preload: no module 'no_such_zoo.models'" in done.stderr, done.stderr[-2000:]
+
+
+def deployment_with(pull_steps, entrypoint="flows/lower_model.py:lower_model", **fields):
+    from uuid import uuid4
+
+    from prefect.client.schemas.responses import DeploymentResponse
+
+    return DeploymentResponse(id=uuid4(), name="d", flow_id=uuid4(), entrypoint=entrypoint,
+                              pull_steps=pull_steps, **fields)
+
+
+def test_local_entrypoint_only_for_code_already_on_this_machine(tmp_path):
+    """A deployment whose one pull step is ``set_working_directory`` to a directory here
+    loads its flow straight from the entrypoint; anything else runs its pull steps."""
+    from flows.warm_start import SET_WORKING_DIRECTORY, local_entrypoint
+
+    here = [{SET_WORKING_DIRECTORY: {"directory": str(tmp_path)}}]
+    assert local_entrypoint(deployment_with(here)) == (str(tmp_path), "flows/lower_model.py:lower_model")
+    assert local_entrypoint(deployment_with(
+        [{"prefect.deployments.steps.pull.set_working_directory": {"directory": str(tmp_path)}}]))[0] == str(tmp_path)
+    refused = {
+        "no pull steps": deployment_with(None),
+        "a git clone": deployment_with([{"prefect.deployments.steps.git_clone": {"repository": "https://x/y.git"}}]),
+        "two steps": deployment_with(here + [{"prefect.deployments.steps.run_shell_script": {"script": "true"}}]),
+        "a module path": deployment_with(here, entrypoint="flows.lower_model.lower_model"),
+        "a directory elsewhere": deployment_with([{SET_WORKING_DIRECTORY: {"directory": str(tmp_path / "gone")}}]),
+        "a templated directory": deployment_with([{SET_WORKING_DIRECTORY: {"directory": "{{ clone.directory }}"}}]),
+    }
+    assert {why: local_entrypoint(d) for why, d in refused.items()} == dict.fromkeys(refused)
+
+
+def test_a_full_worker_does_not_poll_and_polls_as_soon_as_a_run_ends(prefect_api):
+    """``lowerflow worker``'s Prefect worker asks the server for runs only when it has a free
+    slot, and at once when one frees (not at its next poll)."""
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.warm_start import warm_worker_class
+
+    warnings.filterwarnings("ignore", message=".*WarmProcessWorker.*matches existing registered type")
+    pool = f"warm-poll-{os.getpid()}"
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name=pool, type="process"))
+
+    async def main():
+        async with warm_worker_class()(work_pool_name=pool, limit=1) as worker:
+            await worker.sync_with_backend()
+            asked = []
+            real = worker._get_scheduled_flow_runs
+
+            async def counted(*args, **kwargs):
+                asked.append(1)
+                return await real(*args, **kwargs)
+
+            worker._get_scheduled_flow_runs = counted
+            await worker.get_and_submit_flow_runs()
+            assert len(asked) == 1  # a free slot: it asks
+            worker._limiter.acquire_on_behalf_of_nowait("a run")
+            assert await worker.get_and_submit_flow_runs() == [] and len(asked) == 1  # full: it does not
+            worker._limiter.release_on_behalf_of("a run")
+            worker._poll_soon()  # what run() does when the run's process has ended
+            with anyio.fail_after(30):
+                while len(asked) < 2:
+                    await anyio.sleep(0.05)
+
+    try:
+        anyio.run(main)
+    finally:  # the class registered itself as Prefect's "process" worker type: put Prefect's back
+        from prefect.utilities.dispatch import register_type
+        from prefect.workers.process import ProcessWorker
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            register_type(ProcessWorker)
 
 
 def test_an_edited_module_is_never_served_stale(warm_parent):
