@@ -148,15 +148,51 @@ def direct_lowering(models: list[str], targets: list[str]) -> tuple[float, float
 
 def run_fleet(manifest: dict, pool: str | None) -> tuple[float, dict]:
     """Wall seconds of the fleet flow on ``pool`` (this process waits, as the CLI does;
-    None: every model in this process)."""
+    None: every model in this process).  ``summary["cpu"]``: CPU seconds by role meanwhile."""
     from flows.lower_fleet import FleetFailed, lower_fleet
 
+    before = cpu_seconds()
     start = time.perf_counter()
     try:
         summary = lower_fleet(manifest, pool=pool)
     except FleetFailed as exc:
         summary = exc.summary
-    return time.perf_counter() - start, summary
+    seconds = time.perf_counter() - start
+    after = cpu_seconds()
+    summary["cpu"] = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in ROLES}
+    return seconds, summary
+
+
+#: Who used the CPU, by command line: a flow run's CPU is its warm parent's (which reaps it).
+ROLES = {"flow runs": ("flows.warm_start serve", "prefect.engine", "flows.warm_start run"),
+         "Prefect workers": ("flows.cli worker",), "Prefect server": ("prefect server start", "uvicorn"),
+         "PostgreSQL": ("postgres",), "fleet flow (this process)": ()}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system, with reaped children's) of every process now, by :data:`ROLES`."""
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds: dict[str, float] = collections.defaultdict(float)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        used = sum(int(f) for f in fields[11:15]) / tick
+        if int(pid) == os.getpid():
+            seconds["fleet flow (this process)"] += sum(int(f) for f in fields[11:13]) / tick
+            continue
+        role = next((r for r, keys in ROLES.items() if any(k in command for k in keys)), None)
+        if role is not None:
+            seconds[role] += used
+    return seconds
+
+
+def cpu_line(summary: dict) -> str:
+    cpu = summary.get("cpu", {})
+    return ", ".join(f"{role} {cpu[role]:.1f}" for role in ROLES if cpu.get(role, 0) >= 0.05)
 
 
 def stage_seconds(summary: dict, stage: str) -> float:
@@ -312,10 +348,13 @@ def measure(args, work: Path, models: list[str], targets: list[str]) -> None:
     print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}")
     print(f"{'  (model factories, not in the above)':44}{factories:9.2f}")
     print(f"{'cold, verify off, in process (no pool)':44}{in_process[0]:9.2f} {in_process[0] / direct:8.2f}  "
-          "(vs lower alone; threads of one process)")
+          "(vs lower alone, target <= 1.5; threads of one process)")
     for count, (seconds, summary) in cold.items():
         print(f"{f'cold, verify off, {count} worker(s)':44}{seconds:9.2f} {seconds / direct:8.2f}  "
               f"(vs lower alone; target <= 1.5){'  FAILED: ' + ','.join(summary['failed']) if summary['failed'] else ''}")
+    for count, (seconds, summary) in cold.items():
+        print(f"{f'  CPU seconds, {count} worker(s)':44}{sum(summary['cpu'].values()):9.2f}  ({cpu_line(summary)})")
+    print(f"{'  CPU seconds, in process':44}{sum(in_process[1]['cpu'].values()):9.2f}  ({cpu_line(in_process[1])})")
     print(f"{'  per model run, 1 worker, beyond lowering':44}{(cold[1][0] - direct - factories) / n:9.2f}")
     print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold[1][0] / cold[2][0]:8.2f}  (target >= 1.8)")
     print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold[2][0]:8.2f}  (vs verify off)")

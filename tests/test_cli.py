@@ -185,7 +185,7 @@ def test_console_script_is_declared():
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["scripts"]["lowerflow"] == "flows.cli:main"
-    assert "matplotlib" in project["dependencies"]
+    assert any(d.startswith("pillow") for d in project["dependencies"])  # the memory-plan pictures
 
 
 def test_fleet_progress_prints_a_line_per_finished_model():

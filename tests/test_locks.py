@@ -372,13 +372,9 @@ def s3_environment(s3_endpoint: str) -> dict[str, str]:
 def machine_env(tmp_path: Path, name: str, prefect_api: str, s3_endpoint: str, locks: str) -> dict[str, str]:
     """A "machine": its own HOME (so its default ``file`` lock directory,
     ``~/.cache/lowerflow/locks``, is its own) and the given lock URL."""
-    import matplotlib
-
     home = tmp_path / name
     home.mkdir()
-    # matplotlib's font cache, found once rather than rebuilt in each new HOME
-    return subprocess_env(prefect_api, HOME=str(home), MPLCONFIGDIR=matplotlib.get_configdir(),
-                          **{LOCKS_ENV: locks}, **s3_environment(s3_endpoint))
+    return subprocess_env(prefect_api, HOME=str(home), **{LOCKS_ENV: locks}, **s3_environment(s3_endpoint))
 
 
 def s3_outputs(s3_options: dict, url: str) -> dict[str, bytes]:

@@ -81,6 +81,13 @@ def test_child_gets_the_clients_environment_directory_arguments_stdio_and_exit_s
     assert seen == {**seen, "cwd": str(tmp_path), "argv": ["a", "b c"], "probe_env": "from-client"}
 
 
+def test_the_warm_parent_forks_with_no_thread_but_torchs_after_its_warm_up_lowering(warm_parent):
+    """It lowered a small model to warm torch up (tensor ops on one thread): still only its
+    main thread and the one torch's import starts, so a forked child inherits no pool."""
+    _sock, _probe, _env, parent = warm_parent
+    assert len(os.listdir(f"/proc/{parent.pid}/task")) <= 2
+
+
 def test_without_a_warm_parent_the_client_starts_cold(warm_parent, tmp_path):
     _sock, _probe, env, _parent = warm_parent
     done = run_client(env, "x", LOWERFLOW_WARM_SOCKET=str(tmp_path / "none.sock"))
@@ -227,6 +234,29 @@ def test_a_full_worker_does_not_poll_and_polls_as_soon_as_a_run_ends(prefect_api
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             register_type(ProcessWorker)
+
+
+def test_a_child_ends_without_unregistering_torch_libraries_one_by_one():
+    """At a warm child's exit, torch.library's unregistering finalizers are skipped (0.1 s
+    a run); every other finalizer still runs at exit."""
+    import weakref
+
+    import torch
+
+    from flows.warm_start import _keep_torch_libraries
+
+    class Anything:
+        pass
+
+    library, anything = torch.library.Library(f"lowerflow_exit_{os.getpid()}", "DEF"), Anything()
+    other = weakref.finalize(anything, print, "an exit function of someone else")
+    try:
+        ours = [f for f, info in weakref.finalize._registry.items() if len(info.args) > 2 and info.args[-2] is library.m]
+        assert len(ours) == 1 and ours[0].atexit
+        _keep_torch_libraries()
+        assert not ours[0].atexit and other.atexit
+    finally:
+        other.detach()
 
 
 def test_an_edited_module_is_never_served_stale(warm_parent):
