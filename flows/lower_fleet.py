@@ -232,6 +232,7 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
     CLI's progress lines listen to)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
+
     logger = get_run_logger()
     pending = {run_id: name for name, run_id in runs.items()}
     outcomes: dict[str, tuple[bool, dict]] = {}

@@ -34,6 +34,7 @@ import functools
 import io
 import logging
 import re
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
@@ -468,6 +469,9 @@ _TAB20 = ("#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d6
 _RED = "#d62728"
 #: The font sizes of a picture (pixels): title and ticks, legend, names in boxes.
 FONT_PIXELS = (14, 11, 10)
+#: One picture at a time: the fleet flow publishes reports from several threads, and
+#: the cached fonts are FreeType faces, which one thread at a time may render with.
+_RENDER_LOCK = threading.Lock()
 
 
 def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> bytes:
@@ -503,45 +507,46 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
     def y_at(offset: float) -> float:
         return bottom - (bottom - upper) * offset / top
 
-    image = Image.new("RGB", PICTURE_SIZE, "white")
-    draw = ImageDraw.Draw(image)
-    text, small, tiny = (_font(pixels) for pixels in FONT_PIXELS)
-    for i, (key, alloc) in enumerate(tensors):
-        first, last = alloc.lifetime
-        box = (x_at(first), y_at(alloc.offset + alloc.size), x_at(last + 1), y_at(alloc.offset))
-        draw.rectangle(box, fill=_TAB20[i % 20], outline="black", width=1)
-        if (last + 1 - first) >= 0.08 * steps and alloc.size >= 0.06 * top:
-            _label_in(image, box, key, tiny)
-    _hline(draw, y_at(plan.lower_bound), left, right, _RED, dash=(6, 3))
-    _hline(draw, y_at(arena), left, right, "black", dash=(1, 2))
-    draw.rectangle((left, upper, right, bottom), outline="black", width=1)
-    for value in _ticks(top):
-        y = round(y_at(value))
-        draw.line((left - 4, y, left, y), fill="black")
-        draw.text((left - 7, y), f"{value:,.0f}", font=text, fill="black", anchor="rm")
-    for value in _ticks(steps):
-        x = round(x_at(value))
-        draw.line((x, bottom, x, bottom + 4), fill="black")
-        draw.text((x, bottom + 7), f"{value:,.0f}", font=text, fill="black", anchor="ma")
-    draw.text(((left + right) / 2, bottom + 27), "execution step", font=text, fill="black", anchor="ma")
-    _vertical_text(image, (22, (upper + bottom) / 2), "arena offset (bytes)", text)
-    ratio = plan_ratio(arena, plan.lower_bound)
-    ratio_text = f", ratio {ratio:.3f}" if ratio is not None else ""
-    draw.text(((left + right) / 2, upper - 8), f"{title}: {len(tensors)} tensors, {plan.algorithm}{ratio_text}",
-              font=text, fill="black", anchor="md")
-    for row, (label, colour, dash) in enumerate(((f"lower bound {plan.lower_bound:,} B", _RED, (6, 3)),
-                                                 (f"arena {arena:,} B", "black", (1, 2)))):
-        y = upper + 8 + 17 * row
-        _hline(draw, y, right + 14, right + 42, colour, dash=dash)
-        draw.text((right + 50, y), label, font=small, fill="black", anchor="lm")
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
+    with _RENDER_LOCK:  # the cached fonts: one thread at a time
+        image = Image.new("RGB", PICTURE_SIZE, "white")
+        draw = ImageDraw.Draw(image)
+        text, small, tiny = (_font(pixels) for pixels in FONT_PIXELS)
+        for i, (key, alloc) in enumerate(tensors):
+            first, last = alloc.lifetime
+            box = (x_at(first), y_at(alloc.offset + alloc.size), x_at(last + 1), y_at(alloc.offset))
+            draw.rectangle(box, fill=_TAB20[i % 20], outline="black", width=1)
+            if (last + 1 - first) >= 0.08 * steps and alloc.size >= 0.06 * top:
+                _label_in(image, box, key, tiny)
+        _hline(draw, y_at(plan.lower_bound), left, right, _RED, dash=(6, 3))
+        _hline(draw, y_at(arena), left, right, "black", dash=(1, 2))
+        draw.rectangle((left, upper, right, bottom), outline="black", width=1)
+        for value in _ticks(top):
+            y = round(y_at(value))
+            draw.line((left - 4, y, left, y), fill="black")
+            draw.text((left - 7, y), f"{value:,.0f}", font=text, fill="black", anchor="rm")
+        for value in _ticks(steps):
+            x = round(x_at(value))
+            draw.line((x, bottom, x, bottom + 4), fill="black")
+            draw.text((x, bottom + 7), f"{value:,.0f}", font=text, fill="black", anchor="ma")
+        draw.text(((left + right) / 2, bottom + 27), "execution step", font=text, fill="black", anchor="ma")
+        _vertical_text(image, (22, (upper + bottom) / 2), "arena offset (bytes)", text)
+        ratio = plan_ratio(arena, plan.lower_bound)
+        ratio_text = f", ratio {ratio:.3f}" if ratio is not None else ""
+        draw.text(((left + right) / 2, upper - 8), f"{title}: {len(tensors)} tensors, {plan.algorithm}{ratio_text}",
+                  font=text, fill="black", anchor="md")
+        for row, (label, colour, dash) in enumerate(((f"lower bound {plan.lower_bound:,} B", _RED, (6, 3)),
+                                                     (f"arena {arena:,} B", "black", (1, 2)))):
+            y = upper + 8 + 17 * row
+            _hline(draw, y, right + 14, right + 42, colour, dash=dash)
+            draw.text((right + 50, y), label, font=small, fill="black", anchor="lm")
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        return out.getvalue()
 
 
 @functools.lru_cache(maxsize=None)
 def _font(pixels: int):
-    """Pillow's own scalable font at ``pixels`` (the same in every install of Pillow 10.1+)."""
+    """Pillow's own scalable font at ``pixels`` (embedded in Pillow: no font file to find)."""
     from PIL import ImageFont
 
     return ImageFont.load_default(pixels)
