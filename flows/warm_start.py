@@ -420,6 +420,9 @@ def lower_a_small_model() -> None:
         deserialize_any(serialized.manifest, serialized.get_blob)
         for target in (PORTABLE, "reference", "xnnpack"):
             lower(model, inputs, partitioner=partitioner_for(target))
+    except Exception as exc:  # a warm-up only makes runs faster: never a reason not to serve them
+        print(f"lowerflow warm start: the warm-up lowering failed ({type(exc).__name__}: {exc}); "
+              "runs will do torch's first-lowering work themselves", file=sys.stderr)
     finally:
         torch.set_num_threads(threads)
     if native_threads() > before:
