@@ -54,6 +54,15 @@ PRELOAD = (
     "flows.lower_model",
     "lowering.backends.reference",
     "lowering.backends.xnnpack",
+    # What a flow run imports on its way (py-spy of warm children, issue 9: 3% of their CPU):
+    # the event loop behind Prefect's clients, the task engine, the suspension observer.
+    "anyio._backends._asyncio",
+    "prefect.task_engine",
+    "prefect.utilities.visualization",
+    "prefect.artifacts",
+    "prefect._internal.observers",
+    "encodings.idna",
+    "blake3",  # the weights' fingerprint
 )
 #: Imported too when installed: the ExecuTorch runtime (verify), transformers (HF models:
 #: ``modeling_utils`` is what every model class imports, 1.1 s; the classes themselves
@@ -63,11 +72,12 @@ OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "transformers.modeling
                     "PIL.PngImagePlugin", "fastapi.encoders")
 #: Per-process work done once in the warm parent, not in every run: which distribution
 #: each top-level module belongs to (0.7 s), the digest of lowerflow's sources (0.5 s),
-#: the report pictures' fonts, and one TLS context for the Prefect API clients.
-#: They are checked for staleness with the modules (see :func:`stamp_files`).
+#: the report pictures' fonts, one TLS context for the Prefect API clients, the server's
+#: version check, and a first lowering.  They are checked for staleness with the modules
+#: (see :func:`stamp_files`).
 WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions",
            "flows.warm_start:draw_a_picture", "flows.warm_start:share_api_tls_context",
-           "flows.warm_start:lower_a_small_model")
+           "flows.warm_start:check_api_version", "flows.warm_start:lower_a_small_model")
 #: Set (by the warm parent itself) when its warm-up lowering left a native thread behind:
 #: it then re-executes without it, since a forked child must not inherit threads.
 NO_WARM_LOWERING_ENV = "LOWERFLOW_WARM_NO_LOWERING"
@@ -373,6 +383,39 @@ def share_api_tls_context() -> None:
     verified_context(PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
 
 
+def check_api_version() -> None:
+    """Ask the Prefect server its version once, here, so that no child asks it again.
+
+    Prefect checks the server's version once per process and API URL (a GET of
+    ``/admin/version``; the events subscriber that watches a deployment run for
+    suspension also builds a TLS context of its own for it), before the flow starts:
+    0.1 s of CPU and a round trip in every flow run (py-spy, issue 9).  Done once in
+    the warm parent, every child inherits Prefect's "already checked" record, as every
+    client of one long-lived Prefect worker process does.  A child whose settings name
+    another API URL checks it itself; so do all children if the server cannot be
+    reached now, or its major version differs (the child then fails as Prefect would).
+    Only on the Prefect version this was checked against.
+    """
+    import prefect
+
+    if prefect.__version__ != TLS_PREFECT_VERSION:
+        return
+    from prefect._internal import version_checking
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.raise_for_api_version_mismatch_once()  # records str(client.api_url)
+    except Exception:
+        return
+    # The events and logs clients key the record on the setting as written.
+    version_checking._cache_api_version_check(version_checking._api_version_check_key(url, prefect.__version__))
+
+
 def lower_a_small_model() -> None:
     """Export, serialize and lower a small model to every built-in target, once, in the
     warm parent: what torch and lowerflow do lazily on a process's first lowering
@@ -485,7 +528,21 @@ def warm_worker_class():
     from prefect.utilities.processutils import command_to_string
     from prefect.workers.process import ProcessJobConfiguration, ProcessWorker
 
+    rendered: dict[str, tuple[object, dict[str, str]]] = {}  # settings object, its variables
+
     class WarmJobConfiguration(ProcessJobConfiguration):
+        @classmethod
+        def _base_environment(cls) -> dict[str, str]:
+            """Prefect's: the worker's settings as environment variables, for every run.
+            Rendering them walks every setting (~50 ms of the worker's CPU a run, py-spy);
+            while the settings are the same object, they are the same variables."""
+            from prefect.settings import get_current_settings
+
+            settings = get_current_settings()
+            if rendered.get("last", (None,))[0] is not settings:
+                rendered["last"] = (settings, super()._base_environment())
+            return dict(rendered["last"][1])
+
         def prepare_for_flow_run(self, flow_run, deployment=None, flow=None, work_pool=None,
                                  worker_name=None, worker_id=None):
             super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
@@ -577,6 +634,7 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, na
     from prefect.context import refresh_global_settings_context
 
     refresh_global_settings_context()  # PREFECT_WORKER_QUERY_SECONDS set above
+    share_api_tls_context()  # the worker makes API clients for every run it submits, too
     worker_class = warm_worker_class()
 
     async def main() -> None:

@@ -246,6 +246,17 @@ def child_runs(deployment: Deployment, fleet_run_id: str) -> list:
             sort=FlowRunSort.EXPECTED_START_TIME_ASC)
 
 
+def completed_task_runs(deployment: Deployment, run_id) -> list:
+    """The task runs of flow run ``run_id`` that the server has recorded as completed."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, TaskRunFilter,
+                                                TaskRunFilterState, TaskRunFilterStateType)
+
+    with deployment.client() as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=["COMPLETED"]))))
+
+
 def read_run(deployment: Deployment, run_id: str):
     with deployment.client() as client:
         return client.read_flow_run(run_id)
@@ -298,6 +309,17 @@ def test_fleet_fans_out_to_both_model_workers(deployment, store, tmp_path):
                             {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[0]]})
     assert {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[0]]} <= pulled
     assert not {str(r.id) for r in children if ran_on[r.parameters["name"]] == [MODEL_WORKERS[1]]} & pulled
+    # server.sh batches the task-run recorder's writes (Prefect writes one event per
+    # transaction): every computed stage of every model run is still recorded.
+    environ = Path(f"/proc/{deployment.server.pid}/environ").read_bytes().split(b"\0")
+    assert b"PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE=200" in environ
+    for run in children:
+        name = run.parameters["name"]
+        computed = {(stage, None if stage == "export" else target)
+                    for target, stages in stages_of(store, name).items() for stage, cached in stages if not cached}
+        assert computed, name
+        wait_until(lambda: len(completed_task_runs(deployment, run.id)) == len(computed),
+                   f"{len(computed)} completed task runs of {name}", 30, {"server.sh": deployment.server})
     spans = sorted((r.start_time, r.end_time) for r in children)
     print(f"fleet run {fleet_run.start_time:%T}-{fleet_run.end_time:%T}, model runs "
           + ", ".join(f"{r.name} {r.start_time:%T}-{r.end_time:%T} on {ran_on[r.parameters['name']]}" for r in children)

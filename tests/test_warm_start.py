@@ -50,13 +50,14 @@ PROBE = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def warm_parent(tmp_path_factory):
-    """A warm parent preloading the probe module too; yields (socket path, probe file, env)."""
+def warm_parent(tmp_path_factory, prefect_api):
+    """A warm parent preloading the probe module too, its API the session's Prefect server;
+    yields (socket path, probe file, env)."""
     tmp = tmp_path_factory.mktemp("warm")
     probe = tmp / "warm_probe.py"
     probe.write_text(PROBE)
     sock = tmp / "warm.sock"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp}"}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp}", "PREFECT_API_URL": prefect_api}
     with spawned([sys.executable, "-m", "flows.warm_start", "serve", str(sock), "warm_probe"], env) as parent:
         deadline = time.monotonic() + 180
         while not sock.exists():
@@ -151,6 +152,54 @@ def test_a_warm_childs_api_clients_share_one_verified_tls_context(warm_parent, t
     assert seen(PREFECT_API_SSL_CERT_FILE=str(bundle))["verifies"] is True
     insecure = seen(PREFECT_API_TLS_INSECURE_SKIP_VERIFY="true")
     assert (insecure["shared"], insecure["verifies"]) == (False, False)  # Prefect's own, per client
+
+
+VERSION_PROBE = textwrap.dedent(
+    """
+    import json, os, prefect
+    from prefect._internal import version_checking as checks
+
+    url = os.environ["PREFECT_API_URL"]
+    print(json.dumps({"checked": checks._is_api_version_check_cached(checks._api_version_check_key(url, prefect.__version__))}))
+    """
+)
+
+
+def test_a_warm_child_inherits_the_parents_server_version_check_for_its_api_only(warm_parent, prefect_api):
+    """Prefect asks the server its version once per process and API URL before a run
+    starts (a GET, and a TLS context of its own); the warm parent asked once for its API,
+    so a child on that API does not ask again, and a child on another API still does."""
+    _sock, probe, env, _parent = warm_parent
+    (probe.parent / "warm_version_probe.py").write_text(VERSION_PROBE)
+
+    def checked(api: str) -> bool:
+        done = subprocess.run([sys.executable, "-m", "flows.warm_start", "run", "warm_version_probe"],
+                              env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["checked"]
+
+    assert checked(prefect_api) is True
+    assert checked("http://127.0.0.1:9/api") is False
+
+
+def test_the_worker_renders_its_settings_for_a_run_once_and_again_when_they_change():
+    """The environment every run gets from the worker's settings (Prefect renders every
+    setting for every run) is rendered once per settings object, and never stale."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessJobConfiguration
+
+    from flows.warm_start import warm_worker_class
+
+    configuration = warm_worker_class().job_configuration
+    first = configuration._base_environment()
+    assert first == ProcessJobConfiguration._base_environment()
+    first["MUTATED"] = "1"  # a caller's copy: the next run's is untouched
+    assert "MUTATED" not in configuration._base_environment()
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/other-api"}):
+        changed = configuration._base_environment()
+        assert changed["PREFECT_API_URL"] == "http://127.0.0.1:9/other-api"
+        assert changed == ProcessJobConfiguration._base_environment()
+    assert configuration._base_environment() == ProcessJobConfiguration._base_environment()
 
 
 def test_worker_preload_of_a_missing_module_is_refused_before_any_work():
