@@ -57,7 +57,10 @@ def warm_parent(tmp_path_factory, prefect_api):
     probe = tmp / "warm_probe.py"
     probe.write_text(PROBE)
     sock = tmp / "warm.sock"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp}", "PREFECT_API_URL": prefect_api}
+    # OMP_NUM_THREADS as `lowerflow worker` (--threads 1) sets it: OpenBLAS (numpy's, and
+    # scipy's that transformers imports) then starts no thread servers of its own either.
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp}", "PREFECT_API_URL": prefect_api,
+           "OMP_NUM_THREADS": "1"}
     with spawned([sys.executable, "-m", "flows.warm_start", "serve", str(sock), "warm_probe"], env) as parent:
         deadline = time.monotonic() + 180
         while not sock.exists():
@@ -159,8 +162,13 @@ VERSION_PROBE = textwrap.dedent(
     import json, os, prefect
     from prefect._internal import version_checking as checks
 
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.client.schemas.responses import DeploymentResponse
+    from prefect.events.filters import EventFilter
+
     url = os.environ["PREFECT_API_URL"]
-    print(json.dumps({"checked": checks._is_api_version_check_cached(checks._api_version_check_key(url, prefect.__version__))}))
+    print(json.dumps({"checked": checks._is_api_version_check_cached(checks._api_version_check_key(url, prefect.__version__)),
+                      "schemas": [m.__pydantic_complete__ for m in (FlowRun, DeploymentResponse, EventFilter)]}))
     """
 )
 
@@ -173,13 +181,26 @@ def test_a_warm_child_inherits_the_parents_server_version_check_for_its_api_only
     (probe.parent / "warm_version_probe.py").write_text(VERSION_PROBE)
 
     def checked(api: str) -> bool:
-        done = subprocess.run([sys.executable, "-m", "flows.warm_start", "run", "warm_version_probe"],
-                              env={**env, "PREFECT_API_URL": api}, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])["checked"]
+        return seen(env, api)["checked"]
 
     assert checked(prefect_api) is True
     assert checked("http://127.0.0.1:9/api") is False
+
+
+def seen(env: dict, api: str, **extra: str) -> dict:
+    done = subprocess.run([sys.executable, "-m", "flows.warm_start", "run", "warm_version_probe"],
+                          env={**env, "PREFECT_API_URL": api, **extra}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_child_has_prefects_client_schemas_built(warm_parent, prefect_api, tmp_path):
+    """Prefect's client models build their validators on first use (30-40 ms each, in
+    every run); a warm child has them built, where a cold process does not."""
+    _sock, probe, env, _parent = warm_parent
+    (probe.parent / "warm_version_probe.py").write_text(VERSION_PROBE)
+    assert seen(env, prefect_api)["schemas"] == [True, True, True]
+    assert seen(env, prefect_api, LOWERFLOW_WARM_SOCKET=str(tmp_path / "none.sock"))["schemas"] == [False, False, False]
 
 
 def test_the_worker_renders_its_settings_for_a_run_once_and_again_when_they_change():
