@@ -2,17 +2,20 @@
 
 Everything is measured in one run on this machine, against a standalone ``prefect
 server start`` (temporary home, loopback), with ``lowerflow worker`` processes
-(one model at a time each, flow runs forked from a warm parent):
+(one model at a time each, flow runs forked from a warm parent that preloads the
+fleet's transformers model classes, ``--preload``).  This machine's run-to-run noise
+is about +-20%, so each measure runs ``--repeats`` times (default 3), in turns, and
+medians are reported with every run's figure:
 
-* ``lowering.lower`` alone, in one process, on the same models and targets (the
+* ``lowering.lower`` alone, in a fresh process, on the same models and targets (the
   model factories are timed separately): the reference;
-* cold fleet, verify off, with 1 worker and with 2 workers — targets: 2 workers
-  >= 1.8x faster than 1; orchestrated cold <= 1.5x ``lowering.lower``;
+* cold fleet, verify off, with 1 worker and with 2 workers (new workers, new store,
+  each turn) — targets: 2 workers >= 1.8x faster than 1; orchestrated cold <= 1.5x
+  ``lowering.lower``;
 * cold fleet with verify, 2 workers: verify's cost, reported separately;
 * warm fleet (everything cached), 2 workers, vs the fan-out floor: the same fleet
-  flow submitting the same runs to a deployment of an empty flow, in turns, 3 times
-  each (``--repeats``), medians — target: warm
-  above the floor <= 2% of cold;
+  flow submitting the same runs to a deployment of an empty flow, in turns — target:
+  warm above the floor <= 2% of cold;
 * two "machines" (two processes, separate lock directories) lowering the same fleet
   at once on one S3 store (moto server) with Redis stage locks (redis-server):
   every stage computed once, counted.
@@ -128,6 +131,17 @@ def process(args: list[str], env: dict | None = None, log: Path | None = None) -
 # --------------------------------------------------------------------------- measurements
 
 
+def direct_lowering_fresh(models: list[str], targets: list[str]) -> tuple[float, float]:
+    """:func:`direct_lowering` in a fresh process (torch's first-lowering costs included,
+    as for anyone lowering a fleet with ``lowering.lower`` in one process)."""
+    code = (f"import json, sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'bench')!r}]; "
+            f"from bench_scale import direct_lowering; "
+            f"print('DIRECT=' + json.dumps(direct_lowering({models!r}, {targets!r})))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    lowering, factories = json.loads(next(l for l in out.splitlines() if l.startswith("DIRECT="))[len("DIRECT="):])
+    return lowering, factories
+
+
 def direct_lowering(models: list[str], targets: list[str]) -> tuple[float, float]:
     """Seconds of ``lowering.lower`` (no verify) and of the factories, in this process."""
     from examples.hf_models import MODELS as HF_MODELS
@@ -211,12 +225,20 @@ def computed_keys(summary: dict) -> collections.Counter:
                      for r in t["stages"] if not r["cached"] and r["state"] == "Completed"})
 
 
+#: The transformers modules the HF models' classes live in: a fleet's model zoo, which a
+#: worker preloads (``lowerflow worker --preload``, as deployments/README.md advises).
+ZOO = {"mobilenet_v2": "transformers.models.mobilenet_v2.modeling_mobilenet_v2",
+       "resnet": "transformers.models.resnet.modeling_resnet",
+       "bert": "transformers.models.bert.modeling_bert", "gpt2": "transformers.models.gpt2.modeling_gpt2"}
+
+
 @contextmanager
-def workers(pool: str, count: int, env: dict, logs: Path) -> Iterator[None]:
+def workers(pool: str, count: int, env: dict, logs: Path, preload: tuple[str, ...] = ()) -> Iterator[None]:
     """``count`` ``lowerflow worker --pool`` processes, each running one flow run at a time."""
+    flags = [arg for module in preload for arg in ("--preload", module)]
     with ExitStack() as stack:
         for i in range(count):
-            stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool],
+            stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool, *flags],
                                         env, logs / f"{pool}-worker-{i}.log"))
         wait_for_workers(pool, count)
         yield
@@ -315,7 +337,8 @@ def main() -> None:
     parser.add_argument("--targets", default="portable,xnnpack")
     parser.add_argument("--skip-redis", action="store_true")
     parser.add_argument("--sqlite", action="store_true", help="a SQLite server instead of server.sh's PostgreSQL")
-    parser.add_argument("--repeats", type=int, default=3, help="warm and floor fleets, in turns (default 3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each measure, in turns; medians reported (default 3)")
     args = parser.parse_args()
     models, targets = args.models.split(","), args.targets.split(",")
 
@@ -329,51 +352,70 @@ def main() -> None:
 
 
 def measure(args, work: Path, models: list[str], targets: list[str]) -> None:
+    """Every figure ``--repeats`` times, in turns (this machine's run-to-run noise is
+    +-20%: one run of each says little), medians reported."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    direct, factories = direct_lowering(models, targets)
+    zoo = tuple(ZOO[m] for m in models if m in ZOO)
+    directs = [direct_lowering_fresh(models, targets) for _ in range(args.repeats)]
+    direct, factories = statistics.median(d[0] for d in directs), statistics.median(d[1] for d in directs)
     in_process = run_fleet(fleet(str(work / "cold-0"), models, targets, verify=False), None)
     create_pools(work)
-    cold = {}
-    with workers(POOL, 1, env, work):
-        cold[1] = run_fleet(fleet(str(work / "cold-1"), models, targets, verify=False), POOL)
-    with workers(POOL, 2, env, work):
-        cold[2] = run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)
-        verified = run_fleet(fleet(str(work / "cold-verify"), models, targets, verify=True), POOL)
+    cold: dict[int, list[tuple[float, dict]]] = {1: [], 2: []}
+    for turn in range(args.repeats):
+        for count in (1, 2):
+            with workers(POOL, count, env, work, zoo):
+                cold[count].append(run_fleet(fleet(str(work / f"cold-{count}-{turn}"), models, targets, verify=False), POOL))
+                if count == 2 and turn == args.repeats - 1:  # on the same workers: verify's cost alone
+                    verified = run_fleet(fleet(str(work / "cold-verify"), models, targets, verify=True), POOL)
+    with workers(POOL, 2, env, work, zoo):
         # Warm and floor in turns, each on its own 2 workers (all four up throughout): a
         # warm fleet is within the floor's run-to-run noise, so one of each says little.
         with workers(FLOOR_POOL, 2, env, work):
             warms, floors = [], []
             for _ in range(args.repeats):
-                warms.append(run_fleet(fleet(str(work / "cold-2"), models, targets, verify=False), POOL)[0])
+                warms.append(run_fleet(fleet(str(work / "cold-2-0"), models, targets, verify=False), POOL)[0])
                 floors.append(run_fleet(fleet(str(work / "floor-store"), models, targets, verify=False), FLOOR_POOL)[0])
     machines = None if args.skip_redis else two_machines(work, models, targets, env)
 
+    def median_run(runs: list[tuple[float, dict]]) -> tuple[float, dict]:
+        return sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+
+    def listed(values) -> str:
+        return ", ".join(f"{v:.2f}" for v in values)
+
     n = len(models)
+    cold1, cold2 = median_run(cold[1]), median_run(cold[2])
     print(f"fleet: {n} models x {targets}, standalone Prefect server on "
-          f"{'SQLite' if args.sqlite else 'PostgreSQL'}, `lowerflow worker` processes")
+          f"{'SQLite' if args.sqlite else 'PostgreSQL'}, `lowerflow worker` processes"
+          f"{' preloading ' + ', '.join(m.rsplit('.', 1)[1] for m in zoo) if zoo else ''}; "
+          f"medians of {args.repeats} runs in turns")
     print(f"{'':44}{'seconds':>9} {'ratio':>8}")
-    print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}")
+    print(f"{'lowering.lower alone (no verify)':44}{direct:9.2f}  {'':8}(fresh processes: {listed(d[0] for d in directs)})")
     print(f"{'  (model factories, not in the above)':44}{factories:9.2f}")
     print(f"{'cold, verify off, in process (no pool)':44}{in_process[0]:9.2f} {in_process[0] / direct:8.2f}  "
           "(vs lower alone, target <= 1.5; threads of one process)")
-    for count, (seconds, summary) in cold.items():
+    for count, (seconds, summary) in ((1, cold1), (2, cold2)):
+        failed = sorted({m for _, s in cold[count] for m in s["failed"]})
         print(f"{f'cold, verify off, {count} worker(s)':44}{seconds:9.2f} {seconds / direct:8.2f}  "
-              f"(vs lower alone; target <= 1.5){'  FAILED: ' + ','.join(summary['failed']) if summary['failed'] else ''}")
-    for count, (seconds, summary) in cold.items():
-        print(f"{f'  CPU seconds, {count} worker(s)':44}{sum(summary['cpu'].values()):9.2f}  ({cpu_line(summary)})")
+              f"(vs lower alone; target <= 1.5; runs: {listed(r[0] for r in cold[count])})"
+              f"{'  FAILED: ' + ','.join(failed) if failed else ''}")
+    for count, (seconds, summary) in ((1, cold1), (2, cold2)):
+        print(f"{f'  CPU seconds, {count} worker(s), median run':44}{sum(summary['cpu'].values()):9.2f}  ({cpu_line(summary)})")
     print(f"{'  CPU seconds, in process':44}{sum(in_process[1]['cpu'].values()):9.2f}  ({cpu_line(in_process[1])})")
-    print(f"{'  per model run, 1 worker, beyond lowering':44}{(cold[1][0] - direct - factories) / n:9.2f}")
-    print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold[1][0] / cold[2][0]:8.2f}  (target >= 1.8)")
-    print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold[2][0]:8.2f}  (vs verify off)")
+    print(f"{'  per model run, 1 worker, beyond lowering':44}{(cold1[0] - direct - factories) / n:9.2f}")
+    pairs = [one[0] / two[0] for one, two in zip(cold[1], cold[2])]
+    print(f"{'  2 workers vs 1 (speed-up)':44}{'':9} {cold1[0] / cold2[0]:8.2f}  (target >= 1.8; "
+          f"turn by turn: {listed(pairs)})")
+    print(f"{'cold, verify on, 2 workers':44}{verified[0]:9.2f} {verified[0] / cold2[0]:8.2f}  (vs verify off)")
     print(f"{'  verify stage seconds (sum over models)':44}{stage_seconds(verified[1], 'verify'):9.2f}")
     warm, floor = statistics.median(warms), statistics.median(floors)
     above = [w - f for w, f in zip(warms, floors)]
-    print(f"{'warm (all cached), 2 workers, median':44}{warm:9.2f} {warm / cold[2][0]:8.3f}  (vs cold; "
-          f"{len(warms)} runs: {', '.join(f'{w:.2f}' for w in warms)})")
-    print(f"{'  fan-out floor (empty members), median':44}{floor:9.2f} {floor / cold[2][0]:8.3f}  (vs cold; "
-          f"{', '.join(f'{f:.2f}' for f in floors)})")
+    print(f"{'warm (all cached), 2 workers, median':44}{warm:9.2f} {warm / cold2[0]:8.3f}  (vs cold; "
+          f"{len(warms)} runs: {listed(warms)})")
+    print(f"{'  fan-out floor (empty members), median':44}{floor:9.2f} {floor / cold2[0]:8.3f}  (vs cold; "
+          f"{listed(floors)})")
     print(f"{'  warm above the floor, median of pairs':44}{statistics.median(above):9.2f} "
-          f"{statistics.median(above) / cold[2][0]:8.3f}  (vs cold; target <= 0.02; pairs "
+          f"{statistics.median(above) / cold2[0]:8.3f}  (vs cold; target <= 0.02; pairs "
           f"{', '.join(f'{a:+.2f}' for a in above)})")
     if machines is not None:
         seconds, computed = machines
