@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import socket
@@ -236,26 +237,33 @@ ZOO = {"mobilenet_v2": "transformers.models.mobilenet_v2.modeling_mobilenet_v2",
 def workers(pool: str, count: int, env: dict, logs: Path, preload: tuple[str, ...] = ()) -> Iterator[None]:
     """``count`` ``lowerflow worker --pool`` processes, each running one flow run at a time."""
     flags = [arg for module in preload for arg in ("--preload", module)]
+    names = [f"{pool}-{os.getpid()}-{next(_WORKER_SERIAL)}" for _ in range(count)]
     with ExitStack() as stack:
-        for i in range(count):
-            stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool, *flags],
-                                        env, logs / f"{pool}-worker-{i}.log"))
-        wait_for_workers(pool, count)
+        for i, name in enumerate(names):
+            stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool, "--name", name,
+                                         *flags], env, logs / f"{name}.log"))
+        wait_for_workers(pool, names)
         yield
 
 
-def wait_for_workers(pool: str, count: int, timeout: float = 300) -> None:
+_WORKER_SERIAL = itertools.count()
+
+
+def wait_for_workers(pool: str, names: list[str], timeout: float = 300) -> None:
+    """Until the workers called ``names`` are online: these, not ones stopped a moment ago
+    (the server lists a stopped worker as online until its heartbeats are overdue, and a
+    fleet timed meanwhile would include the new workers' start-up)."""
     from prefect.client.orchestration import get_client
 
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
-            online = [w for w in client.read_workers_for_work_pool(pool) if str(w.status).endswith("ONLINE")]
-            if len(online) >= count:
+            online = {w.name for w in client.read_workers_for_work_pool(pool) if str(w.status).endswith("ONLINE")}
+            if online >= set(names):
                 time.sleep(2)  # their warm parents are ready before they poll
                 return
             time.sleep(1)
-    raise RuntimeError(f"{count} workers of {pool} did not come online in {timeout} s")
+    raise RuntimeError(f"workers {names} of {pool} did not come online in {timeout} s")
 
 
 def create_pools(work: Path) -> None:
