@@ -73,8 +73,8 @@ OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "transformers.modeling
 #: Per-process work done once in the warm parent, not in every run: which distribution
 #: each top-level module belongs to (0.7 s), the digest of lowerflow's sources (0.5 s),
 #: the report pictures' fonts, one TLS context for the Prefect API clients, the server's
-#: version check, Prefect's deferred pydantic schemas, and a first lowering.  They are checked for staleness with the modules
-#: (see :func:`stamp_files`).
+#: version check, Prefect's deferred pydantic schemas, and a first lowering.  They are
+#: checked for staleness with the modules (see :func:`stamp_files`).
 WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions",
            "flows.warm_start:draw_a_picture", "flows.warm_start:share_api_tls_context",
            "flows.warm_start:check_api_version", "flows.warm_start:build_prefect_schemas",

@@ -180,14 +180,12 @@ def test_a_warm_child_inherits_the_parents_server_version_check_for_its_api_only
     _sock, probe, env, _parent = warm_parent
     (probe.parent / "warm_version_probe.py").write_text(VERSION_PROBE)
 
-    def checked(api: str) -> bool:
-        return seen(env, api)["checked"]
-
-    assert checked(prefect_api) is True
-    assert checked("http://127.0.0.1:9/api") is False
+    assert seen(env, prefect_api)["checked"] is True
+    assert seen(env, "http://127.0.0.1:9/api")["checked"] is False
 
 
 def seen(env: dict, api: str, **extra: str) -> dict:
+    """What VERSION_PROBE, run through the warm parent on ``api``, reports."""
     done = subprocess.run([sys.executable, "-m", "flows.warm_start", "run", "warm_version_probe"],
                           env={**env, "PREFECT_API_URL": api, **extra}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
