@@ -239,7 +239,7 @@ def workers(pool: str, count: int, env: dict, logs: Path, preload: tuple[str, ..
     flags = [arg for module in preload for arg in ("--preload", module)]
     names = [f"{pool}-{os.getpid()}-{next(_WORKER_SERIAL)}" for _ in range(count)]
     with ExitStack() as stack:
-        for i, name in enumerate(names):
+        for name in names:
             stack.enter_context(process([sys.executable, "-m", "flows.cli", "worker", "--pool", pool, "--name", name,
                                          *flags], env, logs / f"{name}.log"))
         wait_for_workers(pool, names)
@@ -348,6 +348,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each measure, in turns; medians reported (default 3)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     models, targets = args.models.split(","), args.targets.split(",")
 
     work = Path(tempfile.mkdtemp(prefix="lowerflow-scale-"))
