@@ -29,9 +29,10 @@ prefect.engine``: warm starts only ever make a run faster, never different.
 
 The warm parent is single-threaded when it forks (torch's import starts one native
 thread, which torch's own fork handlers expect, as DataLoader workers do); it never
-opens a Prefect client or starts an event loop, and the one lowering it runs to warm
-torch up (:func:`lower_a_small_model`) runs its tensor ops on one thread, so no OpenMP
-pool exists to be forked.
+starts an event loop, its one Prefect client (:func:`check_api_version`, synchronous) is
+closed before it serves, and its imports and warm-up, the one lowering included
+(:func:`lower_a_small_model`), run tensor ops on one torch thread, so no OpenMP pool
+exists to be forked.
 """
 
 from __future__ import annotations
@@ -454,9 +455,9 @@ def lower_a_small_model() -> None:
     calls) then happens once per worker, not in every run.  Measured on forked
     children: 0.25-0.9 s less a model (mlp 0.45 -> 0.17 s, mobilenet_v2 5.7 -> 4.8 s).
 
-    Tensor ops run here on one thread (``torch.set_num_threads(1)`` for the call): no
-    OpenMP pool is started, so children fork with none.  If native threads appeared
-    anyway, the parent re-executes itself without this warm-up."""
+    :func:`serve` runs it on one torch thread: no OpenMP pool is started, so children
+    fork with none.  If native threads appeared anyway, the parent re-executes itself
+    without this warm-up."""
     import threading
 
     import torch
@@ -485,8 +486,7 @@ def lower_a_small_model() -> None:
     def native_threads() -> int:
         return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
 
-    threads, before = torch.get_num_threads(), native_threads()
-    torch.set_num_threads(1)
+    before = native_threads()
     try:
         model, inputs = Small().eval(), (torch.randn(1, 3, 8, 8), torch.arange(6).reshape(1, 6))
         program = export(model, inputs)
@@ -497,8 +497,6 @@ def lower_a_small_model() -> None:
     except Exception as exc:  # a warm-up only makes runs faster: never a reason not to serve them
         print(f"lowerflow warm start: the warm-up lowering failed ({type(exc).__name__}: {exc}); "
               "runs will do torch's first-lowering work themselves", file=sys.stderr)
-    finally:
-        torch.set_num_threads(threads)
     if native_threads() > before:
         os.environ[NO_WARM_LOWERING_ENV] = "1"
         os.execv(sys.executable, [sys.executable, "-m", "flows.warm_start", *sys.argv[1:]])
