@@ -45,10 +45,14 @@ Script objects (torchbind constants) are rejected.  Non-CPU tensors load on CPU.
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable, Mapping
 
 import torch
@@ -385,19 +389,24 @@ def _graph_json(ep: ExportedProgram, *, keep_stack_traces: bool, allow_delegates
                 "built with embed()"
             )
     try:
-        graph_json = _serialized_graph(ep)
+        obj = json_values(_serialized_dataclass(ep))
     except Exception as exc:
         raise SerializationError(
             f"torch cannot serialize the graph: {type(exc).__name__}: {exc}"
         ) from exc
-    obj = json.loads(graph_json)
     _normalize_graph(obj["graph_module"]["graph"], keep_stack_traces)
     return canonical_json(obj)
 
 
 def _serialized_graph(ep: ExportedProgram) -> bytes:
     """The JSON ``torch._export.serde.serialize(ep).exported_program`` gives, without the
-    tensors and without its self-check.
+    tensors and without its self-check (``tests/test_serialize.py`` compares them)."""
+    return _serde._to_json_bytes(_serialized_dataclass(ep))
+
+
+def _serialized_dataclass(ep: ExportedProgram) -> Any:
+    """torch's serialized form of ``ep`` (its ``schema.ExportedProgram`` dataclass),
+    without the tensors and without its self-check.
 
     torch's ``ExportedProgramSerializer.serialize`` also canonicalizes a deep copy
     of the serialized program only to test that its canonical form is well
@@ -417,7 +426,85 @@ def _serialized_graph(ep: ExportedProgram) -> bytes:
             torch_version=torch.__version__,
             guards_code=ep._guards_code,
         )
-    return _serde._to_json_bytes(serialized)
+    return serialized
+
+
+def json_values(obj: Any) -> Any:
+    """``json.loads(torch._export.serde.serialize._to_json_bytes(obj))``, without the bytes.
+
+    torch turns its schema dataclasses into JSON in two walks (``_dataclass_to_dict``,
+    then ``json.dumps`` with its ``EnumEncoder``); lowerflow then parsed the text back
+    to normalize it.  The three were 7% of a cold flow run's CPU (py-spy, issue 9).
+    This is one walk giving the same values: a union is ``{tag: value}``, a dataclass
+    a dict of its fields, tuples are lists, an enum its value, bytes base64 text,
+    ±inf and nan the strings torch writes, dict keys JSON's (``1`` -> ``"1"``,
+    ``True`` -> ``"true"``).  Anything else JSON cannot hold raises ``TypeError``, as
+    ``json.dumps`` does.  ``tests/test_serialize.py`` compares the two on every test
+    model, delegated and dynamic ones included.
+    """
+    kind = type(obj)
+    if kind is str or kind is int or kind is bool or obj is None:
+        return obj
+    if kind is list or kind is tuple:
+        return [json_values(x) for x in obj]
+    if kind is dict:
+        return {_json_key(k): json_values(v) for k, v in obj.items()}
+    if kind is float:
+        return _json_float(obj)
+    if isinstance(obj, _serde._Union):
+        return {str.__str__(obj.type): json_values(obj.value)}
+    names = _FIELD_NAMES.get(kind)
+    if names is None and dataclasses.is_dataclass(obj):
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        return {name: json_values(getattr(obj, name)) for name in names}
+    if isinstance(obj, Enum):  # what EnumEncoder (or JSON's own int/str handling) writes
+        return json_values(obj.value)
+    if isinstance(obj, bytes):
+        return base64.b64encode(obj).decode("utf-8")
+    if isinstance(obj, str):
+        return str.__str__(obj)
+    if isinstance(obj, bool):
+        return bool(obj)
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return _json_float(float(obj))
+    if isinstance(obj, (list, tuple)):
+        return [json_values(x) for x in obj]
+    if isinstance(obj, dict):
+        return {_json_key(k): json_values(v) for k, v in obj.items()}
+    raise TypeError(f"Object of type {kind.__name__} is not JSON serializable")
+
+
+#: Field names per schema dataclass (``dataclasses.fields`` is slow to call per object).
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _json_float(value: float) -> float | str:
+    """torch's spelling of the floats JSON has no literal for."""
+    if value == math.inf:
+        return "Infinity"
+    if value == -math.inf:
+        return "-Infinity"
+    return "NaN" if math.isnan(value) else value
+
+
+def _json_key(key: Any) -> str:
+    """A dict key as ``json.dumps`` writes it (it allows str, int, float, bool, None)."""
+    if isinstance(key, str):
+        return str.__str__(key)
+    if key is True or key is False:
+        return "true" if key else "false"
+    if key is None:
+        return "null"
+    if isinstance(key, int):
+        return int.__repr__(key)
+    if isinstance(key, float):
+        if math.isinf(key) or math.isnan(key):
+            raise ValueError("Out of range float values are not JSON compliant")
+        return float.__repr__(key)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
 
 
 #: The opset ``ExportedProgramSerializer()`` records: ATen's operator version.

@@ -27,6 +27,7 @@ from lowering.serialize import (
     embed,
     manifest_blobs,
     read_manifest,
+    serialize_delegated_program,
     serialize_program,
     tensor_from_blob,
     tensor_to_blob,
@@ -76,6 +77,65 @@ def test_graph_json_is_what_torch_serializes(name):
         ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
     ).exported_program
     assert _serialized_graph(ep) == torch_json
+
+
+def _dynamic_and_delegated_programs():
+    """Programs whose serialized form has what the test models' lack: symbolic sizes and
+    ranges (bounded and unbounded ranges, unions of ints and symbols), lowered modules, cond branches."""
+    from examples.models import CONTROL_FLOW_MODELS
+    from examples.dynamic_models import dynamic_mlp, gpt_decoder
+    from lowering.backends.reference import ReferencePartitioner
+    from lowering.to_backend import to_backend
+
+    programs = {}
+    for name, factory in (("dynamic_mlp", dynamic_mlp), ("gpt_decoder", gpt_decoder)):
+        model, inputs, shapes = factory()
+        programs[name] = export(model, inputs, dynamic_shapes=shapes)
+    unbounded = torch.export.Dim("n")  # no max
+    programs["unbounded"] = torch.export.export(
+        torch.nn.Linear(4, 2), (torch.randn(3, 4),), dynamic_shapes=({0: unbounded},))
+    programs["delegated_mlp"] = to_backend(copy.deepcopy(edge_program("mlp")[0]), ReferencePartitioner())
+    serialize_delegated_program(programs["delegated_mlp"])  # names its lowered modules for torch's serde
+    name = sorted(CONTROL_FLOW_MODELS)[0]
+    model, inputs = CONTROL_FLOW_MODELS[name]()[:2]
+    programs[f"cf_{name}"] = export(model, inputs)
+    return programs
+
+
+def test_json_values_equal_torchs_json_on_every_kind_of_program():
+    """lowerflow converts torch's schema dataclasses to JSON values in one walk
+    (json_values); they must equal what torch's JSON text parses to."""
+    from torch._export.serde import serialize as serde
+
+    from lowering.serialize import _serialized_dataclass, json_values
+
+    programs = {name: edge_program(name)[0] for name in MODELS} | _dynamic_and_delegated_programs()
+    for name, ep in programs.items():
+        serialized = _serialized_dataclass(ep)
+        assert json_values(serialized) == json.loads(serde._to_json_bytes(serialized)), name
+    ranges = json_values(_serialized_dataclass(programs["gpt_decoder"]))["range_constraints"]
+    assert {"min_val": 1, "max_val": 16} in ranges.values()
+
+
+def test_json_values_follow_json_for_keys_enums_bytes_and_floats():
+    import enum
+
+    from lowering.serialize import json_values
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    value = {1: (Color.RED, Level.HIGH), False: b"\x00\xff", None: [float("inf"), float("-inf"), 1.5],
+             2.5: float("nan"), "s": {"t": ()}}
+    assert json_values(value) == {"1": ["red", 3], "false": "AP8=", "null": ["Infinity", "-Infinity", 1.5],
+                                  "2.5": "NaN", "s": {"t": []}}
+    with pytest.raises(TypeError):
+        json_values({"x": object()})
+    with pytest.raises(TypeError):
+        json_values({(1, 2): 3})
 
 
 def test_manifest_layout():
