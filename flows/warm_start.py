@@ -159,6 +159,7 @@ def serve(path: str, extra: list[str] = ()) -> None:
     finally:
         torch.set_num_threads(threads)
     stamps = file_stamps(stamp_files())
+    modules = module_files()
     if os.path.exists(path):
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -194,15 +195,15 @@ def serve(path: str, extra: list[str] = ()) -> None:
         if pid == 0:
             listener.close()
             conn.close()
-            run_child(request, fds)  # never returns
+            run_child(request, fds, modules)  # never returns
         _close(fds)
         children[pid] = conn
         _send(conn, f"P{pid}\n".encode())
 
 
-def run_child(request: dict, fds: list[int]) -> None:
+def run_child(request: dict, fds: list[int], modules: dict[str, str] | None = None) -> None:
     """In the forked child: become ``python -m <module>`` of the client (for a flow run,
-    ``prefect.engine`` with the run's environment)."""
+    ``prefect.engine`` with the run's environment).  ``modules``: :func:`module_files`."""
     import runpy
     import traceback
 
@@ -212,6 +213,9 @@ def run_child(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    entrypoint = os.environ.get(ENTRYPOINT_ENV)
+    if entrypoint and modules:
+        os.environ[ENTRYPOINT_ENV] = entrypoint_in_loaded_module(entrypoint, request["cwd"], modules)
     sys.argv = [request["module"], *request["argv"]]
     code = 1
     try:
@@ -230,6 +234,39 @@ def run_child(request: dict, fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         _exit_like_an_interpreter(code)
+
+
+#: Where :func:`warm_worker_class` puts a local deployment's entrypoint for the engine.
+ENTRYPOINT_ENV = "PREFECT__FLOW_ENTRYPOINT"
+
+
+def module_files() -> dict[str, str]:
+    """The warm parent's imported modules by the real path of their source file (``.py``)."""
+    files: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if name != "__main__" and isinstance(file, str) and file.endswith(".py"):
+            files.setdefault(os.path.realpath(file), name)
+    return files
+
+
+def entrypoint_in_loaded_module(entrypoint: str, cwd: str, modules: dict[str, str]) -> str:
+    """``flows/lower_model.py:lower_model`` as ``flows.lower_model:lower_model`` when that
+    file, relative to ``cwd``, is a module the warm parent imported; else unchanged.
+
+    Prefect loads a ``path.py:flow`` entrypoint by running the script as a new module
+    (``load_script_as_module``): 40 ms of every run's CPU, 10% of a cached run's
+    (py-spy, issue 9), to rebuild what the child already has.  The parent imported
+    that very file, unchanged since (it checks before each fork, :func:`stamp_files`),
+    and ran none of its code since, so the engine's ``import_module`` of the module's
+    name gives the same flow.  A file elsewhere (another checkout) or not imported
+    keeps its path: the engine runs it as Prefect always does.
+    """
+    path, sep, attribute = entrypoint.rpartition(":")
+    if not sep or not path.endswith(".py"):
+        return entrypoint
+    name = modules.get(os.path.realpath(os.path.join(cwd, path)))
+    return f"{name}:{attribute}" if name else entrypoint
 
 
 def _exit_like_an_interpreter(code: int) -> None:
@@ -576,9 +613,9 @@ def warm_worker_class():
                                  worker_name=None, worker_id=None):
             super().prepare_for_flow_run(flow_run, deployment, flow, work_pool, worker_name, worker_id=worker_id)
             local = local_entrypoint(deployment) if deployment is not None else None
-            if local is not None and "PREFECT__FLOW_ENTRYPOINT" not in self.env:
+            if local is not None and ENTRYPOINT_ENV not in self.env:
                 self.working_dir = local[0]
-                self.env["PREFECT__FLOW_ENTRYPOINT"] = local[1]
+                self.env[ENTRYPOINT_ENV] = local[1]  # a warm child imports it as a module
 
     class WarmProcessWorker(ProcessWorker):
         job_configuration = WarmJobConfiguration

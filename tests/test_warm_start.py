@@ -40,7 +40,8 @@ PROBE = textwrap.dedent(
         if sys.argv[1:2] == ["kill"]:
             os.kill(os.getpid(), signal.SIGKILL)
         print(json.dumps({"warm": warm, "version": VERSION, "cwd": os.getcwd(), "argv": sys.argv[1:],
-                          "probe_env": os.environ.get("PROBE_ENV"), "pid": os.getpid(), "ppid": os.getppid()}))
+                          "probe_env": os.environ.get("PROBE_ENV"), "pid": os.getpid(), "ppid": os.getppid(),
+                          "entrypoint": os.environ.get("PREFECT__FLOW_ENTRYPOINT")}))
         sys.exit(int(os.environ.get("PROBE_EXIT", "0")))
 
     if __name__ == "__main__":
@@ -90,6 +91,25 @@ def test_the_warm_parent_forks_with_no_thread_but_torchs_after_its_warm_up_lower
     main thread and the one torch's import starts, so a forked child inherits no pool."""
     _sock, _probe, _env, parent = warm_parent
     assert len(os.listdir(f"/proc/{parent.pid}/task")) <= 2
+
+
+def test_a_flow_entrypoint_in_a_module_the_parent_imported_is_loaded_as_that_module(warm_parent, tmp_path):
+    """Prefect runs a ``path.py:flow`` entrypoint as a new module in every run; a warm child
+    names the module the parent imported from that same file instead.  The same file
+    name elsewhere, or a file the parent never imported, keeps its path."""
+    _sock, probe, env, _parent = warm_parent
+
+    def entrypoint(cwd: Path, given: str) -> str:
+        done = run_client(env, cwd=cwd, PREFECT__FLOW_ENTRYPOINT=given)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])["entrypoint"]
+
+    assert entrypoint(probe.parent, "warm_probe.py:main") == "warm_probe:main"
+    assert entrypoint(ROOT, "flows/lower_model.py:lower_model") == "flows.lower_model:lower_model"
+    (tmp_path / "warm_probe.py").write_text(PROBE)  # another copy: not what the parent imported
+    assert entrypoint(tmp_path, "warm_probe.py:main") == "warm_probe.py:main"
+    assert entrypoint(probe.parent, "nowhere.py:main") == "nowhere.py:main"
+    assert entrypoint(probe.parent, "warm_probe:main") == "warm_probe:main"
 
 
 def test_without_a_warm_parent_the_client_starts_cold(warm_parent, tmp_path):
