@@ -191,18 +191,67 @@ def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore) -> 
     logger = get_run_logger()
     deployment = model_deployment(pool)
     done = completed_members(members)
+    order, known = longest_first(list(members), deployment)
     runs = {}
-    for name, params in members.items():
+    for name in order:
         if name in done:
             logger.info("%s: completed in an earlier try of this fleet run (%s)", name, done[name])
             continue
-        runs[name] = run_deployment(deployment, parameters=params, timeout=0, flow_run_name=name,
+        runs[name] = run_deployment(deployment, parameters=members[name], timeout=0, flow_run_name=name,
                                     tags=["lowerflow", "fleet-member"]).id
-    logger.info("submitted %d model runs to %s (%d done before)", len(runs), deployment, len(done))
+    logger.info("submitted %d model runs to %s (%d done before), longest first (%d with a run time from an "
+                "earlier run)", len(runs), deployment, len(done), len(known))
     final = wait_for_runs(runs, members, store)
     outcomes = {name: (True, _read_manifest(store, name, run_id)) for name, run_id in done.items()}
     outcomes.update(final)
     return {name: outcomes[name] for name in members}
+
+
+#: How many earlier completed runs per model :func:`longest_first` reads at most.
+HISTORY_RUNS_PER_MODEL = 5
+
+
+def longest_first(names: list[str], deployment: str) -> tuple[list[str], dict[str, float]]:
+    """The order to submit a fleet's models in, and the run times it is based on.
+
+    The pool's workers take runs in the order they were submitted, so a long model
+    submitted last keeps one worker busy while the others have nothing left
+    (measured on a 12-model fleet on 2 workers: mobilenet_v2, 6 s, last to start
+    cost about a tenth of the fleet's time).  Models are submitted longest first
+    (the LPT rule) by the run time (``total_run_time``) of their latest completed
+    run of ``deployment``, the models without one first of all, as they come.
+    Run times are what the Prefect server already records; on a fleet's first
+    run, or when it cannot be read, the order is the manifest's.
+
+        manifest: mlp, cnn, mobilenet_v2, bert    last run times: 0.8, 1.2, 6.4, -
+        order:    bert, mobilenet_v2, cnn, mlp
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        DeploymentFilter, DeploymentFilterName, FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterName,
+        FlowRunFilterState, FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    flow_name, _, deployment_name = deployment.partition("/")
+    seconds: dict[str, float] = {}
+    try:
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=list(names)),
+                                              state=FlowRunFilterState(type=FlowRunFilterStateType(any_=["COMPLETED"]))),
+                flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[deployment_name])),
+                sort=FlowRunSort.END_TIME_DESC, limit=HISTORY_RUNS_PER_MODEL * len(names))
+    except Exception as exc:  # no history is no reason to fail a fleet
+        get_run_logger().warning("submitting in manifest order: cannot read earlier run times: %s: %s",
+                                 type(exc).__name__, one_line(str(exc)))
+        return list(names), {}
+    for run in runs:  # newest first: keep each model's latest
+        if run.name in names and run.name not in seconds and run.total_run_time is not None:
+            seconds[run.name] = run.total_run_time.total_seconds()
+    unknown = [n for n in names if n not in seconds]
+    return unknown + sorted(seconds, key=lambda n: (-seconds[n], names.index(n))), seconds
 
 
 def completed_members(members: dict[str, dict]) -> dict[str, str]:

@@ -294,3 +294,39 @@ def test_a_fleet_waits_for_the_state_types_prefect_calls_final():
     from flows.lower_fleet import FINAL_STATE_TYPES
 
     assert sorted(FINAL_STATE_TYPES) == sorted(t.value for t in StateType if State(type=t).is_final())
+
+
+def test_a_pool_fleet_submits_its_models_longest_first_by_their_last_run_time(prefect_api):
+    """LPT: the latest completed run of each model on the fleet's deployment gives its run
+    time; models with none go first, as listed.  Runs of another deployment, runs that
+    did not complete, and older runs do not count."""
+    import time as _time
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Failed, Running
+
+    from flows.lower_fleet import longest_first
+
+    pool = f"lpt-{uuid.uuid4().hex[:8]}"
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name("lower-model")
+        ours = client.create_deployment(flow_id=flow_id, name=pool)
+        other = client.create_deployment(flow_id=flow_id, name=f"{pool}-other")
+
+        def ran(deployment_id, name: str, seconds: float, final=Completed) -> None:
+            run = client.create_flow_run_from_deployment(deployment_id, name=name)
+            client.set_flow_run_state(run.id, Running(), force=True)
+            _time.sleep(seconds)
+            client.set_flow_run_state(run.id, final(), force=True)
+
+        ran(ours, "mobilenet", 0.1)  # an older run: the later one below counts
+        ran(ours, "cnn", 0.3)
+        ran(ours, "mlp", 0.1)
+        ran(ours, "mobilenet", 0.6)
+        ran(ours, "bert", 0.9, final=Failed)  # no completed run: unknown
+        ran(other, "mlp", 1.2)  # another deployment's
+
+    order, seconds = longest_first(["mlp", "cnn", "mobilenet", "bert", "new"], f"lower-model/{pool}")
+    assert order == ["bert", "new", "mobilenet", "cnn", "mlp"], seconds
+    assert set(seconds) == {"mobilenet", "cnn", "mlp"} and seconds["mobilenet"] >= 0.5 > seconds["cnn"] >= 0.25
+    assert longest_first(["a", "b"], f"lower-model/{pool}-none") == (["a", "b"], {})
