@@ -7,8 +7,8 @@ Prefect markdown artifacts and write memory-plan PNGs into the artifact store::
     model_report_markdown(model_manifest)   # per target: stages, delegation, memory, verify
     fleet_report_markdown(fleet_summary)    # one row per model x target
     fleet_rows(fleet_summary)               # the same rows as dicts (the CLI prints them)
-    memory_plan_png(plan, title="mlp")      # PNG bytes, identical for identical plans
-    inline_png(png)                         # the same, small enough for an artifact (or None)
+    memory_plan_png(plan, title="mlp")      # palette PNG bytes, identical for identical plans
+    inline_png(png)                         # a PNG small enough for an artifact (or None)
 
 A model manifest is ``{"model", "name", "targets": {target: {"ok", "pte", "error",
 "stages", "memory_plan", "delegation", "verify"}}}``; a fleet summary is
@@ -17,9 +17,9 @@ model's manifest also has ``"report": {"key", "artifact_id"}``.
 
 In the Prefect UI a model artifact shows each target's memory-plan picture
 inlined as a ``data:image/png;base64,...`` URI (a browser showing the UI cannot
-load the store's ``file://`` or ``s3://`` URIs), reduced to a 256-colour palette
-and at most :data:`INLINE_PNG_LIMIT` bytes (see :func:`inline_png`); the
-full-size PNG stays in the store.  The fleet artifact links each model to its
+load the store's ``file://`` or ``s3://`` URIs): the picture is a 256-colour
+palette PNG of ~7 kB, inlined when at most :data:`INLINE_PNG_LIMIT` bytes (see
+:func:`inline_png`); the same PNG is in the store.  The fleet artifact links each model to its
 artifact and shows per target the delegation coverage and the verify result.
 
 The manifest's ``memory_plan`` entry is a summary (arena bytes, lower bound,
@@ -539,9 +539,32 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
             y = upper + 8 + 17 * row
             _hline(draw, y, right + 14, right + 42, colour, dash=dash)
             draw.text((right + 50, y), label, font=small, fill="black", anchor="lm")
-        out = io.BytesIO()
-        image.save(out, format="PNG")
-        return out.getvalue()
+        return _palette_png(image)
+
+
+def _palette_png(image: Any) -> bytes:
+    """``image`` as a 256-colour palette PNG (fast octree, no dithering).
+
+    A plan picture is flat colours, lines and anti-aliased text: it looks the same
+    at a third of the bytes of an RGB PNG (7 kB instead of 19-21 kB; no pixel off by
+    more than 15 levels a channel, where median cut was off by up to 60, at twice
+    the time), small enough to inline in a report as it is.  Saved without
+    ``optimize``: that makes it 12% smaller at three times the time (8 vs 21 ms).
+    Drawing and saving a picture once this way is 20 ms; the RGB picture plus its
+    palette copy for the report was 45-50 ms, 3% of a cold flow run's CPU (issue 9).
+    """
+    from PIL import Image
+
+    small = image.quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
+    out = io.BytesIO()
+    small.save(out, format="PNG")
+    return out.getvalue()
+
+
+def is_palette_png(data: bytes) -> bool:
+    """Whether PNG bytes are a palette picture (IHDR colour type 3), read from the header."""
+    png_size(data)
+    return data[25] == 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -617,16 +640,16 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def inline_png(png: bytes, *, limit: int = INLINE_PNG_LIMIT) -> bytes | None:
-    """``png`` made small enough to inline in an artifact, or None past ``limit`` bytes.
+    """``png`` small enough to inline in an artifact, or None past ``limit`` bytes.
 
-    The picture is reduced to a 256-colour palette (fast octree, no dithering): a
-    plan picture is flat colours, lines and anti-aliased text, so it looks the same
-    at under half the bytes (measured: 7 kB instead of 19-21 kB; no pixel off by more
-    than 15 levels a channel, where median cut was off by up to 60, at twice the time).  The same
-    PNG gives the same bytes.
+    A palette PNG (what :func:`memory_plan_png` draws) is inlined as it is; any
+    other is first reduced to a palette (:func:`_palette_png`, saved with
+    ``optimize``).  The same PNG gives the same bytes.
     """
     from PIL import Image
 
+    if is_palette_png(png):
+        return png if len(png) <= limit else None
     with Image.open(io.BytesIO(png)) as image:
         small = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
     out = io.BytesIO()
@@ -771,6 +794,8 @@ def _inline_once(store: Any, png: bytes, limit: int) -> bytes | None:
     ``pictures/inline-<sha256 of png>-<limit>.png``, empty when over the limit."""
     import hashlib
 
+    if is_palette_png(png):  # inlined as it is: nothing to compute
+        return inline_png(png, limit=limit)
     name = f"pictures/inline-{hashlib.sha256(png).hexdigest()}-{limit}.png"
     try:
         kept = store.get_named(name)

@@ -20,6 +20,7 @@ from flows.reports import (
     fleet_rows,
     fleet_text_table,
     inline_png,
+    is_palette_png,
     memory_plan_png,
     model_report_markdown,
     plan_image_name,
@@ -298,22 +299,47 @@ def test_png_size_refuses_other_bytes():
         png_size(b"GIF89a" + bytes(30))
 
 
-def test_inline_png_is_a_smaller_palette_png_of_the_same_picture(cnn_plan):
+def test_the_plan_picture_is_a_small_palette_png_inlined_as_it_is(cnn_plan):
     from PIL import Image, ImageChops
 
     png = memory_plan_png(cnn_plan, title="cnn / portable")
-    small = inline_png(png)
-    assert small is not None and png_size(small) == png_size(png) == (800, 450)
-    assert len(small) < len(png) / 2, (len(small), len(png))
-    assert inline_png(png) == small
-    with Image.open(io.BytesIO(small)) as a, Image.open(io.BytesIO(png)) as b:
+    assert is_palette_png(png) and len(png) < 12_000, len(png)
+    assert inline_png(png) is png
+    assert inline_png(png, limit=len(png)) is png and inline_png(png, limit=len(png) - 1) is None
+    # Drawn in RGB, then reduced: the same picture, no pixel off by more than a few levels.
+    rgb = _rgb_png(png)
+    with Image.open(io.BytesIO(png)) as a:
         assert a.mode == "P"
-        # The same picture: no pixel off by more than a few levels per channel.
+        with Image.open(io.BytesIO(rgb)) as b:
+            assert b.mode == "RGB"
+            diff = ImageChops.difference(a.convert("RGB"), b)
+            assert max(high for _, high in diff.getextrema()) == 0
+    assert png_data_uri(png).startswith("data:image/png;base64,iVBORw0KGgo")
+
+
+def _rgb_png(png: bytes) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    with Image.open(io.BytesIO(png)) as image:
+        image.convert("RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_inline_png_reduces_any_other_png_to_a_smaller_palette_png_of_the_same_picture(cnn_plan):
+    from PIL import Image, ImageChops
+
+    rgb = _rgb_png(memory_plan_png(cnn_plan, title="cnn / portable"))
+    assert not is_palette_png(rgb)
+    small = inline_png(rgb)
+    assert small is not None and is_palette_png(small) and png_size(small) == png_size(rgb) == (800, 450)
+    assert len(small) < len(rgb) / 2, (len(small), len(rgb))
+    assert inline_png(rgb) == small
+    with Image.open(io.BytesIO(small)) as a, Image.open(io.BytesIO(rgb)) as b:
         diff = ImageChops.difference(a.convert("RGB"), b.convert("RGB"))
         assert max(high for _, high in diff.getextrema()) <= 48
-    assert inline_png(png, limit=len(small)) == small
-    assert inline_png(png, limit=len(small) - 1) is None
-    assert png_data_uri(small).startswith("data:image/png;base64,iVBORw0KGgo")
+    assert inline_png(rgb, limit=len(small)) == small
+    assert inline_png(rgb, limit=len(small) - 1) is None
 
 
 # --------------------------------------------------------------------------- publishing
