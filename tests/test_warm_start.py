@@ -363,3 +363,78 @@ def test_an_edited_module_is_never_served_stale(warm_parent):
             break
         assert time.monotonic() < deadline, "the warm parent did not come back"
         time.sleep(0.5)
+
+
+def _source_watch_case(tmp_path: Path):
+    from flows.warm_start import SourceWatch
+
+    (tmp_path / "pkg").mkdir(exist_ok=True)
+    module = tmp_path / "pkg" / "module.py"
+    module.write_text("A = 1\n")
+    watch = SourceWatch([str(module), str(tmp_path / "pkg" / "later.py"), str(tmp_path / "site")])
+    return watch, module
+
+
+@pytest.mark.parametrize("change", ["write", "touch", "replace", "delete", "create_missing", "new_entry_in_dir"])
+def test_the_source_watch_sees_every_kind_of_change_without_stat_ing_each_time(tmp_path, change):
+    """The warm parent's staleness check: an inotify watch per directory (no stat of every
+    file before every fork), and any change to a watched file or directory is seen."""
+    (tmp_path / "site").mkdir()
+    watch, module = _source_watch_case(tmp_path)
+    assert watch.fd is not None, "inotify is there on this machine"
+    assert sorted(watch.polled) == [str(tmp_path / "pkg" / "later.py")]  # missing: stat-ed each time
+    assert watch.changed() is False
+    (tmp_path / "pkg" / "unrelated.txt").write_text("x")  # an event, but no watched file changed
+    assert watch.changed() is False and watch.fd is not None
+    if change == "write":
+        with module.open("a") as f:
+            f.write("B = 2\n")
+    elif change == "touch":
+        os.utime(module, ns=(1, 1))
+    elif change == "replace":
+        other = tmp_path / "pkg" / "module.py.new"
+        other.write_text("A = 3\n")
+        os.utime(other, ns=(module.stat().st_atime_ns, module.stat().st_mtime_ns))  # same size, same mtime
+        os.replace(other, module)
+        assert watch.changed() is False  # (size, mtime) as before: nothing to reload for
+        module.write_text("A = 33\n")
+    elif change == "delete":
+        module.unlink()
+    elif change == "create_missing":
+        (tmp_path / "pkg" / "later.py").write_text("")
+    else:  # a distribution installed: the site-packages directory's own stamp changes
+        time.sleep(0.01)
+        (tmp_path / "site" / "new-1.0.dist-info").mkdir()
+    assert watch.changed() is True
+    assert watch.changed() is True  # and stays so until the parent reloads
+
+
+def test_the_source_watch_stats_what_inotify_cannot_watch(tmp_path):
+    from flows.warm_start import SourceWatch
+
+    target = tmp_path / "elsewhere.py"
+    target.write_text("A = 1\n")
+    link = tmp_path / "link.py"
+    link.symlink_to(target)
+    watch = SourceWatch([str(link)])
+    assert list(watch.polled) == [str(link)]
+    target.write_text("A = 22\n")
+    assert watch.changed() is True
+
+    class Remote(SourceWatch):  # as if every file system were NFS
+        LOCAL_FILE_SYSTEMS = frozenset()
+
+    remote = Remote([str(target)])
+    assert list(remote.polled) == [str(target)]
+    assert remote.changed() is False
+    target.write_text("A = 333\n")
+    assert remote.changed() is True
+
+
+def test_the_source_watch_stats_everything_once_a_watched_directory_goes(tmp_path):
+    import shutil
+
+    (tmp_path / "site").mkdir()
+    watch, module = _source_watch_case(tmp_path)
+    shutil.rmtree(tmp_path / "site")
+    assert watch.changed() is True and watch.fd is None
