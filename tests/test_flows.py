@@ -330,3 +330,18 @@ def test_a_pool_fleet_submits_its_models_longest_first_by_their_last_run_time(pr
     assert order == ["bert", "new", "mobilenet", "cnn", "mlp"], seconds
     assert set(seconds) == {"mobilenet", "cnn", "mlp"} and seconds["mobilenet"] >= 0.5 > seconds["cnn"] >= 0.25
     assert longest_first(["a", "b"], f"lower-model/{pool}-none") == (["a", "b"], {})
+
+
+def test_stage_tasks_are_made_on_first_use(tmp_path):
+    """A model run whose stages all hit the cache makes no Prefect task: each is made
+    when the run first needs it, once, for every stage there is."""
+    from tasks.cache import CacheConfig
+
+    made = stages.StageTasks(CacheConfig.for_store(str(tmp_path)))
+    assert not set(stages.STAGE_BODIES) & set(vars(made))
+    task = made.export
+    assert made.export is task and task.name == "export" and task.cache_policy is not None
+    assert set(stages.STAGE_BODIES) == set(stages.STAGE_VERSIONS)
+    assert all(getattr(made, stage).fn.__name__ == f"{stage}_stage" for stage in stages.STAGE_BODIES)
+    with pytest.raises(AttributeError, match="no attribute 'exportt'"):
+        made.exportt
