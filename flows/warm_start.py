@@ -385,6 +385,8 @@ class SourceWatch:
         self.fd: int | None = None
         self._changed = False
         self._watch()
+        if self.fd is not None:  # a change between the stat-ing and the watches: seen too
+            self._changed = file_stamps(self.stamps) != self.stamps
 
     def changed(self) -> bool:
         """True if a file changed since the watch was made (and from then on)."""
