@@ -338,10 +338,11 @@ def test_stage_tasks_are_made_on_first_use(tmp_path):
     from tasks.cache import CacheConfig
 
     made = stages.StageTasks(CacheConfig.for_store(str(tmp_path)))
-    assert not set(stages.STAGE_BODIES) & set(vars(made))
+    assert not set(stages.STAGE_IGNORES) & set(vars(made))
     task = made.export
     assert made.export is task and task.name == "export" and task.cache_policy is not None
-    assert set(stages.STAGE_BODIES) == set(stages.STAGE_VERSIONS)
-    assert all(getattr(made, stage).fn.__name__ == f"{stage}_stage" for stage in stages.STAGE_BODIES)
+    assert set(stages.STAGE_IGNORES) == set(stages.STAGE_VERSIONS)
+    assert all(getattr(made, stage).fn.__name__ == f"{stage}_stage" for stage in stages.STAGE_IGNORES)
+    assert all(callable(getattr(stages, f"run_{stage}")) for stage in stages.STAGE_IGNORES)
     with pytest.raises(AttributeError, match="no attribute 'exportt'"):
         made.exportt
