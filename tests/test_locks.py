@@ -454,7 +454,7 @@ def test_two_machines_one_s3_store_redis_locks_compute_each_stage_once(
 
 
 def test_control_two_machines_with_their_own_file_locks_compute_a_stage_twice(
-    tmp_path, prefect_api, s3_endpoint, monkeypatch, fresh_stages
+    tmp_path, prefect_api, s3_endpoint, s3_options, monkeypatch, fresh_stages
 ):
     """The same setup with ``file`` locks, each machine its own directory: while machine
     a (a process) is inside buffer_mutation's emit stage, its file lock held, machine b
