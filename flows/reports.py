@@ -542,7 +542,7 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
         return _palette_png(image)
 
 
-def _palette_png(image: Any) -> bytes:
+def _palette_png(image: Any, *, optimize: bool = False) -> bytes:
     """``image`` as a 256-colour palette PNG (fast octree, no dithering).
 
     A plan picture is flat colours, lines and anti-aliased text: it looks the same
@@ -557,7 +557,7 @@ def _palette_png(image: Any) -> bytes:
 
     small = image.quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
     out = io.BytesIO()
-    small.save(out, format="PNG")
+    small.save(out, format="PNG", optimize=optimize)
     return out.getvalue()
 
 
@@ -651,10 +651,7 @@ def inline_png(png: bytes, *, limit: int = INLINE_PNG_LIMIT) -> bytes | None:
     if is_palette_png(png):
         return png if len(png) <= limit else None
     with Image.open(io.BytesIO(png)) as image:
-        small = image.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE, dither=Image.Dither.NONE)
-    out = io.BytesIO()
-    small.save(out, format="PNG", optimize=True)
-    data = out.getvalue()
+        data = _palette_png(image.convert("RGB"), optimize=True)
     return data if len(data) <= limit else None
 
 
