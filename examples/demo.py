@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}/{target}: {entry['pte']['uri']}")
     print("reports: Prefect artifacts 'lowerflow-fleet' and 'lowerflow-model-<name>'; "
           f"memory-plan pictures in {summary['store']}/outputs/<name>/")
+    print("see them in the Prefect UI: .venv/bin/lowerflow ui   (then open the fleet report address it prints)")
     if summary.get("failed"):
         print(f"FAILED: {', '.join(summary['failed'])}", file=sys.stderr)
         return 1

@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="never remove anything younger than N days (default: 7; keep it above your longest run)")
     gc.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     gc.set_defaults(run=cmd_gc)
+
+    ui = sub.add_parser("ui", parents=[common], help="serve the Prefect UI over the runs and reports made here",
+                        description="Start a Prefect server on the database the CLI and the demo used "
+                                    "(Prefect's ephemeral server's), with the UI's API URL set, and print "
+                                    "the address of the fleet report. Serves until Ctrl-C.")
+    ui.add_argument("--host", default="127.0.0.1", help="address to serve on (default: 127.0.0.1)")
+    ui.add_argument("--port", type=int, default=4200, help="port (default: 4200)")
+    ui.set_defaults(run=cmd_ui)
     return parser
 
 
@@ -669,6 +677,15 @@ def print_error(prog: str, exc: BaseException, debug: bool) -> int:
     more = "" if debug or isinstance(exc, CLIError) else " (--debug shows the traceback)"
     print(f"{prog}: error: {error_message(exc)}{more}", file=sys.stderr)
     return exc.code if isinstance(exc, CLIError) else EXIT_FAILED
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    from flows.ui import UiError, serve
+
+    try:
+        return serve(args.host, args.port)
+    except UiError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
