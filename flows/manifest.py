@@ -14,7 +14,11 @@
           x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
 
 The whole manifest is validated before any work starts; every error names the
-entry (``models[2] ('cnn')``) and the field.  Relative ``.py`` paths and a relative
+entry (``models[2] ('cnn')``) and the field.  Besides its fields, each entry's
+factory is resolved (its file exists, its module imports, the attribute is
+callable; not called) and each target's partitioner is made with the entry's
+options, so a typo in either is a bad manifest, never a model failing mid-fleet.
+A YAML or JSON syntax error names its line and column.  Relative ``.py`` paths and a relative
 local store are resolved against the manifest file's directory.
 """
 
@@ -29,9 +33,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from lowering.targets import PORTABLE
+from lowering.errors import BackendError
+from lowering.targets import PORTABLE, check_target, partitioner_for
 from tasks.cache import LockConfigError, parse_lock_url
-from tasks.model_spec import ModelSpec, ModelSpecError
+from tasks.model_spec import ModelSpec, ModelSpecError, resolve_factory
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes"}
@@ -145,6 +150,11 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         if not path.is_file():
             raise ManifestError(f"{where}: model file {spec.location!r} does not exist")
         model = f"{path}:{spec.factory}"
+    if spec.kind != "pt2":
+        try:
+            resolve_factory(ModelSpec.parse(model))
+        except ModelSpecError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
     name = raw.get("name", spec.name)
     if not isinstance(name, str) or not _NAME.match(name):
         raise ManifestError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-'")
@@ -163,6 +173,11 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     stray = set(options) - set(targets)
     if stray:
         raise ManifestError(f"{where}: 'options' for targets not lowered: {sorted(stray)}")
+    for target, target_options in options.items():
+        try:
+            partitioner_for(target, target_options)
+        except BackendError as exc:
+            raise ManifestError(f"{where}: 'options': {exc}") from None
     version = raw.get("version")
     if version is not None and not isinstance(version, (str, int)):
         raise ManifestError(f"{where}: 'version' must be a string")
