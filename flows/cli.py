@@ -167,16 +167,13 @@ def parse_dynamic_shapes(text: str | None, spec) -> Any:
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
-    from lowering.lowered_module import find_backend
-    from lowering.targets import PORTABLE
+    from lowering.targets import check_target
 
     for target in targets:
-        if target == PORTABLE:
-            continue
         try:
-            find_backend(target)
+            check_target(target)
         except BackendError as exc:
-            raise CLIError(f"--target {target!r}: {first_line(str(exc))}", EXIT_USAGE) from exc
+            raise CLIError(f"--target: {first_line(str(exc))}", EXIT_USAGE) from exc
 
 
 # --------------------------------------------------------------------------- environment

@@ -213,12 +213,7 @@ def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
 
 
 def _check_target(where: str, target: str) -> None:
-    from lowering.errors import BackendError
-    from lowering.lowered_module import find_backend
-
-    if target == PORTABLE:
-        return
     try:
-        find_backend(target)
+        check_target(target)
     except BackendError as exc:
-        raise ManifestError(f"{where}: target {target!r}: {exc}") from exc
+        raise ManifestError(f"{where}: {exc}") from exc
