@@ -81,10 +81,25 @@ def load_manifest(source: str | os.PathLike | Mapping[str, Any]) -> FleetManifes
             text = path.read_text()
             doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest {str(path)!r} is not valid YAML/JSON: {exc}") from exc
+            raise ManifestError(f"manifest {str(path)!r}{_syntax_error(exc)}") from exc
         base = path.resolve().parent
         origin = f"manifest {str(path)!r}"
     return _validate(doc, base, origin)
+
+
+def _syntax_error(exc: Exception) -> str:
+    """``", line L, column C: not valid YAML: <problem>"`` (1-based, as editors count)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f", line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        problem = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
+        if mark is not None:
+            return f", line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
+        return f": not valid YAML: {problem}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f": not UTF-8 text: {exc.reason} at byte {exc.start}"
+    return f": not valid YAML: {' '.join(str(exc).split())}"
 
 
 def _validate(doc: Any, base: Path, origin: str = "manifest") -> FleetManifest:
