@@ -550,7 +550,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         pte = Path(args.pte).read_bytes()
     except OSError as exc:
-        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}") from exc
+        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         methods = load_methods(spec)
     except ModelSpecError as exc:

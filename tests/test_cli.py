@@ -152,7 +152,7 @@ def test_verify_bad_spec_exits_2_with_one_line(mlp_pte, spec, fragment):
 
 def test_verify_missing_file(tmp_path):
     missing = tmp_path / "missing.pte"
-    assert_one_line_error(lowerflow("verify", str(missing), "--model", MLP), 1, "cannot read", "missing.pte")
+    assert_one_line_error(lowerflow("verify", str(missing), "--model", MLP), 2, "cannot read", "missing.pte")
 
 
 def test_debug_prints_the_traceback(mlp_pte):

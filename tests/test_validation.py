@@ -1,0 +1,126 @@
+"""Issue 22, the newcomer's first hour: bad input is found before any work, in one line
+naming it, and ``plan`` validates exactly as ``fleet`` does.
+
+Real manifests in tmp dirs, real CLI invocations (``flows.cli.main`` in this process),
+real local stores; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "examples" / "models.py"
+#: What ``flows.cli.configure_environment`` may set; restored after each test.
+CLI_ENV = ("LOWERFLOW_STORE", "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "PREFECT_SERVER_LOGGING_LEVEL")
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cli(*args)`` runs ``lowerflow ARGS`` in this process: (exit status, stdout, error lines)."""
+    for name in CLI_ENV:  # monkeypatch puts back what main() changes
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+    def run(*args: str) -> tuple[int, str, list[str]]:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, [line for line in err.splitlines() if line.startswith("lowerflow: error:")]
+
+    return run
+
+
+def write_manifest(directory: Path, body: str) -> Path:
+    path = directory / "fleet.yaml"
+    path.write_text(f"store: ./store\n{textwrap.dedent(body).strip()}\n")
+    return path
+
+
+# --------------------------------------------------------------------------- 1: factories resolved first
+
+
+@pytest.mark.parametrize("command", ["fleet", "plan"])
+def test_a_missing_factory_is_exit_2_naming_the_entry_before_any_model_runs(cli, tmp_path, command):
+    (tmp_path / "models.py").write_text(MODELS.read_text())
+    manifest = write_manifest(tmp_path, """
+        models:
+          - {name: mlp, model: models.py:mlp}
+          - {name: cnn, model: models.py:cnnn}
+        """)
+    code, out, errors = cli(command, manifest)
+    assert code == 2 and len(errors) == 1, (out, errors)
+    assert "models[1] ('cnn')" in errors[0] and "no factory 'cnnn'" in errors[0]
+    assert "did you mean 'cnn'?" in errors[0]
+    assert not (tmp_path / "store").exists()  # nothing ran, nothing written to outputs/
+
+
+@pytest.mark.parametrize("model, fragment", [
+    ("no_such_package.models:cnn", "No module named 'no_such_package'"),
+    ("examples.models:MODELS", "is a dict, not a factory"),
+    ("broken.py:model", "cannot import: ZeroDivisionError"),
+])
+def test_every_way_a_factory_cannot_be_resolved_is_a_bad_manifest(cli, tmp_path, model, fragment):
+    (tmp_path / "broken.py").write_text("1 / 0\n\ndef model():\n    pass\n")
+    manifest = write_manifest(tmp_path, f"models:\n  - {{name: m, model: '{model}'}}")
+    code, _, errors = cli("fleet", manifest)
+    assert code == 2 and len(errors) == 1 and "models[0] ('m')" in errors[0] and fragment in errors[0], errors
+    assert not (tmp_path / "store").exists()
+
+
+# --------------------------------------------------------------------------- 2: unknown targets
+
+
+def test_an_unknown_target_lists_the_names_users_type_and_the_closest(cli, tmp_path):
+    code, _, errors = cli("lower", f"{MODELS}:mlp", "-t", "xnnpak", "--store", tmp_path / "store")
+    assert code == 2 and errors == [
+        "lowerflow: error: --target: unknown target 'xnnpak'; did you mean 'xnnpack'? "
+        "(targets: portable, reference, xnnpack)"]
+    manifest = write_manifest(tmp_path, f"models:\n  - {{name: a, model: '{MODELS}:mlp', targets: [Portable]}}")
+    code, _, errors = cli("fleet", manifest)
+    assert code == 2 and errors == [
+        "lowerflow: error: models[0] ('a'): unknown target 'Portable'; did you mean 'portable'? "
+        "(targets: portable, reference, xnnpack)"]
+    assert "Backend" not in errors[0]  # class names are not what users type
+    assert not (tmp_path / "store").exists()
+
+
+# --------------------------------------------------------------------------- 3: YAML errors
+
+
+def test_invalid_yaml_names_its_line_and_column(cli, tmp_path):
+    manifest = write_manifest(tmp_path, f"""
+        models:
+          - name: mlp
+            model: {MODELS}:mlp
+              targets: [portable]
+        """)
+    code, _, errors = cli("fleet", manifest)
+    assert code == 2 and errors == [f"lowerflow: error: manifest {str(manifest)!r}, line 5, column 14: "
+                                    "not valid YAML: mapping values are not allowed here"]
+    unclosed = write_manifest(tmp_path, "models: [a, b\n")
+    code, _, errors = cli("plan", unclosed)
+    assert code == 2 and len(errors) == 1 and ", line 3, column 1: not valid YAML:" in errors[0], errors
+    as_json = tmp_path / "fleet.json"
+    as_json.write_text('{"models": [\n  {"model": 1,}\n]}')
+    code, _, errors = cli("plan", as_json)
+    assert code == 2 and len(errors) == 1 and ", line 2, column 15: not valid JSON:" in errors[0], errors
+
+
+# --------------------------------------------------------------------------- 4: verify a missing file
+
+
+def test_verify_of_a_missing_file_is_exit_2_in_one_line(cli, tmp_path):
+    missing = tmp_path / "missing.pte"
+    code, out, errors = cli("verify", missing, "--model", f"{MODELS}:mlp")
+    assert code == 2 and errors == [f"lowerflow: error: cannot read {str(missing)!r}: No such file or directory"]
+    assert out == ""
