@@ -364,10 +364,16 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
     summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool)
+    check_fleet(summary)
+    return EXIT_OK
+
+
+def check_fleet(summary: dict) -> None:
+    """Raise the one-line CLIError (exit 1) of a fleet summary with failed models, or of
+    a plan (:func:`flows.lower_fleet.plan_models`) whose models cannot run: the same words."""
     if summary.get("failed"):
         reasons = "; ".join(f"{name} ({model_error(summary['models'].get(name) or {})})" for name in summary["failed"])
         raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {reasons}")
-    return EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -522,18 +528,76 @@ class FleetProgress(logging.Handler):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print which stages of each model x target would hit the cache and which would run."""
-    load_fleet(args.manifest)
-    from flows.lower_fleet import plan_fleet
-    from flows.reports import text_table
+    """Print, per model and target, how many stages are cached and which would run
+    (every stage with ``--verbose``); exit as ``fleet`` would for a model that cannot run.
+
+    The manifest goes through the validation ``fleet`` uses (``load_manifest``: exit 2),
+    and each model is loaded as ``fleet`` loads it (a failure: exit 1, ``fleet``'s line)."""
+    fleet = load_fleet(args.manifest)
+    from flows.lower_fleet import plan_models
 
     quiet_console(args.verbose)
-    rows = plan_fleet(args.manifest)
-    say(text_table(("model", "target", "stage", "would"),
-                   [(r["model"], r["target"], r["stage"], "cached" if r["cached"] else "run") for r in rows]))
-    cached = sum(1 for r in rows if r["cached"])
-    say(f"\n{cached} of {len(rows)} stages cached, {len(rows) - cached} to run")
+    plan = plan_models(fleet)
+    for line in plan_lines(plan, verbose=args.verbose):
+        say(line)
+    check_fleet(plan)
     return EXIT_OK
+
+
+def plan_lines(plan: dict, *, verbose: bool = False) -> list[str]:
+    """The plan of a fleet: a row per model and target (stages cached, stages to run),
+    with ``verbose`` every stage too (repeats of one stage, e.g. preprocess per
+    partition, on one line with their count), then the totals."""
+    from flows.reports import text_table
+
+    summary, details = [], []
+    total = cached_total = 0
+    for name, planned in plan["models"].items():
+        for target, result in planned["targets"].items():
+            stages = result.get("stages") or []
+            cached = sum(1 for r in stages if r.get("cached"))
+            total, cached_total = total + len(stages), cached_total + cached
+            if result.get("ok") is False:
+                would = f"cannot run: {result.get('error') or 'failed'}"
+            else:
+                would = counted([_stage_label(r) for r in stages if not r.get("cached")]) or "-"
+            summary.append((name, target, f"{cached}/{len(stages)}", would))
+            for label, status, count in _runs((_stage_label(r), _plan_status(r)) for r in stages):
+                details.append((name, target, label + (f" ×{count}" if count > 1 else ""), status))
+    lines = text_table(("model", "target", "cached", "to run"), summary, right=(2,)).splitlines()
+    if verbose:
+        lines += ["", *text_table(("model", "target", "stage", "would"), details).splitlines()]
+    lines += ["", f"{cached_total} of {total} stages cached, {total - cached_total} to run"]
+    return lines
+
+
+def counted(labels: Sequence[str]) -> str:
+    """``"partition, preprocess ×3, emit"``: distinct labels in order, repeats counted."""
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return ", ".join(label + (f" ×{n}" if n > 1 else "") for label, n in counts.items())
+
+
+def _stage_label(record: dict) -> str:
+    return str(record.get("stage", "?")) + (f"[{record['method']}]" if record.get("method") else "")
+
+
+def _plan_status(record: dict) -> str:
+    if record.get("cached"):
+        return "cached"
+    return "FAILED" if record.get("state") == "Failed" else "run"
+
+
+def _runs(items) -> list[tuple[str, str, int]]:
+    """Consecutive equal (label, status) pairs as (label, status, count)."""
+    out: list[list] = []
+    for label, status in items:
+        if out and out[-1][0] == label and out[-1][1] == status:
+            out[-1][2] += 1
+        else:
+            out.append([label, status, 1])
+    return [tuple(r) for r in out]
 
 
 # --------------------------------------------------------------------------- verify

@@ -124,3 +124,77 @@ def test_verify_of_a_missing_file_is_exit_2_in_one_line(cli, tmp_path):
     code, out, errors = cli("verify", missing, "--model", f"{MODELS}:mlp")
     assert code == 2 and errors == [f"lowerflow: error: cannot read {str(missing)!r}: No such file or directory"]
     assert out == ""
+
+
+# --------------------------------------------------------------------------- 5: plan validates as fleet does
+
+BAD_MODELS = '''
+import torch
+
+
+def broken():
+    raise RuntimeError("no model today")
+
+
+def linear():
+    return torch.nn.Linear(4, 3), (torch.randn(2, 4),)
+'''
+
+
+@pytest.mark.parametrize("entry, code, fragments", [
+    ("{name: m, model: models.py:lineer}", 2, ["models[0] ('m')", "no factory 'lineer'; did you mean 'linear'?"]),
+    ("{name: m, model: models.py:broken}", 1, ["1 of 1 models failed: m (portable load: ModelSpecError",
+                                              "factory raised RuntimeError: no model today"]),
+    ("{name: m, model: models.py:linear, targets: [reference], options: {reference: {colour: red}}}", 2,
+     ["models[0] ('m'): 'options': target 'reference': bad options {'colour': 'red'}", "unexpected keyword"]),
+    ("{name: m, model: models.py:linear, dynamic_shapes: {y: {0: {name: batch, max: 8}}}}", 1,
+     ["1 of 1 models failed: m (portable load: ModelSpecError", "'y'"]),
+], ids=["missing-factory", "factory-raises", "bad-options", "dynamic-shapes-argument"])
+def test_plan_fails_as_fleet_fails_with_the_same_line(cli, tmp_path, prefect_api, entry, code, fragments):
+    (tmp_path / "models.py").write_text(BAD_MODELS)
+    manifest = write_manifest(tmp_path, f"models:\n  - {entry}")
+    plan_code, _, plan_errors = cli("plan", manifest)
+    fleet_code, _, fleet_errors = cli("fleet", manifest)
+    assert (plan_code, plan_errors) == (fleet_code, fleet_errors)
+    assert plan_code == code and len(plan_errors) == 1, plan_errors
+    for fragment in fragments:
+        assert fragment in plan_errors[0], plan_errors[0]
+    assert (tmp_path / "store" / "outputs").exists() == (code == 1)  # exit 2: nothing ran
+
+
+# --------------------------------------------------------------------------- 6: plan output
+
+
+def test_plan_prints_a_summary_per_model_and_target_and_details_when_verbose(cli, tmp_path, prefect_api):
+    manifest = write_manifest(tmp_path, f"""
+        defaults: {{targets: [portable, reference]}}
+        models:
+          - {{name: mlp, model: '{MODELS}:mlp'}}
+          - {{name: lstm, model: '{MODELS}:lstm', targets: [reference]}}
+        """)
+    code, out, errors = cli("plan", manifest)
+    assert code == 0 and not errors, errors
+    rows = [line.split(None, 3) for line in out.splitlines()[2:5]]
+    assert rows == [
+        ["mlp", "portable", "0/4", "export, memory_plan, emit, verify"],
+        ["mlp", "reference", "0/9", "export, partition, create_submodule, build_programs, preprocess, adjust, "
+                                    "memory_plan, emit, verify"],
+        ["lstm", "reference", "0/9", "export, partition, create_submodule, build_programs, preprocess, adjust, "
+                                     "memory_plan, emit, verify"],
+    ]
+    assert out.splitlines()[-1] == "0 of 22 stages cached, 22 to run"
+    assert cli("fleet", manifest)[0] == 0
+    code, out, errors = cli("plan", manifest)
+    assert code == 0 and not errors
+    lines = out.splitlines()
+    summary = [line.split() for line in lines[2:lines.index("")]]
+    assert len(summary) == 3, out  # one line per model and target, however many partitions
+    partitions = int(summary[2][2].split("/")[1]) - 8  # lstm: one preprocess per partition
+    assert partitions > 1
+    assert [s[:4] for s in summary] == [["mlp", "portable", "4/4", "-"], ["mlp", "reference", "9/9", "-"],
+                                        ["lstm", "reference", f"{8 + partitions}/{8 + partitions}", "-"]]
+    assert "preprocess" not in out
+    code, verbose, _ = cli("plan", manifest, "--verbose")
+    assert code == 0
+    details = [line.split() for line in verbose.splitlines() if line.startswith("lstm") and "preprocess" in line]
+    assert details == [["lstm", "reference", "preprocess", f"×{partitions}", "cached"]]
