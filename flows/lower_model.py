@@ -197,10 +197,14 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
     stage's key, so a model whose checkpoint or helper module changed is always
     re-exported.  The loaded model is handed to the export and verify stages.
+
+    The stages get the spec as :attr:`ModelSpec.key_text` (a file's resolved path):
+    it is in their keys, which must not depend on how the user spelled the path.
     """
     spec = ModelSpec.parse(model)
     name = name or spec.name
     manifest: dict[str, Any] = {"model": model, "name": name, "targets": {}}
+    model = spec.key_text
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
@@ -261,7 +265,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages."""
-    model, name = manifest["model"], manifest["name"]
+    model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
     records: list[dict] = []
     exported, mutated = {}, {}
     try:

@@ -87,6 +87,17 @@ class ModelSpec:
         raise ModelSpecError(f"model spec {text!r}: {location!r} is neither a .py file nor a module name")
 
     @property
+    def key_text(self) -> str:
+        """The spec as stage inputs carry it: a local file's path absolute and resolved,
+        so ``examples/models.py:cnn`` and ``/abs/examples/models.py:cnn`` (or a symlink)
+        give the same cache keys, and a stage retried from another directory finds it."""
+        if self.kind == "file":
+            return f"{Path(self.location).resolve()}:{self.factory}"
+        if self.kind == "pt2" and "://" not in self.location:
+            return str(Path(self.location).resolve())
+        return self.text
+
+    @property
     def name(self) -> str:
         """A short default name: the factory, or the .pt2 file's stem."""
         if self.factory:

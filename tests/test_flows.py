@@ -346,3 +346,21 @@ def test_stage_tasks_are_made_on_first_use(tmp_path):
     assert all(callable(getattr(stages, f"run_{stage}")) for stage in stages.STAGE_IGNORES)
     with pytest.raises(AttributeError, match="no attribute 'exportt'"):
         made.exportt
+
+
+# --- issue 22: the export key and the published manifest ------------------------------------------
+
+
+def test_the_export_key_does_not_depend_on_how_the_model_path_is_spelled(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    store = tmp_path / "store"
+    relative = "examples/models.py:mlp"
+    code, first, errors = cli("lower", relative, "-o", tmp_path / "a.pte", "--store", store)
+    assert code == 0, errors
+    assert first.split("\n")[0].split()[:3] == ["portable", "export", "ran"]
+    before = dict(stages.EXECUTIONS)
+    code, second, errors = cli("lower", f"{MODELS}:mlp", "-o", tmp_path / "b.pte", "--store", store)
+    assert code == 0, errors
+    assert second.split("\n")[0].split()[:3] == ["portable", "export", "cached"], second
+    assert stages.EXECUTIONS == before  # nothing ran, verify neither
+    assert (tmp_path / "a.pte").read_bytes() == (tmp_path / "b.pte").read_bytes()

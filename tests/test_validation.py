@@ -7,37 +7,13 @@ real local stores; nothing is mocked.
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from flows.cli import main
-
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "examples" / "models.py"
-#: What ``flows.cli.configure_environment`` may set; restored after each test.
-CLI_ENV = ("LOWERFLOW_STORE", "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
-           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "PREFECT_SERVER_LOGGING_LEVEL")
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys):
-    """``cli(*args)`` runs ``lowerflow ARGS`` in this process: (exit status, stdout, error lines)."""
-    for name in CLI_ENV:  # monkeypatch puts back what main() changes
-        if name in os.environ:
-            monkeypatch.setenv(name, os.environ[name])
-        else:
-            monkeypatch.delenv(name, raising=False)
-
-    def run(*args: str) -> tuple[int, str, list[str]]:
-        capsys.readouterr()
-        code = main([str(a) for a in args])
-        out, err = capsys.readouterr()
-        return code, out, [line for line in err.splitlines() if line.startswith("lowerflow: error:")]
-
-    return run
 
 
 def write_manifest(directory: Path, body: str) -> Path:
