@@ -280,7 +280,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []
-    for target, entry in manifest["targets"].items():
+    for target in targets:  # the manifest may also hold targets lowered earlier (keep_published)
+        entry = manifest["targets"].get(target) or {}
         for line in stage_lines(target, entry.get("stages") or []):
             say(line)
         if entry.get("ok") and entry.get("pte"):

@@ -364,3 +364,27 @@ def test_the_export_key_does_not_depend_on_how_the_model_path_is_spelled(cli, tm
     assert second.split("\n")[0].split()[:3] == ["portable", "export", "cached"], second
     assert stages.EXECUTIONS == before  # nothing ran, verify neither
     assert (tmp_path / "a.pte").read_bytes() == (tmp_path / "b.pte").read_bytes()
+
+
+def test_lower_after_a_fleet_keeps_the_fleets_other_targets_in_the_published_manifest(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    store = ArtifactStore(str(tmp_path / "store"))
+    lower_fleet(fleet_manifest(tmp_path / "store", "mlp", targets=("portable", "reference")))
+    fleet_record = store.get_json("mlp/manifest.json")["targets"]["reference"]
+    code, _, errors = cli("lower", "examples/models.py:mlp", "-t", "portable", "-t", "xnnpack",
+                          "-o", tmp_path / "out/", "--store", tmp_path / "store")
+    assert code == 0, errors
+    published = store.get_json("mlp/manifest.json")
+    assert sorted(published["targets"]) == ["portable", "reference", "xnnpack"]
+    kept = published["targets"]["reference"]
+    assert {k: v for k, v in kept.items() if k != "kept_from"} == fleet_record and kept["kept_from"]
+    listed = {Path(r["pte"]["uri"].removeprefix("file://")).name for r in published["targets"].values()}
+    on_disk = {p.name for p in (tmp_path / "store" / "outputs" / "mlp").glob("*.pte")}
+    assert listed == on_disk == {"portable.pte", "reference.pte", "xnnpack.pte"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mlp.portable.pte", "mlp.xnnpack.pte"]
+
+    # The model changed (another version salt): reference.pte is of the old model, so it goes with its record.
+    lower_model(f"{MODELS}:mlp", ["portable"], store=str(tmp_path / "store"), version="2")
+    published = store.get_json("mlp/manifest.json")
+    assert sorted(published["targets"]) == ["portable"]
+    assert {p.name for p in (tmp_path / "store" / "outputs" / "mlp").glob("*.pte")} == {"portable.pte"}
