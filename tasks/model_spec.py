@@ -407,9 +407,13 @@ def read_pt2(spec: ModelSpec, storage_options: dict | None = None) -> bytes:
         raise ModelSpecError(f"model spec {spec.text!r}: cannot read: {exc}") from exc
 
 
+#: Modules of ``package.module`` specs: name -> sha256 of their file when (re)imported.
+_MODULE_FILES: dict[str, str] = {}
+
+
 def _import(spec: ModelSpec):
     if spec.kind == "module":
-        return importlib.import_module(spec.location)
+        return _import_module(spec.location)
     path = Path(spec.location).resolve()
     if not path.is_file():
         raise ModelSpecError(f"model spec {spec.text!r}: file {spec.location!r} does not exist")
@@ -418,6 +422,27 @@ def _import(spec: ModelSpec):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     module_spec.loader.exec_module(module)
+    return module
+
+
+def _import_module(name: str):
+    """``importlib.import_module(name)``, reloaded when its file changed since lowerflow
+    last imported it (a long-lived worker must run the code the fingerprint reads)."""
+    module = importlib.import_module(name)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return module
+    digest = _sha256_file(path)
+    seen = _MODULE_FILES.get(name)
+    if seen is not None and seen != digest:
+        # Python trusts bytecode whose source has the same mtime (whole seconds) and
+        # size: an edit within the second that kept the size would reload the old code.
+        cached = getattr(module, "__cached__", None)
+        if cached:
+            Path(cached).unlink(missing_ok=True)
+        importlib.invalidate_caches()
+        module = importlib.reload(module)
+    _MODULE_FILES[name] = digest
     return module
 
 
