@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Run FILE.pte in every available runtime against the model's eager outputs.")
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
+    verify.add_argument("--dynamic-shapes", metavar="JSON",
+                        help="the dynamic dims the program was lowered with, if given to 'lower' (checked at each "
+                             "Dim's min and max; the factory's own are used otherwise)")
     verify.set_defaults(run=cmd_verify)
 
     gc = sub.add_parser("gc", parents=[common], help="remove store objects and cache records nothing uses",
@@ -607,29 +610,40 @@ def _runs(items) -> list[tuple[str, str, int]]:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Run the .pte in each runtime against the eager model; exit 1 on a mismatch.
 
-    A model of several methods verifies every method (and that the .pte has
+    As the flow's verify stage does: a dynamic model (its factory's ``dynamic_shapes``,
+    or ``--dynamic-shapes`` as given to ``lower``) also runs with each Dim at its min and
+    max; a model of several methods verifies every method (and that the .pte has
     exactly the model's methods)."""
-    from tasks.model_spec import ModelSpecError, load_methods
+    from tasks.model_spec import ModelSpecError, load_model
 
     spec = parse_spec(args.model)
+    dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
+    if spec.kind == "pt2":
+        raise CLIError(f"model spec {spec.text!r} is a .pt2 program, not a factory: verify needs the eager "
+                       "model", EXIT_USAGE)
     try:
         pte = Path(args.pte).read_bytes()
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
-        methods = load_methods(spec)
+        loaded = load_model(spec, None if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify, verify_methods
+    from lowering.verify import method_names, verify, verify_methods
 
-    if list(methods) == ["forward"]:
-        model, inputs = methods["forward"]
-        reports = {None: verify(pte, model, inputs)}
-    else:
-        try:
-            reports = verify_methods(pte, methods)
-        except Exception as exc:  # not a .pte at all
-            raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
+    try:
+        if not loaded.methods:
+            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
+        else:
+            present = set(method_names(pte))
+            dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
+            # verify_methods checks the method sets; a dynamic method's report is then its own at every size.
+            reports = verify_methods(pte, {n: (sub.module, sub.inputs) for n, sub in loaded.methods.items()
+                                           if n not in dynamic})
+            for n, sub in dynamic.items():
+                reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
+    except Exception as exc:  # not a .pte at all
+        raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []
     for method, report in reports.items():
         for check in report.checks:
@@ -642,13 +656,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def verify_line(check: Any) -> str:
-    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck."""
+    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck; a check at
+    dynamic sizes says which (``"... 2.4e-07  (batch=32)"``)."""
+    sizes = "" if getattr(check, "inputs", "example") == "example" else f"  ({check.inputs})"
     if check.ok is None:
-        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip()
+        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip() + sizes
     diff = "" if check.max_abs_diff is None else f"max |diff| {check.max_abs_diff:.3g}"
     status = "ok" if check.ok else "MISMATCH"
     error = "" if check.ok or not check.error else f"  {first_line(check.error)}"
-    return f"{check.runtime:<11} {status:<8} {diff}{error}".rstrip()
+    return f"{check.runtime:<11} {status:<8} {diff}".rstrip() + sizes + error
 
 
 # --------------------------------------------------------------------------- gc

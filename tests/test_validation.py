@@ -174,3 +174,34 @@ def test_plan_prints_a_summary_per_model_and_target_and_details_when_verbose(cli
     assert code == 0
     details = [line.split() for line in verbose.splitlines() if line.startswith("lstm") and "preprocess" in line]
     assert details == [["lstm", "reference", "preprocess", f"×{partitions}", "cached"]]
+
+
+# --------------------------------------------------------------------------- 9c: verify of a dynamic model
+
+
+def test_verify_checks_a_dynamic_model_at_each_dims_min_and_max_as_the_flow_does(cli, tmp_path):
+    import torch
+
+    from examples.dynamic_models import dynamic_mlp
+    from lowering import lower
+
+    model, inputs, dynamic_shapes = dynamic_mlp()
+    dynamic, static = tmp_path / "dynamic.pte", tmp_path / "static.pte"
+    dynamic.write_bytes(lower(model, inputs, dynamic_shapes=dynamic_shapes).pte)
+    static.write_bytes(lower(model, inputs).pte)  # right at the example batch only
+    spec = f"{REPO}/examples/dynamic_models.py:dynamic_mlp"
+    code, out, errors = cli("verify", dynamic, "--model", spec)
+    assert code == 0 and not errors, errors
+    lowerflow = [line for line in out.splitlines() if line.startswith("lowerflow ")]
+    assert [line.split()[1] for line in lowerflow] == ["ok"] * 3
+    assert [line.split("(")[-1] for line in lowerflow[1:]] == ["batch=1)", "batch=32)"]
+    code, out, errors = cli("verify", static, "--model", spec)
+    assert code == 1 and len(errors) == 1 and "does not match" in errors[0], (out, errors)
+    assert "batch=1" in out and "MISMATCH" in out
+    # --dynamic-shapes narrows the range to what `lower --dynamic-shapes` was given.
+    narrow = tmp_path / "narrow.pte"
+    narrow.write_bytes(lower(model, inputs, dynamic_shapes={
+        "x": {0: torch.export.Dim("batch", min=2, max=8)}}).pte)
+    code, out, errors = cli("verify", narrow, "--model", spec, "--dynamic-shapes",
+                            '{"x": {"0": {"name": "batch", "min": 2, "max": 8}}}')
+    assert code == 0 and not errors and "(batch=8)" in out, (out, errors)
