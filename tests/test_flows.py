@@ -206,7 +206,7 @@ def test_pt2_model_spec(tmp_path):
 def test_bad_manifest_entry_is_rejected_before_any_work(tmp_path):
     manifest = fleet_manifest(tmp_path / "store", "mlp", "cnn")
     manifest["models"][1]["targets"] = ["portable", "no-such-backend"]
-    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): target 'no-such-backend'"):
+    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): unknown target 'no-such-backend'"):
         executions_during(lower_fleet, manifest)
     assert not (tmp_path / "store").exists()
     manifest["models"][1] = {"name": "cnn", "model": str(tmp_path / "missing.py") + ":cnn"}
