@@ -110,9 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Run FILE.pte in every available runtime against the model's eager outputs.")
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
-    verify.add_argument("--dynamic-shapes", metavar="JSON",
-                        help="the dynamic dims the program was lowered with, if given to 'lower' (checked at each "
-                             "Dim's min and max; the factory's own are used otherwise)")
+    verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
     verify.set_defaults(run=cmd_verify)
 
     gc = sub.add_parser("gc", parents=[common], help="remove store objects and cache records nothing uses",
@@ -373,8 +371,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 
 def check_fleet(summary: dict) -> None:
-    """Raise the one-line CLIError (exit 1) of a fleet summary with failed models, or of
-    a plan (:func:`flows.lower_fleet.plan_models`) whose models cannot run: the same words."""
+    """The one-line CLIError (exit 1) of a fleet summary, or a plan, with failed models."""
     if summary.get("failed"):
         reasons = "; ".join(f"{name} ({model_error(summary['models'].get(name) or {})})" for name in summary["failed"])
         raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {reasons}")
@@ -532,95 +529,32 @@ class FleetProgress(logging.Handler):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print, per model and target, how many stages are cached and which would run
-    (every stage with ``--verbose``); exit as ``fleet`` would for a model that cannot run.
-
-    The manifest goes through the validation ``fleet`` uses (``load_manifest``: exit 2),
-    and each model is loaded as ``fleet`` loads it (a failure: exit 1, ``fleet``'s line)."""
+    """Per model and target, the stages cached and to run (flows/plan_text.py).  Validated
+    and loaded as ``fleet`` does, failing with ``fleet``'s exit status and line."""
     fleet = load_fleet(args.manifest)
     from flows.lower_fleet import plan_models
+    from flows.plan_text import plan_lines
 
     quiet_console(args.verbose)
     plan = plan_models(fleet)
-    for line in plan_lines(plan, verbose=args.verbose):
-        say(line)
+    say("\n".join(plan_lines(plan, verbose=args.verbose)))
     check_fleet(plan)
     return EXIT_OK
-
-
-def plan_lines(plan: dict, *, verbose: bool = False) -> list[str]:
-    """The plan of a fleet: a row per model and target (stages cached, stages to run),
-    with ``verbose`` every stage too (repeats of one stage, e.g. preprocess per
-    partition, on one line with their count), then the totals."""
-    from flows.reports import text_table
-
-    summary, details = [], []
-    total = cached_total = 0
-    for name, planned in plan["models"].items():
-        for target, result in planned["targets"].items():
-            stages = result.get("stages") or []
-            cached = sum(1 for r in stages if r.get("cached"))
-            total, cached_total = total + len(stages), cached_total + cached
-            if result.get("ok") is False:
-                would = f"cannot run: {result.get('error') or 'failed'}"
-            else:
-                would = counted([_stage_label(r) for r in stages if not r.get("cached")]) or "-"
-            summary.append((name, target, f"{cached}/{len(stages)}", would))
-            for label, status, count in _runs((_stage_label(r), _plan_status(r)) for r in stages):
-                details.append((name, target, label + (f" ×{count}" if count > 1 else ""), status))
-    lines = text_table(("model", "target", "cached", "to run"), summary, right=(2,)).splitlines()
-    if verbose:
-        lines += ["", *text_table(("model", "target", "stage", "would"), details).splitlines()]
-    lines += ["", f"{cached_total} of {total} stages cached, {total - cached_total} to run"]
-    return lines
-
-
-def counted(labels: Sequence[str]) -> str:
-    """``"partition, preprocess ×3, emit"``: distinct labels in order, repeats counted."""
-    counts: dict[str, int] = {}
-    for label in labels:
-        counts[label] = counts.get(label, 0) + 1
-    return ", ".join(label + (f" ×{n}" if n > 1 else "") for label, n in counts.items())
-
-
-def _stage_label(record: dict) -> str:
-    return str(record.get("stage", "?")) + (f"[{record['method']}]" if record.get("method") else "")
-
-
-def _plan_status(record: dict) -> str:
-    if record.get("cached"):
-        return "cached"
-    return "FAILED" if record.get("state") == "Failed" else "run"
-
-
-def _runs(items) -> list[tuple[str, str, int]]:
-    """Consecutive equal (label, status) pairs as (label, status, count)."""
-    out: list[list] = []
-    for label, status in items:
-        if out and out[-1][0] == label and out[-1][1] == status:
-            out[-1][2] += 1
-        else:
-            out.append([label, status, 1])
-    return [tuple(r) for r in out]
 
 
 # --------------------------------------------------------------------------- verify
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Run the .pte in each runtime against the eager model; exit 1 on a mismatch.
-
-    As the flow's verify stage does: a dynamic model (its factory's ``dynamic_shapes``,
-    or ``--dynamic-shapes`` as given to ``lower``) also runs with each Dim at its min and
-    max; a model of several methods verifies every method (and that the .pte has
-    exactly the model's methods)."""
+    """Run the .pte in each runtime against the eager model, as the flow's verify does (a
+    dynamic model at each Dim's min and max too; every method of several, and that the
+    .pte has exactly those); exit 1 on a mismatch."""
     from tasks.model_spec import ModelSpecError, load_model
 
     spec = parse_spec(args.model)
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     if spec.kind == "pt2":
-        raise CLIError(f"model spec {spec.text!r} is a .pt2 program, not a factory: verify needs the eager "
-                       "model", EXIT_USAGE)
+        raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
     try:
         pte = Path(args.pte).read_bytes()
     except OSError as exc:
@@ -637,9 +571,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             present = set(method_names(pte))
             dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
-            # verify_methods checks the method sets; a dynamic method's report is then its own at every size.
-            reports = verify_methods(pte, {n: (sub.module, sub.inputs) for n, sub in loaded.methods.items()
-                                           if n not in dynamic})
+            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic})
             for n, sub in dynamic.items():
                 reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
     except Exception as exc:  # not a .pte at all
