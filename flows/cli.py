@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Run FILE.pte in every available runtime against the model's eager outputs.")
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
+    verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
     verify.set_defaults(run=cmd_verify)
 
     gc = sub.add_parser("gc", parents=[common], help="remove store objects and cache records nothing uses",
@@ -175,16 +176,13 @@ def parse_dynamic_shapes(text: str | None, spec) -> Any:
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
-    from lowering.lowered_module import find_backend
-    from lowering.targets import PORTABLE
+    from lowering.targets import check_target
 
     for target in targets:
-        if target == PORTABLE:
-            continue
         try:
-            find_backend(target)
+            check_target(target)
         except BackendError as exc:
-            raise CLIError(f"--target {target!r}: {first_line(str(exc))}", EXIT_USAGE) from exc
+            raise CLIError(f"--target: {first_line(str(exc))}", EXIT_USAGE) from exc
 
 
 # --------------------------------------------------------------------------- environment
@@ -291,7 +289,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []
-    for target, entry in manifest["targets"].items():
+    for target in targets:  # the manifest may also hold targets lowered earlier (keep_published)
+        entry = manifest["targets"].get(target) or {}
         for line in stage_lines(target, entry.get("stages") or []):
             say(line)
         if entry.get("ok") and entry.get("pte"):
@@ -375,10 +374,15 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
     summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool)
+    check_fleet(summary)
+    return EXIT_OK
+
+
+def check_fleet(summary: dict) -> None:
+    """The one-line CLIError (exit 1) of a fleet summary, or a plan, with failed models."""
     if summary.get("failed"):
         reasons = "; ".join(f"{name} ({model_error(summary['models'].get(name) or {})})" for name in summary["failed"])
         raise CLIError(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {reasons}")
-    return EXIT_OK
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -533,17 +537,16 @@ class FleetProgress(logging.Handler):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print which stages of each model x target would hit the cache and which would run."""
-    load_fleet(args.manifest)
-    from flows.lower_fleet import plan_fleet
-    from flows.reports import text_table
+    """Per model and target, the stages cached and to run (flows/plan_text.py).  Validated
+    and loaded as ``fleet`` does, failing with ``fleet``'s exit status and line."""
+    fleet = load_fleet(args.manifest)
+    from flows.lower_fleet import plan_models
+    from flows.plan_text import plan_lines
 
     quiet_console(args.verbose)
-    rows = plan_fleet(args.manifest)
-    say(text_table(("model", "target", "stage", "would"),
-                   [(r["model"], r["target"], r["stage"], "cached" if r["cached"] else "run") for r in rows]))
-    cached = sum(1 for r in rows if r["cached"])
-    say(f"\n{cached} of {len(rows)} stages cached, {len(rows) - cached} to run")
+    plan = plan_models(fleet)
+    say("\n".join(plan_lines(plan, verbose=args.verbose)))
+    check_fleet(plan)
     return EXIT_OK
 
 
@@ -551,31 +554,36 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Run the .pte in each runtime against the eager model; exit 1 on a mismatch.
-
-    A model of several methods verifies every method (and that the .pte has
-    exactly the model's methods)."""
-    from tasks.model_spec import ModelSpecError, load_methods
+    """Run the .pte in each runtime against the eager model, as the flow's verify does (a
+    dynamic model at each Dim's min and max too; every method of several, and that the
+    .pte has exactly those); exit 1 on a mismatch."""
+    from tasks.model_spec import ModelSpecError, load_model
 
     spec = parse_spec(args.model)
+    dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
+    if spec.kind == "pt2":
+        raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
     try:
         pte = Path(args.pte).read_bytes()
     except OSError as exc:
-        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}") from exc
+        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
-        methods = load_methods(spec)
+        loaded = load_model(spec, None if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify, verify_methods
+    from lowering.verify import method_names, verify, verify_methods
 
-    if list(methods) == ["forward"]:
-        model, inputs = methods["forward"]
-        reports = {None: verify(pte, model, inputs)}
-    else:
-        try:
-            reports = verify_methods(pte, methods)
-        except Exception as exc:  # not a .pte at all
-            raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
+    try:
+        if not loaded.methods:
+            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
+        else:
+            present = set(method_names(pte))
+            dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
+            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic})
+            for n, sub in dynamic.items():
+                reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
+    except Exception as exc:  # not a .pte at all
+        raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []
     for method, report in reports.items():
         for check in report.checks:
@@ -588,13 +596,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def verify_line(check: Any) -> str:
-    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck."""
+    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck; a check at
+    dynamic sizes says which (``"... 2.4e-07  (batch=32)"``)."""
+    sizes = "" if getattr(check, "inputs", "example") == "example" else f"  ({check.inputs})"
     if check.ok is None:
-        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip()
+        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip() + sizes
     diff = "" if check.max_abs_diff is None else f"max |diff| {check.max_abs_diff:.3g}"
     status = "ok" if check.ok else "MISMATCH"
     error = "" if check.ok or not check.error else f"  {first_line(check.error)}"
-    return f"{check.runtime:<11} {status:<8} {diff}{error}".rstrip()
+    return f"{check.runtime:<11} {status:<8} {diff}".rstrip() + sizes + error
 
 
 # --------------------------------------------------------------------------- gc

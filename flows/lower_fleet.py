@@ -328,22 +328,41 @@ def _read_manifest(store: ArtifactStore, name: str, run_id: str) -> dict | None:
     return manifest if manifest.get("flow_run") == run_id else None
 
 
-def plan_fleet(manifest: str | dict) -> list[dict]:
-    """Dry run: one row per model × target × stage, ``cached`` or not (nothing runs).
+def plan_models(manifest: str | dict | FleetManifest) -> dict:
+    """Dry run of a fleet (nothing runs): ``{"store", "models": {name: planned model
+    manifest}, "failed": [names]}``, shaped like :func:`lower_fleet`'s summary.
 
-    Stages after the first miss of a target are listed as would-run: their
-    inputs (and so their keys) are only known once the miss has run.
+    The manifest is validated as :func:`lower_fleet` validates it (:func:`load_manifest`),
+    and every model is loaded as a run would load it, so a model whose factory raises
+    or whose ``dynamic_shapes`` do not fit its forward is ``failed`` here too, with the
+    error the run would record.  In a planned manifest each target's ``ok`` is None
+    (would run / cached) or False (cannot run), and its stage records say ``cached``.
     """
-    fleet: FleetManifest = load_manifest(manifest)
-    rows = []
+    fleet = manifest if isinstance(manifest, FleetManifest) else load_manifest(manifest)
+    summary: dict[str, Any] = {"store": fleet.store, "models": {}, "failed": []}
     for entry in fleet.models:
         planned = plan_model(
             entry.model, list(entry.targets), fleet.store, {k: dict(v) for k, v in entry.options.items()},
             entry.name, entry.version, entry.verify, dynamic_shapes=entry.dynamic_shapes,
         )
+        summary["models"][entry.name] = planned
+        if any(result.get("ok") is False for result in planned["targets"].values()):
+            summary["failed"].append(entry.name)
+    return summary
+
+
+def plan_fleet(manifest: str | dict | FleetManifest) -> list[dict]:
+    """Dry run: one row per model × target × stage, ``cached`` or not (nothing runs).
+
+    Stages after the first miss of a target are listed as would-run: their
+    inputs (and so their keys) are only known once the miss has run.
+    """
+    rows = []
+    for name, planned in plan_models(manifest)["models"].items():
         for target, result in planned["targets"].items():
             for record in result["stages"]:
-                rows.append({"model": entry.name, "target": target, "stage": record["stage"], "cached": record["cached"]})
+                rows.append({"model": name, "target": target, "stage": record["stage"], "cached": record["cached"],
+                             **({"method": record["method"]} if record.get("method") else {})})
     return rows
 
 

@@ -132,6 +132,7 @@ def run_model(
     _log(manifest)
     try:
         unpublish_failed(stages.store, manifest)
+        keep_published(stages.store, manifest)
         stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
         _publish_report(manifest, stages.store)
     except Exception as exc:  # the store went away: report the targets' own errors, and this
@@ -149,6 +150,37 @@ def unpublish_failed(store, manifest: dict) -> None:
 
     for target, result in manifest["targets"].items():
         if not result["ok"]:
+            store.remove_named(f"{manifest['name']}/{target}.pte")
+            store.remove_named(plan_image_name(manifest["name"], target))
+
+
+def keep_published(store, manifest: dict) -> None:
+    """Targets of the model's published manifest that this run did not lower (``lowerflow
+    lower -t portable`` after a fleet published portable and reference) stay in it while
+    their ``.pte`` stays in outputs/: a published program always has its record.
+
+    A record is kept only for the same model (same fingerprint): the ``.pte`` of a model
+    that changed since is stale, and is removed from outputs/ with its record (as a
+    failed target's is, :func:`unpublish_failed`).  The kept record says
+    ``"kept_from"``: the flow run that lowered it.
+    """
+    from flows.reports import plan_image_name
+    from tasks.store import ArtifactRef
+
+    try:
+        previous = store.get_json(f"{manifest['name']}/manifest.json")
+    except Exception:  # none yet (or unreadable): nothing to keep
+        return
+    same_model = (previous.get("fingerprint") or {}).get("digest") == (manifest.get("fingerprint") or {}).get("digest")
+    for target, record in (previous.get("targets") or {}).items():
+        pte = (record or {}).get("pte")
+        if target in manifest["targets"] or not pte:
+            continue
+        if not store.exists(ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")):
+            continue  # its program is gone (or was replaced): nothing published to keep a record of
+        if same_model and record.get("ok"):
+            manifest["targets"][target] = {**record, "kept_from": record.get("kept_from") or previous.get("flow_run")}
+        else:
             store.remove_named(f"{manifest['name']}/{target}.pte")
             store.remove_named(plan_image_name(manifest["name"], target))
 
@@ -197,10 +229,14 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
     stage's key, so a model whose checkpoint or helper module changed is always
     re-exported.  The loaded model is handed to the export and verify stages.
+
+    The stages get the spec as :attr:`ModelSpec.key_text` (a file's resolved path):
+    it is in their keys, which must not depend on how the user spelled the path.
     """
     spec = ModelSpec.parse(model)
     name = name or spec.name
     manifest: dict[str, Any] = {"model": model, "name": name, "targets": {}}
+    model = spec.key_text
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
@@ -261,7 +297,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages."""
-    model, name = manifest["model"], manifest["name"]
+    model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
     records: list[dict] = []
     exported, mutated = {}, {}
     try:

@@ -14,7 +14,11 @@
           x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
 
 The whole manifest is validated before any work starts; every error names the
-entry (``models[2] ('cnn')``) and the field.  Relative ``.py`` paths and a relative
+entry (``models[2] ('cnn')``) and the field.  Besides its fields, each entry's
+factory is resolved (its file exists, its module imports, the attribute is
+callable; not called) and each target's partitioner is made with the entry's
+options, so a typo in either is a bad manifest, never a model failing mid-fleet.
+A YAML or JSON syntax error names its line and column.  Relative ``.py`` paths and a relative
 local store are resolved against the manifest file's directory.
 """
 
@@ -29,9 +33,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from lowering.targets import PORTABLE
+from lowering.errors import BackendError
+from lowering.targets import PORTABLE, check_target, partitioner_for
 from tasks.cache import LockConfigError, parse_lock_url
-from tasks.model_spec import ModelSpec, ModelSpecError
+from tasks.model_spec import ModelSpec, ModelSpecError, resolve_factory
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes"}
@@ -76,10 +81,25 @@ def load_manifest(source: str | os.PathLike | Mapping[str, Any]) -> FleetManifes
             text = path.read_text()
             doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
         except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"manifest {str(path)!r} is not valid YAML/JSON: {exc}") from exc
+            raise ManifestError(f"manifest {str(path)!r}{_syntax_error(exc)}") from exc
         base = path.resolve().parent
         origin = f"manifest {str(path)!r}"
     return _validate(doc, base, origin)
+
+
+def _syntax_error(exc: Exception) -> str:
+    """``", line L, column C: not valid YAML: <problem>"`` (1-based, as editors count)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f", line {exc.lineno}, column {exc.colno}: not valid JSON: {exc.msg}"
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        problem = " ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
+        if mark is not None:
+            return f", line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {problem}"
+        return f": not valid YAML: {problem}"
+    if isinstance(exc, UnicodeDecodeError):
+        return f": not UTF-8 text: {exc.reason} at byte {exc.start}"
+    return f": not valid YAML: {' '.join(str(exc).split())}"
 
 
 def _validate(doc: Any, base: Path, origin: str = "manifest") -> FleetManifest:
@@ -145,6 +165,11 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         if not path.is_file():
             raise ManifestError(f"{where}: model file {spec.location!r} does not exist")
         model = f"{path}:{spec.factory}"
+    if spec.kind != "pt2":
+        try:
+            resolve_factory(ModelSpec.parse(model))
+        except ModelSpecError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
     name = raw.get("name", spec.name)
     if not isinstance(name, str) or not _NAME.match(name):
         raise ManifestError(f"{where}: name {name!r} must be letters, digits, '.', '_' or '-'")
@@ -163,6 +188,11 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     stray = set(options) - set(targets)
     if stray:
         raise ManifestError(f"{where}: 'options' for targets not lowered: {sorted(stray)}")
+    for target, target_options in options.items():
+        try:
+            partitioner_for(target, target_options)
+        except BackendError as exc:
+            raise ManifestError(f"{where}: 'options': {exc}") from None
     version = raw.get("version")
     if version is not None and not isinstance(version, (str, int)):
         raise ManifestError(f"{where}: 'version' must be a string")
@@ -198,12 +228,7 @@ def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
 
 
 def _check_target(where: str, target: str) -> None:
-    from lowering.errors import BackendError
-    from lowering.lowered_module import find_backend
-
-    if target == PORTABLE:
-        return
     try:
-        find_backend(target)
+        check_target(target)
     except BackendError as exc:
-        raise ManifestError(f"{where}: target {target!r}: {exc}") from exc
+        raise ManifestError(f"{where}: {exc}") from exc

@@ -94,6 +94,10 @@ class BackendDetails(abc.ABC):
     ) -> PreprocessResult: ...
 
 
+class UnknownBackendError(BackendError):
+    """No backend has that class name or entry-point name."""
+
+
 #: Backends found by entry-point name in this process (``reference`` -> ReferenceBackend).
 _BY_ENTRY_POINT: dict[str, type[BackendDetails]] = {}
 
@@ -120,7 +124,7 @@ def find_backend(backend_id: str) -> type[BackendDetails]:
         if isinstance(cls, type) and cls.__name__ == backend_id and issubclass(cls, BackendDetails):
             return cls
     known = sorted({c.__name__ for c in _all_subclasses(BackendDetails)} | {e.name for e in entries})
-    raise BackendError(f"unknown backend {backend_id!r}; known backends: {known}")
+    raise UnknownBackendError(f"unknown backend {backend_id!r}; known backends: {known}")
 
 
 def _load_entry(backend_id: str, entry) -> type[BackendDetails]:
@@ -162,6 +166,7 @@ __all__ = [
     "CompileSpec",
     "DelegationSpec",
     "PreprocessResult",
+    "UnknownBackendError",
     "canonical_backend_id",
     "find_backend",
     "named_data_key",

@@ -10,13 +10,36 @@
 
 from __future__ import annotations
 
+import difflib
+from importlib import metadata
 from typing import Any, Mapping
 
 from .errors import BackendError
-from .delegation import find_backend
+from .delegation import ENTRY_POINT_GROUP, UnknownBackendError, find_backend
 from .partition import Partitioner
 
 PORTABLE = "portable"
+
+
+def target_names() -> list[str]:
+    """The target names users type: ``portable``, then every backend registered in the
+    ``lowerflow.backends`` entry-point group (``reference``, ``xnnpack``, plugins') by name."""
+    return [PORTABLE, *sorted({e.name for e in metadata.entry_points(group=ENTRY_POINT_GROUP)} - {PORTABLE})]
+
+
+def check_target(target: str) -> None:
+    """Raise BackendError unless ``target`` is ``portable`` or names a backend; an
+    unknown one lists :func:`target_names` with the closest as a suggestion."""
+    if target == PORTABLE:
+        return
+    try:
+        find_backend(target)
+    except UnknownBackendError:
+        names = target_names()
+        close = difflib.get_close_matches(target, names, n=1) or difflib.get_close_matches(
+            target.lower(), names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise BackendError(f"unknown target {target!r}{hint} (targets: {', '.join(names)})") from None
 
 
 def partitioner_for(target: str, options: Mapping[str, Any] | None = None) -> Partitioner | None:
@@ -25,6 +48,7 @@ def partitioner_for(target: str, options: Mapping[str, Any] | None = None) -> Pa
         if options:
             raise BackendError(f"target {PORTABLE!r} takes no options, got {sorted(options)}")
         return None
+    check_target(target)
     backend = find_backend(target)
     make = getattr(backend, "partitioner", None)
     if make is None:

@@ -21,14 +21,19 @@ only an extra salt.
 Sibling modules a factory imports are tracked: one whose file changed since it
 was imported, or that another factory's directory shadows (two models each
 with their own ``arch.py``), is evicted from ``sys.modules`` before a factory
-runs, so a long-lived process never lowers stale or foreign code.  Modules of
-``package.module`` specs are imported once per process, as Python does.
+runs, so a long-lived process never lowers stale or foreign code.  The module of
+a ``package.module`` spec is reloaded when its file changed since it was imported
+(the fingerprint reads the file on disk: the code run must be the code keyed).
+
+:func:`resolve_factory` imports a spec's module and finds its factory without
+calling it: what a fleet manifest checks for every entry before any work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -82,6 +87,17 @@ class ModelSpec:
         raise ModelSpecError(f"model spec {text!r}: {location!r} is neither a .py file nor a module name")
 
     @property
+    def key_text(self) -> str:
+        """The spec as stage inputs carry it: a local file's path absolute and resolved,
+        so ``examples/models.py:cnn`` and ``/abs/examples/models.py:cnn`` (or a symlink)
+        give the same cache keys, and a stage retried from another directory finds it."""
+        if self.kind == "file":
+            return f"{Path(self.location).resolve()}:{self.factory}"
+        if self.kind == "pt2" and "://" not in self.location:
+            return str(Path(self.location).resolve())
+        return self.text
+
+    @property
     def name(self) -> str:
         """A short default name: the factory, or the .pt2 file's stem."""
         if self.factory:
@@ -105,6 +121,39 @@ def check_spec(spec: ModelSpec, storage_options: dict | None = None) -> None:
         raise
     except Exception as exc:
         raise ModelSpecError(f"model spec {spec.text!r}: cannot read {spec.location!r}: {exc}") from exc
+
+
+def resolve_factory(spec: ModelSpec) -> Any:
+    """The spec's factory, imported but not called: its file exists (or its module is
+    found), the module imports, and the attribute is callable.  Raises ModelSpecError
+    naming the spec (with the closest factory name when the attribute is missing)."""
+    if spec.kind == "pt2":
+        raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
+    check_spec(spec)
+    directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
+    with _FACTORY_LOCK, _importable(directory):
+        return _factory_of(spec)[1]
+
+
+def _factory_of(spec: ModelSpec) -> tuple[Any, Any]:
+    """(the spec's Python module, its factory); the caller holds _FACTORY_LOCK with the
+    factory's directory importable."""
+    try:
+        module = _import(spec)
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"model spec {spec.text!r}: cannot import: {type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, spec.factory, None)
+    if factory is None:
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(spec.factory, names, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ModelSpecError(f"model spec {spec.text!r}: {spec.location} has no factory {spec.factory!r}{hint}")
+    if not callable(factory):
+        raise ModelSpecError(f"model spec {spec.text!r}: {spec.factory!r} in {spec.location} is a "
+                             f"{type(factory).__name__}, not a factory (a function returning the model)")
+    return module, factory
 
 
 @dataclasses.dataclass
@@ -270,13 +319,7 @@ def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any
     holds _FACTORY_LOCK.  For several methods: ({name: (module, inputs)}, None, module, None)."""
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
     with _importable(directory):
-        try:
-            module = _import(spec)
-            factory = getattr(module, spec.factory)
-        except ModelSpecError:
-            raise
-        except Exception as exc:
-            raise ModelSpecError(f"model spec {spec.text!r}: cannot import: {type(exc).__name__}: {exc}") from exc
+        module, factory = _factory_of(spec)
         try:
             # Factories seed torch's global generator; concurrent ones (a fleet on
             # threads) would interleave and build different weights.  One at a
@@ -364,9 +407,13 @@ def read_pt2(spec: ModelSpec, storage_options: dict | None = None) -> bytes:
         raise ModelSpecError(f"model spec {spec.text!r}: cannot read: {exc}") from exc
 
 
+#: Modules of ``package.module`` specs: name -> sha256 of their file when (re)imported.
+_MODULE_FILES: dict[str, str] = {}
+
+
 def _import(spec: ModelSpec):
     if spec.kind == "module":
-        return importlib.import_module(spec.location)
+        return _import_module(spec.location)
     path = Path(spec.location).resolve()
     if not path.is_file():
         raise ModelSpecError(f"model spec {spec.text!r}: file {spec.location!r} does not exist")
@@ -375,6 +422,27 @@ def _import(spec: ModelSpec):
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
     module_spec.loader.exec_module(module)
+    return module
+
+
+def _import_module(name: str):
+    """``importlib.import_module(name)``, reloaded when its file changed since lowerflow
+    last imported it (a long-lived worker must run the code the fingerprint reads)."""
+    module = importlib.import_module(name)
+    path = getattr(module, "__file__", None)
+    if not path:
+        return module
+    digest = _sha256_file(path)
+    seen = _MODULE_FILES.get(name)
+    if seen is not None and seen != digest:
+        # Python trusts bytecode whose source has the same mtime (whole seconds) and
+        # size: an edit within the second that kept the size would reload the old code.
+        cached = getattr(module, "__cached__", None)
+        if cached:
+            Path(cached).unlink(missing_ok=True)
+        importlib.invalidate_caches()
+        module = importlib.reload(module)
+    _MODULE_FILES[name] = digest
     return module
 
 

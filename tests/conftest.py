@@ -91,3 +91,28 @@ def store(request, tmp_path):
     else:
         options = request.getfixturevalue("s3_options")
         yield ArtifactStore(f"s3://lowerflow/{uuid.uuid4().hex}", **options)
+
+
+#: What ``flows.cli.configure_environment`` may set; restored after each test.
+CLI_ENV = ("LOWERFLOW_STORE", "PREFECT_SERVER_ANALYTICS_ENABLED", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
+           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "PREFECT_SERVER_LOGGING_LEVEL")
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``cli(*args)`` runs ``lowerflow ARGS`` in this process: (exit status, stdout, error lines)."""
+    for name in CLI_ENV:  # monkeypatch puts back what main() changes
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+
+    from flows.cli import main
+
+    def run(*args: str) -> tuple[int, str, list[str]]:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return code, out, [line for line in err.splitlines() if line.startswith("lowerflow: error:")]
+
+    return run

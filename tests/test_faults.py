@@ -149,7 +149,7 @@ def test_corrupt_pt2(tmp_path):
         ([{"name": "mlp"}], "models[0] ('mlp')"),
         ([MLP, {"model": f"{MODELS}:cnn", "targets": "nope"}], "target 'nope'"),
         ([MLP, {"model": f"{MODELS}:cnn", "targets": ["portable", "no_such_backend"]}],
-         "unknown backend 'no_such_backend'"),
+         "unknown target 'no_such_backend'"),
         ([MLP, {"model": f"{MODELS}:cnn", "verify": "yes"}], "'verify' must be true or false"),
     ],
 )

@@ -214,3 +214,27 @@ def test_a_pt2_fingerprint_is_its_bytes(tmp_path):
     one = load_model(ModelSpec.parse(str(path)))
     assert one.fingerprint.kind == "pt2" and one.pt2 == path.read_bytes()
     assert load_model(ModelSpec.parse(str(path))).fingerprint.digest == one.fingerprint.digest
+
+
+def test_a_package_module_spec_runs_its_edited_code_in_a_long_lived_process(tmp_path, monkeypatch):
+    """Issue 22.9d: the fingerprint reads the module's file on disk, so the factory that
+    runs must be the file's code too, not the one imported earlier in the process."""
+    import uuid
+
+    from tasks.model_spec import ModelSpec, load_model
+
+    package = f"newcomer_{uuid.uuid4().hex[:8]}"
+    (tmp_path / package).mkdir()
+    (tmp_path / package / "__init__.py").write_text("")
+    source = tmp_path / package / "models.py"
+    code = "import torch\n\ndef model():\n    torch.manual_seed(0)\n    return torch.nn.Linear(4, {n}), (torch.randn(2, 4),)\n"
+    source.write_text(code.format(n=3))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = ModelSpec.parse(f"{package}.models:model")
+    first = load_model(spec)
+    assert first.module.out_features == 3
+    source.write_text(code.format(n=5))  # same size, same second: bytecode caches must not hide it
+    second = load_model(spec)
+    assert second.module.out_features == 5
+    assert second.fingerprint.digest != first.fingerprint.digest
+    assert load_model(spec).fingerprint.digest == second.fingerprint.digest  # unchanged: no reload needed

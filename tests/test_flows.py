@@ -206,7 +206,7 @@ def test_pt2_model_spec(tmp_path):
 def test_bad_manifest_entry_is_rejected_before_any_work(tmp_path):
     manifest = fleet_manifest(tmp_path / "store", "mlp", "cnn")
     manifest["models"][1]["targets"] = ["portable", "no-such-backend"]
-    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): target 'no-such-backend'"):
+    with pytest.raises(ManifestError, match=r"models\[1\] \('cnn'\): unknown target 'no-such-backend'"):
         executions_during(lower_fleet, manifest)
     assert not (tmp_path / "store").exists()
     manifest["models"][1] = {"name": "cnn", "model": str(tmp_path / "missing.py") + ":cnn"}
@@ -346,3 +346,45 @@ def test_stage_tasks_are_made_on_first_use(tmp_path):
     assert all(callable(getattr(stages, f"run_{stage}")) for stage in stages.STAGE_IGNORES)
     with pytest.raises(AttributeError, match="no attribute 'exportt'"):
         made.exportt
+
+
+# --- issue 22: the export key and the published manifest ------------------------------------------
+
+
+def test_the_export_key_does_not_depend_on_how_the_model_path_is_spelled(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    store = tmp_path / "store"
+    relative = "examples/models.py:mlp"
+    code, first, errors = cli("lower", relative, "-o", tmp_path / "a.pte", "--store", store)
+    assert code == 0, errors
+    assert first.split("\n")[0].split()[:3] == ["portable", "export", "ran"]
+    before = dict(stages.EXECUTIONS)
+    code, second, errors = cli("lower", f"{MODELS}:mlp", "-o", tmp_path / "b.pte", "--store", store)
+    assert code == 0, errors
+    assert second.split("\n")[0].split()[:3] == ["portable", "export", "cached"], second
+    assert stages.EXECUTIONS == before  # nothing ran, verify neither
+    assert (tmp_path / "a.pte").read_bytes() == (tmp_path / "b.pte").read_bytes()
+
+
+def test_lower_after_a_fleet_keeps_the_fleets_other_targets_in_the_published_manifest(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    store = ArtifactStore(str(tmp_path / "store"))
+    lower_fleet(fleet_manifest(tmp_path / "store", "mlp", targets=("portable", "reference")))
+    fleet_record = store.get_json("mlp/manifest.json")["targets"]["reference"]
+    code, _, errors = cli("lower", "examples/models.py:mlp", "-t", "portable", "-t", "xnnpack",
+                          "-o", tmp_path / "out/", "--store", tmp_path / "store")
+    assert code == 0, errors
+    published = store.get_json("mlp/manifest.json")
+    assert sorted(published["targets"]) == ["portable", "reference", "xnnpack"]
+    kept = published["targets"]["reference"]
+    assert {k: v for k, v in kept.items() if k != "kept_from"} == fleet_record and kept["kept_from"]
+    listed = {Path(r["pte"]["uri"].removeprefix("file://")).name for r in published["targets"].values()}
+    on_disk = {p.name for p in (tmp_path / "store" / "outputs" / "mlp").glob("*.pte")}
+    assert listed == on_disk == {"portable.pte", "reference.pte", "xnnpack.pte"}
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["mlp.portable.pte", "mlp.xnnpack.pte"]
+
+    # The model changed (another version salt): reference.pte is of the old model, so it goes with its record.
+    lower_model(f"{MODELS}:mlp", ["portable"], store=str(tmp_path / "store"), version="2")
+    published = store.get_json("mlp/manifest.json")
+    assert sorted(published["targets"]) == ["portable"]
+    assert {p.name for p in (tmp_path / "store" / "outputs" / "mlp").glob("*.pte")} == {"portable.pte"}
