@@ -1,0 +1,88 @@
+"""The console and environment of lowerflow's commands (``lowerflow``, ``./run demo``).
+
+Settings Prefect reads when it is imported (so set first), and a console that shows
+lowerflow's own lines only unless ``--verbose``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+#: Seconds Prefect's ephemeral API server gets to start (Prefect's default is 20):
+#: its first start creates and migrates the database, which took longer than 20 s
+#: on a 2-core machine whose cores were busy.  (``flows/__init__.py`` sets the same.)
+EPHEMERAL_STARTUP_TIMEOUT = "180"
+#: Loggers whose records the console shows unless ``--verbose``: lowerflow's own.
+OWN_LOGGERS = ("lowerflow", "lowering", "tasks", "flows")
+
+
+def configure_environment(verbose: bool, store: str | None = None) -> None:
+    """Settings read when Prefect and the stage tasks are imported, so set first.
+
+    * no Prefect analytics (SQLite locks up under fan-out otherwise);
+    * the ephemeral server's startup timeout (:data:`EPHEMERAL_STARTUP_TIMEOUT`);
+    * Prefect's console handler at WARNING and its ephemeral server's logs at CRITICAL
+      unless ``verbose`` (its API logs are kept),
+      and no Python warnings (all of them are the libraries');
+    * ``--store`` becomes ``$LOWERFLOW_STORE``, so result records and locks follow it.
+
+    Values the user already set in the environment win.
+    """
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+        # The ephemeral API server is a subprocess writing to our stderr; at shutdown it
+        # logs cancelled event flushes with tracebacks.  What matters reaches us as API errors.
+        os.environ.setdefault("PREFECT_SERVER_LOGGING_LEVEL", "CRITICAL")
+        # lowerflow reports through its own log records, never Python warnings: every
+        # warning is a library's (torch's export notes, deprecations, the oracle's).
+        warnings.simplefilter("ignore")
+    if store:
+        os.environ["LOWERFLOW_STORE"] = store
+
+
+class _OwnRecords(logging.Filter):
+    """Keeps the records of lowerflow's own loggers (:data:`OWN_LOGGERS`), drops the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return any(record.name == n or record.name.startswith(n + ".") for n in OWN_LOGGERS)
+
+
+class _Nothing(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
+def quiet_console(verbose: bool) -> None:
+    """Unless ``verbose``, the console shows lowerflow's own records only.
+
+    * Prefect's console handler drops everyone else's records (Prefect's own, a
+      failed model's traceback, torchao's and transformers' import warnings): a
+      failed model is reported by our table.  The records still reach the Prefect
+      API (the UI shows them).
+    * torch's own handlers (torch logs on a handler of its own, e.g. the fake-tensor
+      traceback of a model whose inputs have the wrong shape) show nothing.
+
+    Call after importing Prefect (its import sets up the handlers).
+    """
+    if verbose:
+        return
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _OwnRecords) for f in handler.filters):
+            handler.addFilter(_OwnRecords())
+    torch_loggers = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    for name in torch_loggers:  # torch gives many of its loggers a stderr handler of their own
+        for handler in getattr(logging.getLogger(name), "handlers", []):
+            if not any(isinstance(f, _Nothing) for f in handler.filters):
+                handler.addFilter(_Nothing())
+
+
+def say(line: str = "") -> None:
+    """One line of our output on stdout (flushed: Prefect writes to stderr meanwhile)."""
+    print(line, flush=True)
