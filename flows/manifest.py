@@ -30,7 +30,7 @@ from typing import Any, Mapping
 import yaml
 
 from lowering.targets import PORTABLE
-from tasks.cache import LockConfigError, parse_lock_url
+from tasks.locks import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -58,7 +58,7 @@ class ModelEntry:
 class FleetManifest:
     store: str | None
     models: tuple[ModelEntry, ...]
-    #: The stage lock URL (tasks.cache.parse_lock_url); None: $LOWERFLOW_LOCKS, else file.
+    #: The stage lock URL (tasks.locks.parse_lock_url); None: $LOWERFLOW_LOCKS, else file.
     locks: str | None = None
 
 

@@ -77,7 +77,7 @@ OPTIONAL_PRELOAD = ("executorch.runtime", "transformers", "transformers.modeling
 #: the report pictures' fonts, one TLS context for the Prefect API clients, the server's
 #: version check, Prefect's deferred pydantic schemas, and a first lowering.  They are
 #: checked for staleness with the modules (see :func:`stamp_files`).
-WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache:environment_versions",
+WARM_UP = ("tasks.fingerprint:_top_level_distributions", "tasks.cache_keys:environment_versions",
            "flows.warm_start:draw_a_picture", "flows.warm_start:share_api_tls_context",
            "flows.warm_start:check_api_version", "flows.warm_start:build_prefect_schemas",
            "flows.warm_start:lower_a_small_model")
@@ -334,7 +334,7 @@ def stamp_files() -> list[str]:
     every imported module, every source lowerflow's cache keys digest (imported or
     not), and the site-packages directories (a distribution installed or removed
     changes which distribution a module belongs to)."""
-    from tasks.cache import source_files
+    from tasks.cache_keys import source_files
     from tasks.fingerprint import _installed_prefixes
 
     files = {f for m in list(sys.modules.values()) if isinstance(f := getattr(m, "__file__", None), str)}
