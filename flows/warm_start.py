@@ -675,11 +675,11 @@ def draw_a_picture() -> None:
 
     from PIL import Image, ImageDraw
 
-    from flows.reports import FONT_PIXELS, _font
+    from flows.report_pictures import FONT_PIXELS, picture_font
 
     image = Image.new("RGB", (40, 20), "white")
     for pixels in FONT_PIXELS:
-        ImageDraw.Draw(image).text((1, 1), "warm", font=_font(pixels), fill="black")
+        ImageDraw.Draw(image).text((1, 1), "warm", font=picture_font(pixels), fill="black")
     image.save(io.BytesIO(), format="PNG")
 
 
