@@ -375,7 +375,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Poll the pool until interrupted (see :mod:`flows.warm_start`)."""
-    from flows.warm_start import run_worker
+    from flows.warm_worker import run_worker
 
     if not prefect_api_url():
         raise CLIError("a worker needs the Prefect server its flow runs are on: set PREFECT_API_URL "
