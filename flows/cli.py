@@ -309,7 +309,7 @@ def check_fleet(summary: dict) -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Poll the pool until interrupted (see :mod:`flows.warm_start`)."""
-    from flows.warm_start import run_worker
+    from flows.warm_worker import run_worker
 
     if not prefect_api_url():
         raise CLIError("a worker needs the Prefect server its flow runs are on: set PREFECT_API_URL "

@@ -84,7 +84,7 @@ def lower_model(
     :mod:`lowering.dynamic`); it replaces the factory's own dynamic shapes.
 
     ``locks``: the stage lock URL (``file``, ``file:///dir``, ``redis://host:port/db``;
-    None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.cache`).
+    None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.locks`).
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes)

@@ -35,7 +35,7 @@ import yaml
 
 from lowering.errors import BackendError
 from lowering.targets import PORTABLE, check_target, partitioner_for
-from tasks.cache import LockConfigError, parse_lock_url
+from tasks.locks import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError, resolve_factory
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -63,7 +63,7 @@ class ModelEntry:
 class FleetManifest:
     store: str | None
     models: tuple[ModelEntry, ...]
-    #: The stage lock URL (tasks.cache.parse_lock_url); None: $LOWERFLOW_LOCKS, else file.
+    #: The stage lock URL (tasks.locks.parse_lock_url); None: $LOWERFLOW_LOCKS, else file.
     locks: str | None = None
 
 

@@ -277,9 +277,9 @@ def classify(mod: types.ModuleType) -> str | tuple[str, str]:
     if path is None:
         return "stdlib"  # builtins, frozen and extension-only modules of the interpreter
     resolved = str(Path(path).resolve())
-    if any(resolved.startswith(p) for p in _installed_prefixes()):
+    if any(resolved.startswith(p) for p in installed_prefixes()):
         top = mod.__name__.split(".")[0]
-        dists = _top_level_distributions().get(top)
+        dists = top_level_distributions().get(top)
         if dists:
             dist = sorted(dists)[0]
             version = _distribution_version(dist)
@@ -319,7 +319,8 @@ def _distribution_version(dist: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _installed_prefixes() -> tuple[str, ...]:
+def installed_prefixes() -> tuple[str, ...]:
+    """The site-packages directories (each ending in ``/``): where installed distributions live."""
     paths = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     for entry in sys.path:  # other site-packages on the path (user site, venv overlays)
         if entry.rstrip("/").endswith(("site-packages", "dist-packages")):
@@ -334,7 +335,8 @@ def _stdlib_prefixes() -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=1)
-def _top_level_distributions() -> Mapping[str, list[str]]:
+def top_level_distributions() -> Mapping[str, list[str]]:
+    """The distributions of each top-level module name (read once per process)."""
     return importlib.metadata.packages_distributions()
 
 

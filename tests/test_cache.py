@@ -21,15 +21,14 @@ from examples.models import MODELS
 from lowering.export import export
 from tasks.cache import (
     CacheConfig,
-    CacheKeyError,
-    FileLockManager,
     StageCachePolicy,
     decode_json_object,
     encode_json_object,
-    environment_versions,
     save_results_block,
     stage_task,
 )
+from tasks.cache_keys import CacheKeyError, environment_versions
+from tasks.locks import FileLockManager
 from tasks.store import ArtifactRef
 
 REPO = Path(__file__).resolve().parents[1]

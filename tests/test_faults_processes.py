@@ -117,7 +117,7 @@ FLEET_SCRIPT = textwrap.dedent(
     import flows.lower_fleet as fleet_flow
     from flows.lower_fleet import FleetFailed, lower_fleet
     from tasks import stages
-    from tasks.cache import FileLockManager
+    from tasks.locks import FileLockManager
 
     manifest = json.loads(sys.argv[1])
     options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

@@ -32,9 +32,9 @@ from typing import Iterator
 import pytest
 
 from flows.manifest import ManifestError, load_manifest
-from tasks.cache import (
+from tasks.cache import CacheConfig
+from tasks.locks import (
     LOCKS_ENV,
-    CacheConfig,
     FileLockManager,
     LeasedRedisLockManager,
     LockConfigError,

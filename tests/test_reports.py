@@ -13,19 +13,15 @@ import zlib
 import pytest
 
 from examples.models import MODELS
+from flows.report_pictures import inline_png, is_palette_png, memory_plan_png, png_data_uri, png_size
 from flows.reports import (
     artifact_key,
     find_plan,
     fleet_report_markdown,
     fleet_rows,
     fleet_text_table,
-    inline_png,
-    is_palette_png,
-    memory_plan_png,
     model_report_markdown,
     plan_image_name,
-    png_data_uri,
-    png_size,
     publish_fleet_report,
     publish_model_report,
 )

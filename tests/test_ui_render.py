@@ -268,7 +268,8 @@ def screenshots(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("ui", ["v1", "v2"])
 def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run, screenshots):
-    from flows.reports import fleet_rows, png_size
+    from flows.report_pictures import png_size
+    from flows.reports import fleet_rows
 
     prefect_server, summary, fleet_id = fleet_run
     mlp = summary["models"]["mlp"]

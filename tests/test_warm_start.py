@@ -227,7 +227,7 @@ def test_the_worker_renders_its_settings_for_a_run_once_and_again_when_they_chan
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.workers.process import ProcessJobConfiguration
 
-    from flows.warm_start import warm_worker_class
+    from flows.warm_worker import warm_worker_class
 
     configuration = warm_worker_class().job_configuration
     first = configuration._base_environment()
@@ -261,7 +261,7 @@ def deployment_with(pull_steps, entrypoint="flows/lower_model.py:lower_model", *
 def test_local_entrypoint_only_for_code_already_on_this_machine(tmp_path):
     """A deployment whose one pull step is ``set_working_directory`` to a directory here
     loads its flow straight from the entrypoint; anything else runs its pull steps."""
-    from flows.warm_start import SET_WORKING_DIRECTORY, local_entrypoint
+    from flows.warm_worker import SET_WORKING_DIRECTORY, local_entrypoint
 
     here = [{SET_WORKING_DIRECTORY: {"directory": str(tmp_path)}}]
     assert local_entrypoint(deployment_with(here)) == (str(tmp_path), "flows/lower_model.py:lower_model")
@@ -285,7 +285,7 @@ def test_a_full_worker_does_not_poll_and_polls_as_soon_as_a_run_ends(prefect_api
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    from flows.warm_start import warm_worker_class
+    from flows.warm_worker import warm_worker_class
 
     warnings.filterwarnings("ignore", message=".*WarmProcessWorker.*matches existing registered type")
     pool = f"warm-poll-{os.getpid()}"
@@ -366,7 +366,7 @@ def test_an_edited_module_is_never_served_stale(warm_parent):
 
 
 def _source_watch_case(tmp_path: Path):
-    from flows.warm_start import SourceWatch
+    from flows.source_watch import SourceWatch
 
     (tmp_path / "pkg").mkdir(exist_ok=True)
     module = tmp_path / "pkg" / "module.py"
@@ -410,7 +410,7 @@ def test_the_source_watch_sees_every_kind_of_change_without_stat_ing_each_time(t
 
 
 def test_the_source_watch_stats_what_inotify_cannot_watch(tmp_path):
-    from flows.warm_start import SourceWatch
+    from flows.source_watch import SourceWatch
 
     target = tmp_path / "elsewhere.py"
     target.write_text("A = 1\n")
