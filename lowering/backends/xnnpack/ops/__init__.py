@@ -15,7 +15,8 @@ check) and reads :attr:`OpRule.static_operands`; preprocess lowers a node with
 its rule's ``lower``, after running the :data:`PLANS` over the whole graph.
 Adding an op (or a quantized form of one) is a check and a lowering in its
 family's room and an entry here; :mod:`..fused` adds its fused ops with
-:func:`register`.
+:func:`register`.  ``getitem`` has no entry: the partitioner takes it with its
+source, and the walk lowers every one with :func:`lower_getitem`.
 """
 
 from __future__ import annotations
@@ -72,18 +73,18 @@ def _each(targets, rule: OpRule) -> dict[Any, OpRule]:
 
 OPS: dict[Any, OpRule] = {
     # elementwise
-    **_each(elementwise.BINARY, OpRule(elementwise.lower_binary, elementwise.check_binary, _any_sizes)),
-    **_each(elementwise.UNARY, OpRule(elementwise.lower_unary, elementwise.check_unary, _any_sizes)),
+    **_each(elementwise.BINARY, OpRule(elementwise.lower_binary, elementwise.check_binary, symbolic_sizes=_any_sizes)),
+    **_each(elementwise.UNARY, OpRule(elementwise.lower_unary, elementwise.check_unary, symbolic_sizes=_any_sizes)),
     aten.pow.Tensor_Scalar: OpRule(elementwise.lower_pow, elementwise.check_pow),
     aten.leaky_relu.default: OpRule(elementwise.lower_leaky_relu, symbolic_sizes=_any_sizes),
     **_each((aten.relu.default, aten.hardtanh.default, aten.clamp.default),
-            OpRule(elementwise.lower_clamp, elementwise.check_clamp, _any_sizes)),
+            OpRule(elementwise.lower_clamp, elementwise.check_clamp, symbolic_sizes=_any_sizes)),
     # PReLU: where(gt(x, 0), x, w * x), lowered at the where
     aten.where.self: OpRule(elementwise.lower_prelu, elementwise.check_where, checks_dtypes=True),
     aten.gt.Scalar: OpRule(elementwise.lower_gt, elementwise.check_gt, checks_dtypes=True),
     # linear
     **_each((aten.addmm.default, aten.mm.default),
-            OpRule(linear.lower_fully_connected, linear.check_fully_connected, _any_sizes)),
+            OpRule(linear.lower_fully_connected, linear.check_fully_connected, symbolic_sizes=_any_sizes)),
     aten.bmm.default: OpRule(linear.lower_bmm),
     # convolution
     aten.convolution.default: OpRule(convolution.lower_conv, convolution.check_conv, static_operands=(1, 2)),
@@ -100,7 +101,7 @@ OPS: dict[Any, OpRule] = {
         normalization.lower_batch_norm, normalization.check_batch_norm, extra_results=True,
         static_operands=(1, 2, 3, 4)),
     aten._softmax.default: OpRule(normalization.lower_softmax, normalization.check_softmax,
-                                  normalization.softmax_symbolic_sizes),
+                                  symbolic_sizes=normalization.softmax_symbolic_sizes),
     # shape
     **_each((aten.clone.default, aten.alias_copy.default, aten._to_copy.default),
             OpRule(shape.lower_copy, shape.check_copy)),
