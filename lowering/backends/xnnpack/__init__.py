@@ -4,7 +4,8 @@
 - :class:`XnnpackBackend` (id ``XnnpackBackend``, the id ExecuTorch's runtime
   dispatches on) turns each partition into an ``XH00`` + ``XNNGraph`` payload
   and its weights into named data (:mod:`.preprocess`, :mod:`.payload`,
-  schema ``xnngraph.fbs``);
+  schema ``xnngraph.fbs``), one lowering room per op family under :mod:`.ops`,
+  whose table :data:`.ops.OPS` also decides what the partitioner takes;
 - :class:`.runtime.XnnpackRuntime` interprets payloads on torch ops for
   lowerflow's executor (entry point ``lowerflow.backend_runtimes``).
 

@@ -17,11 +17,17 @@ ExecuTorch's portable runtime has no kernel for it.  Opt in with
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...backend_ops import FusedOp, define_fused_op
-from . import preprocess as pre
 from .generated import xnngraph_generated as fbx
+from .ops import OpRule, linear, register
+from .xnodes import min_max
+
+if TYPE_CHECKING:
+    from .preprocess import GraphBuilder
 
 NAMESPACE = "lowerflow_xnnpack"
 
@@ -33,15 +39,17 @@ def _addmm_relu(self: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor) -> t
 ADDMM_RELU = define_fused_op(
     f"{NAMESPACE}::addmm_relu", "(Tensor self, Tensor mat1, Tensor mat2) -> Tensor", _addmm_relu
 )
-pre.ADDMM_LIKE.add(ADDMM_RELU)
+linear.ADDMM_LIKE.add(ADDMM_RELU)
 
 
-@pre._rule(ADDMM_RELU, check=pre._check_addmm)
-def _lower_addmm_relu(b: pre.GraphBuilder, node: torch.fx.Node) -> None:
+def _lower_addmm_relu(b: GraphBuilder, node: torch.fx.Node) -> None:
     """FullyConnected (plus an Add for a runtime bias) with the relu as its output clamp."""
-    pre._lower_fully_connected(b, node)
+    linear.lower_fully_connected(b, node)
     last: fbx.XNodeT = b.nodes[-1]
-    last.outputMinMax = pre._min_max(0.0, float("inf"))
+    last.outputMinMax = min_max(0.0, float("inf"))
+
+
+register(ADDMM_RELU, OpRule(_lower_addmm_relu, linear.check_fully_connected))
 
 
 def _linear_relu_pattern(bias: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:

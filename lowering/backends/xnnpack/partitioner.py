@@ -1,4 +1,4 @@
-"""``XnnpackPartitioner``: tags the nodes XNNPACK's runtime takes, per :data:`.preprocess.OPS`.
+"""``XnnpackPartitioner``: tags the nodes XNNPACK's runtime takes, per the table :data:`.ops.OPS`.
 
 A node is taken when its op has a rule whose check passes (fp32 tensors, static
 weights, supported attributes), and each static operand a rule needs (filter,
@@ -22,17 +22,10 @@ from torch.export import ExportedProgram
 from ...delegation import CompileSpec
 from ...partition import TAG, OpSupportPartitioner, PartitionResult
 from . import payload as P
-from .preprocess import Context, check_node
-
-aten = torch.ops.aten
+from .ops import OPS, check_node
+from .values import Context
 
 BACKEND_ID = "XnnpackBackend"
-
-#: Operand positions that must be static data owned by the partition.
-_STATIC_OPERANDS = {
-    aten.convolution.default: (1, 2),
-    aten._native_batch_norm_legit_no_training.default: (1, 2, 3, 4),
-}
 
 
 class XnnpackPartitioner(OpSupportPartitioner):
@@ -78,7 +71,7 @@ class XnnpackPartitioner(OpSupportPartitioner):
         reason = check_node(node, ctx)
         if reason:
             return reason
-        for position in _STATIC_OPERANDS.get(node.target, ()):
+        for position in OPS[node.target].static_operands:  # must be static data owned by the partition
             arg = node.args[position] if position < len(node.args) else None
             if arg is not None and not self._owned(arg):
                 return f"static operand {arg.name!r} is also used by nodes XNNPACK does not take"

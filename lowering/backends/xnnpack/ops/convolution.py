@@ -1,0 +1,167 @@
+"""Convolutions: 2-D, depthwise, transposed, and 1-D as 2-D with H = 1.
+
+Convolutions compute in NHWC with the filter in OHWI (``[1, H, W, O]`` for a
+depthwise one).  Before the walk, two producers are planned into the
+convolution that reads them: a BatchNorm after it is folded into its filter
+and bias (:func:`plan_batch_norm_folds`), a zero pad of H and W before it into
+its padding (:func:`plan_pad_folds`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .. import payload as P
+from ..generated import xnngraph_generated as fbx
+from ..values import NCHW, NHWC, TO_NHWC, pair, shape
+from ..xnodes import reshape, transpose
+from .normalization import batch_norm_scale_shift
+from .shape import pads
+
+if TYPE_CHECKING:
+    from ..preprocess import GraphBuilder
+
+aten = torch.ops.aten
+
+
+def check_conv(node, ctx):
+    rank = len(shape(node.args[1]))
+    if rank == 3 and node.args[6]:
+        return "1-D transposed convolution"
+    if rank not in (3, 4):
+        return "only 1-D and 2-D convolution"
+    if not ctx.is_static(node.args[1]):
+        return "weight is not a static parameter"
+    if node.args[2] is not None and not ctx.is_static(node.args[2]):
+        return "bias is not a static parameter"
+    if node.args[6]:
+        if any(pair(node.args[5])[i] != 1 for i in range(2)):
+            return "dilated transposed convolution"
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def plan_batch_norm_folds(b: GraphBuilder) -> None:
+    """BatchNorms folded into the convolution before them (its only user, static weights)."""
+    for node in b.ep.graph.nodes:
+        if node.target is not aten._native_batch_norm_legit_no_training.default:
+            continue
+        conv = node.args[0]
+        if (
+            isinstance(conv, torch.fx.Node)
+            and conv.target is aten.convolution.default
+            and len(conv.users) == 1
+            and not conv.args[6]  # not transposed
+            and all(b.ctx.is_static(a) for a in node.args[1:5])
+            and b.ctx.is_static(conv.args[1])
+            and (conv.args[2] is None or b.ctx.is_static(conv.args[2]))
+        ):
+            b.bn_folds[conv] = node
+
+
+def plan_pad_folds(b: GraphBuilder) -> None:
+    """Zero pads of H and W whose only user is a (non-transposed) convolution.
+
+    Before::  %pad = constant_pad_nd(%x, [0, 1, 0, 1], 0.0)   %conv = convolution(%pad, %w, ...)
+    After::   Conv2d(x) with padding right/bottom += 1
+    """
+    for node in b.ep.graph.nodes:
+        if node.target is not aten.convolution.default or node.args[6]:
+            continue
+        pad = node.args[0]
+        if (
+            isinstance(pad, torch.fx.Node)
+            and pad.target is aten.constant_pad_nd.default
+            and len(pad.users) == 1
+            and float(pad.args[2] if len(pad.args) > 2 else 0.0) == 0.0
+            and len(pad.args[1]) <= 4
+            and all(int(p) >= 0 for p in pad.args[1])
+            and len(shape(pad)) == 4
+        ):
+            b.pad_folds.add(pad)
+
+
+# --------------------------------------------------------------------------- lowering
+
+
+def _conv1d_input(b: GraphBuilder, x_node: torch.fx.Node) -> int:
+    """[N, C, L] -> NHWC [N, 1, L, C]: a transpose and a reshape."""
+    n, c, length = shape(x_node)
+    x = b.get(x_node, NCHW)
+    nlc = b.define([n, length, c])
+    b.add_node(fbx.NodeUnion.XNNStaticTranspose, transpose([0, 2, 1], x, nlc))
+    nhwc = b.define([n, 1, length, c])
+    b.add_node(fbx.NodeUnion.XNNStaticReshape, reshape([n, 1, length, c], nlc, nhwc))
+    return nhwc
+
+
+def _conv1d_output(b: GraphBuilder, node: torch.fx.Node, nhwc: int) -> None:
+    """NHWC [N, 1, L, O] -> [N, O, L]: a reshape and a transpose."""
+    n, o, length = shape(node)
+    nlo = b.define([n, length, o])
+    b.add_node(fbx.NodeUnion.XNNStaticReshape, reshape([n, length, o], nhwc, nlo))
+    b.add_node(fbx.NodeUnion.XNNStaticTranspose, transpose([0, 2, 1], nlo, b.output(node)))
+
+
+def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """Conv2d / DepthwiseConv2d / ConvTranspose2d in NHWC, filter OHWI ([1,H,W,O] depthwise).
+    A 1-D convolution is a 2-D one over [N, 1, L, C] (H = 1), reshaped in and out."""
+    x_node, w_node, bias_node = node.args[0], node.args[1], node.args[2]
+    one_d = len(shape(w_node)) == 3
+    if one_d:
+        stride, dilation = [1, int(node.args[3][0])], [1, int(node.args[5][0])]
+        padding = [0, int(node.args[4][0])]
+    else:
+        stride, padding, dilation = pair(node.args[3]), pair(node.args[4]), pair(node.args[5])
+    top, right, bottom, left = padding[0], padding[1], padding[0], padding[1]
+    if x_node in b.pad_folds:  # a zero pad folded into this convolution
+        pre, post = pads(x_node)
+        top, bottom, left, right = top + pre[2], bottom + post[2], left + pre[3], right + post[3]
+        x_node = x_node.args[0]
+    transposed, output_padding, groups = bool(node.args[6]), pair(node.args[7]), int(node.args[8])
+    weight = b.static_tensor(w_node).double()
+    if one_d:
+        weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
+    bias = b.static_tensor(bias_node).double() if bias_node is not None else None
+    bn = b.bn_folds.get(node)
+    if bn is not None:
+        scale, shift = batch_norm_scale_shift(b, bn)
+        weight = weight * scale.reshape(-1, 1, 1, 1)
+        bias = shift if bias is None else bias * scale + shift
+    kernel = weight.shape
+    if transposed:
+        group_in, group_out = kernel[0] // groups, kernel[1]
+    else:
+        group_in, group_out = kernel[1], kernel[0] // groups
+    depthwise = group_in == 1 and group_out % group_in == 0 and not transposed
+    filt = weight.permute(TO_NHWC)  # OIHW -> OHWI
+    if depthwise:
+        filt = filt.permute(3, 1, 2, 0)  # -> [1, H, W, O]
+    elif transposed:
+        # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
+        w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
+        filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
+    x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
+    filter_id = b.constant(filt.float())
+    bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+    out = b.define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)
+    body = fbx._XNNNodeConvT()
+    body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left
+    body.kernelHeight, body.kernelWidth = kernel[2], kernel[3]
+    body.subsamplingHeight, body.subsamplingWidth = stride
+    body.dilationHeight, body.dilationWidth = dilation
+    body.groupInputChannels, body.groupOutputChannels, body.groups = group_in, group_out, groups
+    body.adjustmentHeight, body.adjustmentWidth = (output_padding if transposed else [0, 0])
+    body.input1Id, body.filterId, body.biasId, body.outputId, body.flags = x, filter_id, bias_id, out, 0
+    kind = (fbx.NodeUnion.XNNDepthwiseConv2d if depthwise else
+            fbx.NodeUnion.XNNConvTranspose2d if transposed else fbx.NodeUnion.XNNConv2d)
+    b.add_node(kind, body, fusable_output=None if one_d else out)
+    if one_d:
+        _conv1d_output(b, node, out)
+    if bn is not None:
+        b.alias(bn, node)

@@ -1,0 +1,119 @@
+"""Matrix products: ``addmm`` / ``mm`` (FullyConnected) and ``bmm``.
+
+A static weight is a constant in ``[K, N]`` read with the transpose-weights
+flag; a runtime weight that is a transpose of a delegate input is read
+untransposed (:func:`plan_weight_views`).  ``bmm`` by a static weight repeated
+over the batch is a FullyConnected too.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import payload as P
+from ..generated import xnngraph_generated as fbx
+from ..values import NCHW, shape, val
+from ..xnodes import node2x1
+
+if TYPE_CHECKING:
+    from ..preprocess import GraphBuilder
+
+aten = torch.ops.aten
+
+#: Ops with ``addmm``'s arguments (bias, input, transposed weight): ``aten.addmm`` and
+#: the fused ops of :mod:`..fused` that add an activation to it.
+ADDMM_LIKE: set[Any] = {aten.addmm.default}
+
+
+def check_fully_connected(node, ctx):
+    if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+        return "alpha/beta != 1"
+    weight = node.args[2] if node.target in ADDMM_LIKE else node.args[1]
+    if not ctx.is_static(weight) and val(weight).dim() != 2:
+        return "weight is not 2-D"
+    if node.target in ADDMM_LIKE:
+        bias = node.args[0]
+        if val(bias).numel() != val(node).shape[-1]:
+            return "bias is not one value per output"
+    return None
+
+
+def plan_weight_views(b: GraphBuilder) -> None:
+    """Transposes of runtime 2-D values used only as FullyConnected weights.
+
+    Before::  %t = permute_copy(%w, [1, 0])    %mm = mm(%x, %t)      (%w a delegate input)
+    After::   FullyConnected(x, w) without the transpose-weights flag: w is [N, K] already
+    """
+    weight_arg = {aten.mm.default: 1, **dict.fromkeys(ADDMM_LIKE, 2)}
+    for node in b.ep.graph.nodes:
+        if (
+            node.target is aten.permute_copy.default
+            and not b.ctx.is_static(node)
+            and len(shape(node)) == 2
+            and [int(p) % 2 for p in node.args[1]] == [1, 0]
+            and node.users
+            and all(weight_arg.get(u.target) is not None and u.args[weight_arg[u.target]] is node
+                    and node not in u.args[:weight_arg[u.target]] for u in node.users)
+        ):
+            b.weight_views.add(node)
+
+
+def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
+    is_addmm = node.target in ADDMM_LIKE
+    x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
+    x = b.get(x_node, NCHW)
+    flags = P.FLAG_TRANSPOSE_WEIGHTS
+    if b.ctx.is_static(w_node):
+        filter_id = b.constant(b.static_tensor(w_node))
+    elif w_node in b.weight_views:
+        # A runtime weight (e.g. tied to an embedding the top level keeps): its [N, K] source as the filter.
+        filter_id, flags = b.get(w_node.args[0], NCHW), 0
+    else:
+        filter_id = b.get(w_node, NCHW)
+    bias_id, add_bias = P.INVALID_ID, None
+    if is_addmm:
+        bias_node = node.args[0]
+        if b.ctx.is_static(bias_node):
+            bias_id = b.constant(b.static_tensor(bias_node).reshape(-1))
+        else:
+            add_bias = bias_node
+    out = b.output(node) if add_bias is None else b.define(shape(node))
+    body = fbx.XNNFullyConnectedT()
+    body.input1Id, body.filterId, body.biasId, body.outputId = x, filter_id, bias_id, out
+    body.flags = flags
+    b.add_node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out if add_bias is None else None)
+    if add_bias is not None:
+        result = b.output(node)
+        b.add_node(fbx.NodeUnion.XNNAdd, node2x1(out, b.get(add_bias, NCHW), result), fusable_output=result)
+
+
+def _batch_broadcast_weight(b: GraphBuilder, arg: Any) -> torch.Tensor | None:
+    """The [K, N] matrix a static [B, K, N] operand repeats over its batch, if it does."""
+    if not b.ctx.is_static(arg):
+        return None
+    t = b.static_tensor(arg)
+    first = t[0]
+    return first if bool((t == first.unsqueeze(0)).all()) else None
+
+
+def lower_bmm(b: GraphBuilder, node: torch.fx.Node) -> None:
+    """BatchMatrixMultiply; with a static right operand repeated over the batch (an
+    expanded weight), a FullyConnected over the flattened batch instead::
+
+        bmm(%x [B,M,K], expand_copy(%w [K,N], [B,K,N]))  ->  FullyConnected(x, w, TRANSPOSE_WEIGHTS)
+    """
+    weight = _batch_broadcast_weight(b, node.args[1])
+    if weight is not None:
+        x = b.get(node.args[0], NCHW)
+        out = b.output(node)
+        body = fbx.XNNFullyConnectedT()
+        body.input1Id, body.filterId, body.biasId, body.outputId = x, b.constant(weight), P.INVALID_ID, out
+        body.flags = P.FLAG_TRANSPOSE_WEIGHTS
+        b.add_node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out)
+        return
+    x, y = b.get(node.args[0], NCHW), b.get(node.args[1], NCHW)
+    out = b.output(node)
+    b.add_node(fbx.NodeUnion.XNNBatchMatrixMultiply, node2x1(x, y, out))
