@@ -5,7 +5,8 @@
 - :class:`PreprocessResult`, :class:`BackendDetails`: a backend's ahead-of-time
   half and what it returns (processed bytes plus named data blobs);
 - :func:`find_backend`: the registry (class name or ``lowerflow.backends`` entry
-  point).
+  point);
+- :data:`TAG`: the ``node.meta`` key naming a node's partition.
 
 ``lowering.partition`` and ``lowering.lowered_module`` both import from here and
 re-export these names, so neither imports the other.
@@ -25,6 +26,10 @@ from .errors import BackendError
 
 #: Entry-point group of backends (``name = module:BackendDetailsSubclass``).
 ENTRY_POINT_GROUP = "lowerflow.backends"
+
+#: The node.meta key a partitioner sets (stage 2); stages 3 and 4 read it.
+#: Here, below every stage, so that those read it without importing partition.
+TAG = "delegation_tag"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,3 +40,10 @@ class DynamicShapeError(LoweringError):
 
 class FusedOpError(PartitionError):
     """Stage 2: a backend's fused op is unusable (missing kernel, untraceable pattern)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message (its type name when it has none): torch's
+    messages run to pages, an error of ours quotes one line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

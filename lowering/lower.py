@@ -24,9 +24,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch.export import ExportedProgram
 
+from .control_flow_graph import iter_scopes
 from .errors import LoweringError
 from .export import export, to_edge
-from .memory_plan import MemoryPlan, memory_plan
+from .memory_plan.plan import MemoryPlan, memory_plan
 
 #: The stages ``LowerResult.timings`` reports, in order.
 STAGES = ("export", "to_backend", "memory_plan", "emit")
@@ -87,7 +88,7 @@ def lower(
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
     program, plan = _delegate_and_plan(program, partitioner, timings)
-    from .emit import emit_program
+    from .emit.method import emit_program
 
     with _timed(timings, "emit"):
         pte = emit_program(program, plan)
@@ -221,8 +222,6 @@ def is_edge_form(program: ExportedProgram) -> bool:
     costs microseconds, re-decomposing costs a retrace (>= 0.15 s).  The
     branches and bodies of cond / map are checked too.
     """
-    from .control_flow import iter_scopes
-
     for node in (n for _, gm in iter_scopes(program.graph_module) for n in gm.graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):

@@ -67,7 +67,7 @@ def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> bytes:
 
 def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> PteData:
     """Emit each method alone, then :func:`merge_methods` (in name order)."""
-    from .emit import build_pte
+    from .emit.method import build_pte
 
     if not methods:
         raise MethodError("methods: a program needs at least one method")
@@ -264,7 +264,7 @@ def plan_shared_state(programs: Mapping[str, ExportedProgram], alignment: int = 
     methods must have the same dtype, shape and initial value in each, else
     MethodError naming the buffer and the methods.
     """
-    from .memory_plan import SharedState
+    from .memory_plan.plan import SharedState
 
     mutated = sorted({fqn for program in programs.values() for fqn in mutated_buffers(program)})
     first: dict[str, tuple[str, torch.Tensor]] = {}
@@ -299,7 +299,7 @@ def plan_method_state(programs: Mapping[str, ExportedProgram], *, share: bool, a
         share=False   step: count -> 0            other: state -> 256     size 512 in both
         share=True    prefill, decode: cache.k -> 0, cache.v -> 2048      size 4096 in both
     """
-    from .memory_plan import SharedState
+    from .memory_plan.plan import SharedState
 
     if not any(mutated_buffers(program) for program in programs.values()):
         return None

@@ -37,12 +37,10 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from .control_flow import is_control_flow
-from .delegation import CompileSpec, DelegationSpec, find_backend  # re-exported here
+from .control_flow_graph import is_control_flow
+from .delegation import TAG, CompileSpec, DelegationSpec, find_backend  # re-exported here
 from .errors import PartitionError
 
-#: The node.meta key a partitioner sets.
-TAG = "delegation_tag"
 #: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
 NO_COPY = "no_copy"
 

@@ -41,6 +41,13 @@ Limits: tensors are stored dense; a tensor whose strides overlap or leave gaps
 (e.g. an ``expand``) is stored contiguous.  Tensors that shared storage (tied
 weights) load as separate tensors with equal values (stored once by digest).
 Script objects (torchbind constants) are rejected.  Non-CPU tensors load on CPU.
+
+Why one room: the program format and the delegated format are one contract
+(the delegated manifest embeds program manifests written through the same
+private graph JSON path, ``serialize_program(_allow_delegates=True)``, and
+:func:`serialize_any` / :func:`deserialize_any` choose between the two), so a
+change of the bytes written, and its version bump, shows in one file; split,
+the delegated half would import the program half's private helpers.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from torch._export.serde import serialize as _serde
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
+from .control_flow_graph import iter_scopes
 from .errors import LoweringError
 
 #: ``"format"`` of the manifest written by :func:`serialize_program`.
@@ -589,7 +597,6 @@ def serialize_delegated_program(ep: ExportedProgram, *, keep_stack_traces: bool 
     A lowered module inside a cond branch / map body is named by its scope
     (``"true_graph_0/lowered_module_0"``).
     """
-    from .control_flow import iter_scopes
     from .delegate import is_lowered_module
 
     blobs: dict[str, bytes] = {}
@@ -653,8 +660,6 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         modules[name] = LoweredBackendModule(
             original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs, named
         )
-    from .control_flow import iter_scopes
-
     for scope, gm in list(iter_scopes(program.graph_module)):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or "executorch_call_delegate" not in str(node.target):
@@ -702,7 +707,6 @@ def named_data_from_json(
 
 def serialize_any(ep: ExportedProgram, *, keep_stack_traces: bool = True) -> Serialized:
     """A plain program in the program format, one holding lowered modules in the delegated one."""
-    from .control_flow import iter_scopes
     from .delegate import executorch_call_delegate
 
     if any(n.target is executorch_call_delegate for _, gm in iter_scopes(ep.graph_module) for n in gm.graph.nodes):

@@ -42,7 +42,7 @@ from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm
 
 from .errors import SubmoduleError
-from .partition import TAG
+from .delegation import TAG
 
 
 def create_submodules(

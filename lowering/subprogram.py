@@ -17,6 +17,10 @@ plus a :class:`DelegateIO` that tells stage 6 how to rewire the top level:
 user inputs to pass, consumed placeholders to drop, and for each submodule
 output its index among the delegate's outputs (``None`` when it was only the
 consumed buffer's mutation, which now happens inside the delegate).
+
+Control flow's case: :func:`submodule_program` wraps a cond branch / map body
+as a program of its own (every placeholder a user input), which to_backend
+partitions like any other.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from torch.export.graph_signature import (
 from torch.utils import _pytree as pytree
 
 from .errors import SubmoduleError
-from .partition import TAG
+from .delegation import TAG
 
 _KIND_ORDER = {
     InputKind.PARAMETER: 0,
@@ -120,7 +124,7 @@ def create_exported_program_from_submodule(
         graph_signature=ExportGraphSignature(input_specs, output_specs),
         state_dict=state_dict,
         range_constraints=_used_ranges(graph, exported_program.range_constraints),
-        module_call_graph=[_module_call_entry(user_inputs, user_outputs)],
+        module_call_graph=[module_call_entry(user_inputs, user_outputs)],
         constants=constants,
     )
     io = DelegateIO(
@@ -191,7 +195,8 @@ def _outputs(exported_program, call, graph, consumed_buffers):
     return specs, values, [t for t, _ in mutations], index
 
 
-def _module_call_entry(user_inputs, user_outputs) -> ModuleCallEntry:
+def module_call_entry(user_inputs, user_outputs) -> ModuleCallEntry:
+    """The module call graph entry of a program called as ``f(*user_inputs) -> tuple(user_outputs)``."""
     _, in_spec = pytree.tree_flatten((tuple(range(len(user_inputs))), {}))
     _, out_spec = pytree.tree_flatten(tuple(range(len(user_outputs))))
     signature = ModuleCallSignature(
@@ -201,3 +206,31 @@ def _module_call_entry(user_inputs, user_outputs) -> ModuleCallEntry:
         out_spec=out_spec,
     )
     return ModuleCallEntry(fqn="", signature=signature)
+
+
+# ---------------------------------------------------------------------------
+# Control flow: a cond branch / map body as a program of its own
+# ---------------------------------------------------------------------------
+
+
+def submodule_program(module: torch.fx.GraphModule) -> ExportedProgram:
+    """A submodule as an ExportedProgram: every placeholder a user input, every result a user output.
+
+    A partition inside it therefore never consumes a parameter: the weights
+    of a branch arrive as inputs (as in ExecuTorch's ``is_submodule`` lowering).
+    """
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    results = list(module.graph.output_node().args[0])
+    signature = ExportGraphSignature(
+        [InputSpec(InputKind.USER_INPUT, TensorArgument(p.name), None) for p in placeholders],
+        [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(r.name), None) for r in results],
+    )
+    return ExportedProgram(
+        root=module,
+        graph=module.graph,
+        graph_signature=signature,
+        state_dict={},
+        range_constraints={},
+        module_call_graph=[module_call_entry(placeholders, results)],
+        constants={},
+    )

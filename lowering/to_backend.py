@@ -2,22 +2,25 @@
 
     partition ─► check ─► duplicate shared constants ─► create submodules (all tags, one sort)
               ─► per tag: build ExportedProgram ─► preprocess + wrap ─► adjust original program
+              ─► the same inside every cond branch / map body (:func:`lower_control_flow_submodules`)
 """
 
 from __future__ import annotations
 
-from typing import Sequence, overload
+from typing import Callable, Sequence, overload
 
+import torch
 from torch.export import ExportedProgram
 
 from .adjust import adjust_original_program, insert_lowered_module
-from .control_flow import has_control_flow, lower_control_flow_submodules
+from .control_flow_graph import control_flow_nodes, has_control_flow, iter_scopes, submodules_of
+from .delegate import executorch_call_delegate
 from .errors import LoweringError, PartitionError
 from .lowered_module import LoweredBackendModule, preprocess
 from .partition import CompileSpec, Partitioner, partition
 from .program import copy_program
 from .submodule import create_submodules
-from .subprogram import create_exported_program_from_submodule
+from .subprogram import create_exported_program_from_submodule, submodule_program
 
 
 @overload
@@ -73,3 +76,67 @@ def _lower_graph_partitions(exported_program: ExportedProgram, partitioner: Part
         lowered = preprocess(sub_program, spec.backend_id, spec.compile_specs, partition=tag)
         insert_lowered_module(program, call, lowered, io)
     return adjust_original_program(program)
+
+
+# ---------------------------------------------------------------------------
+# Control flow: the partitions inside cond branches / map bodies
+# ---------------------------------------------------------------------------
+
+
+def lower_control_flow_submodules(
+    program: ExportedProgram, lower: Callable[[ExportedProgram], ExportedProgram]
+) -> int:
+    """Delegate the partitions inside every cond / map submodule (in place); returns how many
+    submodules changed.
+
+    ``lower`` is ``to_backend`` with the same partitioner, applied to
+    :func:`lowering.subprogram.submodule_program` (it recurses into control flow nested there);
+    the delegated graph module replaces the submodule.
+
+    Before::
+
+        true_graph_0: %permute_copy = permute_copy(%p_a_weight); %addmm = addmm(%p_a_bias, %x, %permute_copy)
+
+    After::
+
+        true_graph_0: %lowered_module_0 = get_attr[lowered_module_0]
+                      %executorch_call_delegate = executorch_call_delegate(%lowered_module_0, %x, %p_a_bias, %p_a_weight)
+    """
+    return _lower_in(program.graph_module, lower)
+
+
+def _lower_in(gm: torch.fx.GraphModule, lower: Callable[[ExportedProgram], ExportedProgram]) -> int:
+    changed = 0
+    for node in control_flow_nodes(gm.graph):
+        for sub in submodules_of(gm, node):
+            # ``lower`` handles the control flow nested in the submodule itself.
+            new_module = lower(submodule_program(sub.module)).graph_module
+            if new_module is not sub.module:
+                setattr(gm, sub.attr, new_module)
+                changed += 1
+    return changed
+
+
+def submodule_lowered_modules(gm: torch.fx.GraphModule) -> list:
+    """The lowered modules the cond / map submodules call (recursively), in graph order."""
+    found = []
+    for scope, module in iter_scopes(gm):
+        if not scope:
+            continue
+        for n in module.graph.nodes:
+            if n.op == "call_function" and n.target is executorch_call_delegate:
+                found.append(getattr(module, n.args[0].target))
+    return found
+
+
+def count_submodule_delegates(gm: torch.fx.GraphModule) -> int:
+    """How many ``executorch_call_delegate`` nodes the cond / map submodules hold (recursively)."""
+    count = 0
+    for node in control_flow_nodes(gm.graph):
+        for sub in submodules_of(gm, node):
+            count += sum(
+                1 for n in sub.module.graph.nodes
+                if n.op == "call_function" and n.target is executorch_call_delegate
+            )
+            count += count_submodule_delegates(sub.module)
+    return count

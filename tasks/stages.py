@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from lowering.control_flow import control_flow_nodes, lower_control_flow_submodules, submodule_lowered_modules
+from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
@@ -56,7 +56,7 @@ from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
-from lowering.to_backend import to_backend
+from lowering.to_backend import lower_control_flow_submodules, submodule_lowered_modules, to_backend
 from lowering.verify import verify as verify_pte, verify_call_sequence
 
 from .cache import CacheConfig, iter_refs, stage_task

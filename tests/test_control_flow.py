@@ -15,7 +15,8 @@ from torch import nn
 
 import lowering
 from examples.models import cond_linear, map_linear
-from lowering.control_flow import COND, MAP, count_submodule_delegates, iter_scopes
+from lowering.control_flow_graph import COND, MAP, iter_scopes
+from lowering.to_backend import count_submodule_delegates
 from lowering.errors import ExportError
 from lowering.lower import is_edge_form
 from lowering.pte import deserialize

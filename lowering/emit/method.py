@@ -1,35 +1,9 @@
-"""Stage 8 — emit: an edge-form ExportedProgram + its MemoryPlan -> ``.pte`` bytes.
+"""Stage 8, the method emitter: one ExecutionPlan from an edge-form program and its memory plan.
 
-One method, ``forward``, one chain.  The program is walked in graph order:
-
-- placeholders: parameters, lifted constants and non-mutated buffers become
-  constant tensors (deduplicated bytes in the constant segment); user inputs
-  and mutated buffers become planned tensors (a mutated buffer's initial value
-  goes to the mutable data segment, which the runtime copies into the planned
-  memory when the method is loaded);
-- ATen calls become KernelCalls of the out variant chosen by the memory plan
-  (``aten::add`` + overload ``out``) with args in out-variant schema order,
-  followed by the out tensor (or a TensorList of the out tensors), as
-  ExecuTorch's emitter does;
-- ``view_copy`` nodes the plan aliases onto their base need no instruction:
-  their tensor is described at the base's memory with the view's shape;
-- ``executorch_call_delegate`` becomes a BackendDelegate (payload in a
-  segment, deduplicated) and a DelegateCall whose args are the inputs followed
-  by the outputs; the lowered module's named data (weights keyed by sha256)
-  goes to the program's ``named_data`` table, each distinct blob one segment;
-- mutated buffers are written back at the end with ``aten::copy_``, so the new
-  state is in the buffer's planned memory for the next call;
-- dynamic shapes: a tensor with a symbolic size is ``DYNAMIC_BOUND`` with its
-  sizes at the upper bound (the memory plan reserves that much; the runtime
-  resizes it within); a symbolic scalar op (``sym_size``, ``operator.add`` on
-  SymInts, ...) is a KernelCall of the runtime's prim op
-  (:data:`lowering.dynamic.SYM_OPS`) whose args are its operands followed by
-  an Int (Bool, Double) value the op writes, as ExecuTorch's emitter does.
-- ``cond`` / ``map_impl`` inline their branches / body (values keyed
-  ``"<submodule>/<node>"``) between jumps: see :mod:`lowering.control_flow`.
-
-Values are keyed like the memory plan: a node's name, or ``"<name>.<i>"`` for
-output ``i`` of a multi-output node.
+:class:`MethodEmitter` walks the program in graph order (see
+:mod:`lowering.emit` for what each node becomes) and holds the value table
+and data blobs while doing so; :func:`build_pte` / :func:`emit_program` wrap
+its plan into a program.
 """
 
 from __future__ import annotations
@@ -42,11 +16,26 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import treespec_dumps
 
-from .dynamic import SYM_OPS, DynamicShapeError, is_sym_op, is_symbolic, upper_bound_shape
-from .control_flow import emit_control_flow, is_control_flow
-from .errors import EmitError
-from .pte import PteData, schema, serialize
-from .pte.scalar_types import DTYPE_TO_SCALAR_TYPE
+from ..control_flow_graph import is_control_flow
+from ..dynamic import SYM_OPS, DynamicShapeError, is_sym_op
+from ..errors import EmitError
+from ..pte import PteData, schema, serialize
+from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
+from .control_flow import emit_control_flow
+from .evalues import (
+    allocation_details,
+    compile_spec,
+    empty_tensor_table,
+    inline_list_evalue,
+    list_element_type,
+    list_evalue,
+    scalar_evalue,
+    scalar_tensor_dtype,
+    string_evalue,
+    tensor_bytes,
+    tensor_evalue,
+    tensor_table,
+)
 
 #: The method every lowerflow program has.
 METHOD_NAME = "forward"
@@ -70,7 +59,7 @@ def emit_program(exported_program: ExportedProgram, memory_plan: Any) -> bytes:
 
 def build_pte(exported_program: ExportedProgram, memory_plan: Any) -> PteData:
     """The program tables and data blobs, before serialization."""
-    emitter = _MethodEmitter(exported_program, memory_plan)
+    emitter = MethodEmitter(exported_program, memory_plan)
     plan = emitter.emit()
     program = schema.ProgramT()
     program.version = 0
@@ -84,7 +73,7 @@ def build_pte(exported_program: ExportedProgram, memory_plan: Any) -> PteData:
     )
 
 
-class _MethodEmitter:
+class MethodEmitter:
     """Builds one ExecutionPlan; holds the value table and data blobs while doing so."""
 
     def __init__(self, ep: ExportedProgram, memory_plan: Any) -> None:
@@ -131,7 +120,7 @@ class _MethodEmitter:
             elif node.op == "get_attr":
                 self.node_values[node] = None  # resolved by the delegate call that uses it
             elif node.op == "call_function":
-                self._emit_call(node)
+                self.emit_call(node)
             elif node.op == "output":
                 self._emit_output(node)
             else:
@@ -165,7 +154,7 @@ class _MethodEmitter:
         meta.encodedOutStr = treespec_dumps(call_spec.out_spec) if call_spec.out_spec is not None else ""
         return meta
 
-    def _error(self, message: str) -> EmitError:
+    def error(self, message: str) -> EmitError:
         where = f"node {self.node.name!r} ({self.node.target})" if self.node is not None else "program"
         return EmitError(f"{where}: {message}")
 
@@ -174,33 +163,33 @@ class _MethodEmitter:
     def _emit_placeholder(self, node: torch.fx.Node) -> None:
         spec = self.input_kinds.get(node.name)
         if spec is None:
-            raise self._error("placeholder missing from the graph signature")
+            raise self.error("placeholder missing from the graph signature")
         kind = spec.kind
         if kind == InputKind.USER_INPUT:
             self._emit_user_input(node)
         elif kind == InputKind.BUFFER and (spec.target in self.mutated_targets or node.name in self.plan.allocations):
             # State: mutated here, or planned as state shared with another method.
             initial = self._state_tensor(spec.target)
-            value = self._planned_tensor(node.name, node.meta["val"])
+            value = self.planned_tensor(node.name, node.meta["val"])
             self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
             self.node_values[node] = value
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             self.node_values[node] = self._constant_tensor(self._state_tensor(spec.target))
         else:
-            raise self._error(f"{kind.name} inputs are not supported")
+            raise self.error(f"{kind.name} inputs are not supported")
 
     def _emit_user_input(self, node: torch.fx.Node) -> None:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            value = self._planned_tensor(node.name, val)
+            value = self.planned_tensor(node.name, val)
         elif isinstance(val, (bool, int, float)) or val is None:
-            value = self._add_value(_scalar_evalue(val))
+            value = self.add_value(scalar_evalue(val))
         elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             # A size computed outside (a delegated partition's symbolic input):
             # a placeholder of its type, set when the method is called.
-            value = self._add_value(_scalar_evalue(_SYM_PLACEHOLDERS[type(val)]))
+            value = self.add_value(scalar_evalue(_SYM_PLACEHOLDERS[type(val)]))
         else:
-            raise self._error(f"user input of type {type(val).__name__} is not supported")
+            raise self.error(f"user input of type {type(val).__name__} is not supported")
         self.node_values[node] = value
         self.inputs.append(value)
 
@@ -210,14 +199,14 @@ class _MethodEmitter:
         elif target in self.ep.state_dict:
             tensor = self.ep.state_dict[target]
         else:
-            raise self._error(f"no tensor named {target!r} in the program's state_dict or constants")
+            raise self.error(f"no tensor named {target!r} in the program's state_dict or constants")
         if not isinstance(tensor, torch.Tensor):
-            raise self._error(f"{target!r} is a {type(tensor).__name__}, not a tensor")
+            raise self.error(f"{target!r} is a {type(tensor).__name__}, not a tensor")
         return tensor.detach()
 
     # ------------------------------------------------------------------- calls
 
-    def _emit_call(self, node: torch.fx.Node) -> None:
+    def emit_call(self, node: torch.fx.Node) -> None:
         target = node.target
         if target is operator.getitem:
             self._emit_getitem(node)
@@ -229,22 +218,22 @@ class _MethodEmitter:
             emit_control_flow(self, node)
         elif isinstance(target, torch._ops.OpOverload):
             if self.scope + node.name in self.aliases:
-                self.node_values[node] = self._planned_tensor(self.scope + node.name, node.meta["val"])
+                self.node_values[node] = self.planned_tensor(self.scope + node.name, node.meta["val"])
             else:
                 self._emit_kernel_call(node)
         else:
-            raise self._error("only ATen operators, getitem and delegate calls can be emitted")
+            raise self.error("only ATen operators, getitem and delegate calls can be emitted")
 
     def _emit_getitem(self, node: torch.fx.Node) -> None:
         source, index = node.args
         outputs = self.node_values.get(source)
         if not isinstance(outputs, list) or not isinstance(index, int) or index >= len(outputs):
-            raise self._error(f"getitem {index!r} of {source.name!r}, which has no such output")
+            raise self.error(f"getitem {index!r} of {source.name!r}, which has no such output")
         self.node_values[node] = outputs[index]
 
     def _emit_kernel_call(self, node: torch.fx.Node) -> None:
         out_op, name, overload = self._out_variant(node)
-        results = self._node_results(node)
+        results = self.node_results(node)
         result_list = results if isinstance(results, list) else [results]
         out_args = [a for a in out_op._schema.arguments if a.is_out]
         args = self._functional_arguments(node)
@@ -259,14 +248,14 @@ class _MethodEmitter:
             elif argument.has_default_value():
                 value = self._argument(argument.default_value, argument.type, node)
             else:
-                raise self._error(f"out variant {name}.{overload} needs argument {argument.name!r}, "
+                raise self.error(f"out variant {name}.{overload} needs argument {argument.name!r}, "
                                   f"which the node does not give")
             arg_ids.append(value)
         if len(out_ids) == 1:
             arg_ids.append(out_ids[0])
         elif out_ids:
-            arg_ids.append(self._add_value(_list_evalue(schema.KernelTypes.TensorList, out_ids)))
-        self._kernel_call(name, overload, arg_ids)
+            arg_ids.append(self.add_value(list_evalue(schema.KernelTypes.TensorList, out_ids)))
+        self.kernel_call(name, overload, arg_ids)
         self.node_values[node] = results
 
     def _emit_sym_op(self, node: torch.fx.Node) -> None:
@@ -282,35 +271,35 @@ class _MethodEmitter:
         """
         name, overload = SYM_OPS[node.target]
         if node.kwargs:
-            raise self._error("a symbolic op with keyword arguments cannot be emitted")
+            raise self.error("a symbolic op with keyword arguments cannot be emitted")
         args = [self._sym_operand(arg) for arg in node.args]
         val = node.meta.get("val")
         if isinstance(val, (bool, torch.SymBool)):
-            result = self._add_value(_scalar_evalue(False))
+            result = self.add_value(scalar_evalue(False))
         elif isinstance(val, (float, torch.SymFloat)):
-            result = self._add_value(_scalar_evalue(0.0))
+            result = self.add_value(scalar_evalue(0.0))
         else:
-            result = self._add_value(_scalar_evalue(0))
-        self._kernel_call(name, overload, args + [result])
+            result = self.add_value(scalar_evalue(0))
+        self.kernel_call(name, overload, args + [result])
         self.node_values[node] = result
 
     def _sym_operand(self, arg: Any) -> int:
         if isinstance(arg, torch.fx.Node):
-            return self._node_value(arg)
+            return self.node_value(arg)
         if isinstance(arg, (bool, int, float)):
-            return self._add_value(_scalar_evalue(arg))
-        raise self._error(f"symbolic op operand of type {type(arg).__name__} cannot be emitted")
+            return self.add_value(scalar_evalue(arg))
+        raise self.error(f"symbolic op operand of type {type(arg).__name__} cannot be emitted")
 
     def _out_variant(self, node: torch.fx.Node):
         qualified = self.plan.out_variants.get(self.scope + node.name)
         if not qualified:
-            raise self._error("the memory plan gives no out variant for this node")
+            raise self.error("the memory plan gives no out variant for this node")
         name, _, overload = qualified.rpartition(".")
         namespace, _, op_name = name.partition("::")
         try:
             op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
         except (AttributeError, RuntimeError):
-            raise self._error(f"out variant {qualified!r} is not a known operator") from None
+            raise self.error(f"out variant {qualified!r} is not a known operator") from None
         return op, name, overload
 
     def _functional_arguments(self, node: torch.fx.Node) -> dict[str, Any]:
@@ -325,28 +314,28 @@ class _MethodEmitter:
     def _out_argument(self, argument, out_args, results: list[int]) -> int:
         """The value of one ``out`` argument: a result tensor, or a TensorList of all results."""
         if isinstance(argument.type, torch.ListType):
-            return self._add_value(_list_evalue(schema.KernelTypes.TensorList, results))
+            return self.add_value(list_evalue(schema.KernelTypes.TensorList, results))
         index = out_args.index(argument)
         if index >= len(results):
-            raise self._error(f"out argument {argument.name!r} has no matching result")
+            raise self.error(f"out argument {argument.name!r} has no matching result")
         return results[index]
 
-    def _node_results(self, node: torch.fx.Node) -> Any:
+    def node_results(self, node: torch.fx.Node) -> Any:
         """Planned tensor value(s) of a node's result: an id, or a list of ids for tuples."""
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
-            return self._planned_tensor(self.scope + node.name, val)
+            return self.planned_tensor(self.scope + node.name, val)
         if isinstance(val, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in val):
-            return [self._planned_tensor(f"{self.scope}{node.name}.{i}", v) for i, v in enumerate(val)]
-        raise self._error(f"result of type {type(val).__name__} cannot be emitted")
+            return [self.planned_tensor(f"{self.scope}{node.name}.{i}", v) for i, v in enumerate(val)]
+        raise self.error(f"result of type {type(val).__name__} cannot be emitted")
 
-    def _kernel_call(self, name: str, overload: str, args: Sequence[int]) -> None:
+    def kernel_call(self, name: str, overload: str, args: Sequence[int]) -> None:
         call = schema.KernelCallT()
         call.opIndex = self._operator(name, overload)
         call.args = list(args)
-        self._instruction(schema.InstructionArguments.KernelCall, call)
+        self.instruction(schema.InstructionArguments.KernelCall, call)
 
-    def _instruction(self, kind: int, args: Any) -> None:
+    def instruction(self, kind: int, args: Any) -> None:
         instruction = schema.InstructionT()
         instruction.instrArgsType = kind
         instruction.instrArgs = args
@@ -370,23 +359,23 @@ class _MethodEmitter:
         input_ids = [self._delegate_input(value) for value in inputs]
         val = node.meta.get("val")
         if not isinstance(val, (tuple, list)):
-            raise self._error("a delegate call must return a tuple of tensors")
-        results = self._node_results(node)
+            raise self.error("a delegate call must return a tuple of tensors")
+        results = self.node_results(node)
         call = schema.DelegateCallT()
         call.delegateIndex = delegate_index
         call.args = input_ids + list(results)
-        self._instruction(schema.InstructionArguments.DelegateCall, call)
+        self.instruction(schema.InstructionArguments.DelegateCall, call)
         self.node_values[node] = results
 
     def _delegate_input(self, value: Any) -> int:
         if isinstance(value, torch.fx.Node):
-            return self._node_value(value)
-        return self._add_value(self._constant_evalue(value, None))
+            return self.node_value(value)
+        return self.add_value(self._constant_evalue(value, None))
 
     def _delegate(self, module_node: Any) -> int:
         """Index of the BackendDelegate of the lowered module named by a get_attr node."""
         if not isinstance(module_node, torch.fx.Node) or module_node.op != "get_attr":
-            raise self._error("the first argument of a delegate call must be a get_attr of a lowered module")
+            raise self.error("the first argument of a delegate call must be a get_attr of a lowered module")
         module_key = self.scope + module_node.target
         if module_key in self._delegate_of_module:
             return self._delegate_of_module[module_key]
@@ -394,10 +383,10 @@ class _MethodEmitter:
             lowered = getattr(self.graph_module, module_node.target)
             backend_id, payload, compile_specs = lowered.backend_id, lowered.processed_bytes, lowered.compile_specs
         except AttributeError as exc:
-            raise self._error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
+            raise self.error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
         for key, blob in (getattr(lowered, "named_data", None) or {}).items():
             if self.named_data.setdefault(key, bytes(blob)) != blob:
-                raise self._error(f"named data key {key!r} of {module_node.target!r} is already "
+                raise self.error(f"named data key {key!r} of {module_node.target!r} is already "
                                   "used by another delegate for different bytes")
         delegate = schema.BackendDelegateT()
         delegate.id = backend_id
@@ -405,7 +394,7 @@ class _MethodEmitter:
         reference.location = schema.DataLocation.SEGMENT
         reference.index = self._add_payload(bytes(payload))
         delegate.processed = reference
-        delegate.compileSpecs = [_compile_spec(spec.key, spec.value) for spec in compile_specs]
+        delegate.compileSpecs = [compile_spec(spec.key, spec.value) for spec in compile_specs]
         self._delegate_of_module[module_key] = len(self.delegates)
         self.delegates.append(delegate)
         return len(self.delegates) - 1
@@ -422,22 +411,22 @@ class _MethodEmitter:
         results = node.args[0]
         specs = self.ep.graph_signature.output_specs
         if len(results) != len(specs):
-            raise self._error(f"{len(results)} outputs but {len(specs)} output specs")
+            raise self.error(f"{len(results)} outputs but {len(specs)} output specs")
         write_backs = []
         for value, spec in zip(results, specs):
             if spec.kind == OutputKind.BUFFER_MUTATION:
                 write_backs.append((spec.target, value))
             elif spec.kind == OutputKind.USER_OUTPUT:
-                self.outputs.append(self._output_value(value))
+                self.outputs.append(self.output_value(value))
             else:
-                raise self._error(f"{spec.kind.name} outputs are not supported")
+                raise self.error(f"{spec.kind.name} outputs are not supported")
         for target, value in write_backs:
             self._write_back(target, value)
 
-    def _output_value(self, value: Any) -> int:
+    def output_value(self, value: Any) -> int:
         if isinstance(value, torch.fx.Node):
-            return self._node_value(value)
-        return self._add_value(self._constant_evalue(value, None))
+            return self.node_value(value)
+        return self.add_value(self._constant_evalue(value, None))
 
     def _write_back(self, buffer_target: str, value: torch.fx.Node) -> None:
         """``aten::copy_(buffer, new_value)``: the mutated state lands in the buffer's planned memory."""
@@ -447,56 +436,56 @@ class _MethodEmitter:
             None,
         )
         if placeholder is None:
-            raise self._error(f"mutated buffer {buffer_target!r} has no placeholder")
+            raise self.error(f"mutated buffer {buffer_target!r} has no placeholder")
         buffer_node = next(n for n in self.ep.graph.nodes if n.name == placeholder)
-        buffer_id = self._node_value(buffer_node)
-        new_id = self._node_value(value)
+        buffer_id = self.node_value(buffer_node)
+        new_id = self.node_value(value)
         if buffer_id == new_id:
             return
-        non_blocking = self._add_value(_scalar_evalue(False))
-        self._kernel_call("aten::copy_", "", [buffer_id, new_id, non_blocking, buffer_id])
+        non_blocking = self.add_value(scalar_evalue(False))
+        self.kernel_call("aten::copy_", "", [buffer_id, new_id, non_blocking, buffer_id])
 
     # ------------------------------------------------------------------ values
 
-    def _add_value(self, evalue: schema.EValueT) -> int:
+    def add_value(self, evalue: schema.EValueT) -> int:
         self.values.append(evalue)
         return len(self.values) - 1
 
-    def _node_value(self, node: torch.fx.Node) -> int:
+    def node_value(self, node: torch.fx.Node) -> int:
         value = self.node_values.get(node)
         if not isinstance(value, int):
-            raise self._error(f"input {node.name!r} has no single emitted value")
+            raise self.error(f"input {node.name!r} has no single emitted value")
         return value
 
-    def _planned_tensor(self, key: str, val: torch.Tensor) -> int:
+    def planned_tensor(self, key: str, val: torch.Tensor) -> int:
         allocation = self.plan.allocations.get(key)
         if allocation is None:
-            raise self._error(f"the memory plan has no allocation for value {key!r}")
+            raise self.error(f"the memory plan has no allocation for value {key!r}")
         # Planned tensors are contiguous whatever strides the (possibly stale)
         # meta value has: *_copy ops write dense outputs, and the portable
         # kernels expect inputs and outputs in the same dim order.
         try:
-            tensor = _tensor_table(val, list(range(val.dim())), self.ep.range_constraints)
+            tensor = tensor_table(val, list(range(val.dim())), self.ep.range_constraints)
         except DynamicShapeError as exc:
-            raise self._error(str(exc)) from None
-        tensor.allocationInfo = _allocation(allocation.mem_id, allocation.offset)
-        return self._add_value(_tensor_evalue(tensor))
+            raise self.error(str(exc)) from None
+        tensor.allocationInfo = allocation_details(allocation.mem_id, allocation.offset)
+        return self.add_value(tensor_evalue(tensor))
 
     def _constant_tensor(self, tensor: torch.Tensor) -> int:
         """A tensor stored in the constant segment (identical bytes stored once)."""
         if tensor.dtype not in DTYPE_TO_SCALAR_TYPE:
-            raise self._error(f"constant of dtype {tensor.dtype} cannot be stored")
+            raise self.error(f"constant of dtype {tensor.dtype} cannot be stored")
         dense = tensor.contiguous()
-        data = _tensor_bytes(dense)
-        table = _tensor_table(dense, list(range(dense.dim())))
+        data = tensor_bytes(dense)
+        table = tensor_table(dense, list(range(dense.dim())))
         if data not in self._constant_index:
             self._constant_index[data] = len(self.constants)
             self.constants.append(data)
         table.dataBufferIdx = self._constant_index[data]
-        return self._add_value(_tensor_evalue(table))
+        return self.add_value(tensor_evalue(table))
 
     def _add_mutable_data(self, tensor: torch.Tensor) -> int:
-        self.mutable_data.append(_tensor_bytes(tensor.contiguous()))
+        self.mutable_data.append(tensor_bytes(tensor.contiguous()))
         return len(self.mutable_data) - 1
 
     # --------------------------------------------------------------- arguments
@@ -504,179 +493,49 @@ class _MethodEmitter:
     def _argument(self, value: Any, jit_type: Any, node: torch.fx.Node) -> int:
         """The value id of one kernel argument of schema type ``jit_type``."""
         if isinstance(value, torch.fx.Node):
-            return self._node_value(value)
+            return self.node_value(value)
         if value is None and isinstance(jit_type, torch.TensorType):
-            return self._add_value(_tensor_evalue(_empty_tensor_table()))
+            return self.add_value(tensor_evalue(empty_tensor_table()))
         if isinstance(jit_type, torch.TensorType) and isinstance(value, (bool, int, float)):
-            return self._constant_tensor(torch.tensor(value, dtype=_scalar_tensor_dtype(node, value)))
-        return self._add_value(self._constant_evalue(value, jit_type))
+            return self._constant_tensor(torch.tensor(value, dtype=scalar_tensor_dtype(node, value)))
+        return self.add_value(self._constant_evalue(value, jit_type))
 
     def _constant_evalue(self, value: Any, jit_type: Any) -> schema.EValueT:
         if isinstance(value, (list, tuple)):
-            element = _list_element_type(jit_type, value)
+            element = list_element_type(jit_type, value)
             return self._list_argument(list(value), element)
         if isinstance(value, torch.dtype):
             if value not in DTYPE_TO_SCALAR_TYPE:
-                raise self._error(f"dtype {value} is not supported")
-            return _scalar_evalue(int(DTYPE_TO_SCALAR_TYPE[value]))
+                raise self.error(f"dtype {value} is not supported")
+            return scalar_evalue(int(DTYPE_TO_SCALAR_TYPE[value]))
         if isinstance(value, torch.memory_format):
             if value not in _MEMORY_FORMATS:
-                raise self._error(f"memory format {value} is not supported")
-            return _scalar_evalue(_MEMORY_FORMATS[value])
+                raise self.error(f"memory format {value} is not supported")
+            return scalar_evalue(_MEMORY_FORMATS[value])
         if isinstance(value, torch.layout):
             if value not in _LAYOUTS:
-                raise self._error(f"layout {value} is not supported")
-            return _scalar_evalue(_LAYOUTS[value])
+                raise self.error(f"layout {value} is not supported")
+            return scalar_evalue(_LAYOUTS[value])
         if isinstance(value, torch.device):
-            return _string_evalue(str(value))
+            return string_evalue(str(value))
         if isinstance(value, str):
-            return _string_evalue(value)
+            return string_evalue(value)
         if value is None or isinstance(value, (bool, int, float)):
-            return _scalar_evalue(value)
-        raise self._error(f"argument of type {type(value).__name__} cannot be emitted")
+            return scalar_evalue(value)
+        raise self.error(f"argument of type {type(value).__name__} cannot be emitted")
 
     def _list_argument(self, items: list, element: Any) -> schema.EValueT:
         if isinstance(element, torch.BoolType):
-            return _inline_list_evalue(schema.KernelTypes.BoolList, schema.BoolListT(), [bool(v) for v in items])
+            return inline_list_evalue(schema.KernelTypes.BoolList, schema.BoolListT(), [bool(v) for v in items])
         if isinstance(element, torch.FloatType):
-            return _inline_list_evalue(schema.KernelTypes.DoubleList, schema.DoubleListT(), [float(v) for v in items])
+            return inline_list_evalue(schema.KernelTypes.DoubleList, schema.DoubleListT(), [float(v) for v in items])
         if isinstance(element, torch.IntType):
-            ids = [self._node_value(v) if isinstance(v, torch.fx.Node) else self._add_value(_scalar_evalue(int(v)))
+            ids = [self.node_value(v) if isinstance(v, torch.fx.Node) else self.add_value(scalar_evalue(int(v)))
                    for v in items]
-            return _list_evalue(schema.KernelTypes.IntList, ids)
+            return list_evalue(schema.KernelTypes.IntList, ids)
         if isinstance(element, torch.TensorType):
-            return _list_evalue(schema.KernelTypes.TensorList, [self._node_value(v) for v in items])
+            return list_evalue(schema.KernelTypes.TensorList, [self.node_value(v) for v in items])
         if isinstance(element, torch.OptionalType) and isinstance(element.getElementType(), torch.TensorType):
-            ids = [-1 if v is None else self._node_value(v) for v in items]
-            return _list_evalue(schema.KernelTypes.OptionalTensorList, ids)
-        raise self._error(f"list argument of element type {element} cannot be emitted")
-
-
-# ---------------------------------------------------------------------------
-# Table builders
-
-
-def _tensor_table(val: torch.Tensor, dim_order: list[int], ranges: Any = None) -> schema.TensorT:
-    """A Tensor table; a symbolic shape is DYNAMIC_BOUND with sizes at the upper bound."""
-    if val.dtype not in DTYPE_TO_SCALAR_TYPE:
-        raise EmitError(f"dtype {val.dtype} is not supported")
-    sizes = upper_bound_shape(val, ranges)
-    dynamic = any(is_symbolic(s) for s in val.shape)
-    tensor = schema.TensorT()
-    tensor.scalarType = DTYPE_TO_SCALAR_TYPE[val.dtype]
-    tensor.storageOffset = 0
-    tensor.sizes = sizes
-    tensor.dimOrder = list(dim_order)
-    tensor.requiresGrad = False
-    tensor.dataBufferIdx = 0
-    tensor.layout = 0
-    tensor.shapeDynamism = (
-        schema.TensorShapeDynamism.DYNAMIC_BOUND if dynamic else schema.TensorShapeDynamism.STATIC
-    )
-    return tensor
-
-
-def _empty_tensor_table() -> schema.TensorT:
-    """The empty uint8 tensor ExecuTorch passes for a None non-optional tensor argument."""
-    return _tensor_table(torch.empty(0, dtype=torch.uint8), [0])
-
-
-def _allocation(mem_id: int, offset: int) -> schema.AllocationDetailsT:
-    allocation = schema.AllocationDetailsT()
-    allocation.memoryId = int(mem_id)
-    allocation.memoryOffsetLow = int(offset) & 0xFFFFFFFF
-    allocation.memoryOffsetHigh = int(offset) >> 32
-    return allocation
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.reshape(-1)
-    if flat.numel() == 0:
-        return b""
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def _tensor_evalue(tensor: schema.TensorT) -> schema.EValueT:
-    evalue = schema.EValueT()
-    evalue.valType = schema.KernelTypes.Tensor
-    evalue.val = tensor
-    return evalue
-
-
-def _scalar_evalue(value: Any) -> schema.EValueT:
-    evalue = schema.EValueT()
-    if value is None:
-        evalue.valType, evalue.val = schema.KernelTypes.Null, schema.NullT()
-    elif isinstance(value, bool):
-        evalue.valType, evalue.val = schema.KernelTypes.Bool, schema.BoolT()
-        evalue.val.boolVal = value
-    elif isinstance(value, int):
-        evalue.valType, evalue.val = schema.KernelTypes.Int, schema.IntT()
-        evalue.val.intVal = value
-    else:
-        evalue.valType, evalue.val = schema.KernelTypes.Double, schema.DoubleT()
-        evalue.val.doubleVal = float(value)
-    return evalue
-
-
-def _string_evalue(value: str) -> schema.EValueT:
-    evalue = schema.EValueT()
-    evalue.valType, evalue.val = schema.KernelTypes.String, schema.StringT()
-    evalue.val.stringVal = value
-    return evalue
-
-
-_LIST_TABLES = {
-    schema.KernelTypes.IntList: schema.IntListT,
-    schema.KernelTypes.TensorList: schema.TensorListT,
-    schema.KernelTypes.OptionalTensorList: schema.OptionalTensorListT,
-}
-
-
-def _list_evalue(kind: int, ids: Sequence[int]) -> schema.EValueT:
-    """A boxed list: its items are value ids."""
-    return _inline_list_evalue(kind, _LIST_TABLES[kind](), [int(i) for i in ids])
-
-
-def _inline_list_evalue(kind: int, table: Any, items: list) -> schema.EValueT:
-    table.items = items
-    evalue = schema.EValueT()
-    evalue.valType, evalue.val = kind, table
-    return evalue
-
-
-def _list_element_type(jit_type: Any, value: Sequence[Any]) -> Any:
-    """Element type of a list argument; inferred from the items when the schema gives none."""
-    if isinstance(jit_type, torch.OptionalType):
-        jit_type = jit_type.getElementType()
-    if isinstance(jit_type, torch.ListType):
-        return jit_type.getElementType()
-    if all(isinstance(v, bool) for v in value):
-        return torch.BoolType.get()
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return torch.IntType.get()
-    if all(isinstance(v, (int, float)) for v in value):
-        return torch.FloatType.get()
-    return torch.TensorType.get()
-
-
-def _scalar_tensor_dtype(node: torch.fx.Node, value: Any) -> torch.dtype:
-    """dtype of the 0-dim constant standing for a Python number in a Tensor argument.
-
-    The node's result dtype when it is not bool (arithmetic computes in it);
-    otherwise the promotion of the first tensor argument with the number.
-    """
-    val = node.meta.get("val")
-    if isinstance(val, torch.Tensor) and val.dtype != torch.bool:
-        return val.dtype
-    for arg in node.args:
-        if isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor):
-            return torch.result_type(arg.meta["val"], value)
-    return torch.tensor(value).dtype
-
-
-def _compile_spec(key: str, value: bytes) -> schema.CompileSpecT:
-    spec = schema.CompileSpecT()
-    spec.key = key
-    spec.value = list(bytes(value))
-    return spec
+            ids = [-1 if v is None else self.node_value(v) for v in items]
+            return list_evalue(schema.KernelTypes.OptionalTensorList, ids)
+        raise self.error(f"list argument of element type {element} cannot be emitted")

@@ -1,0 +1,41 @@
+"""Stage 1's fallback: when the fast path gives up, and the slow path it falls back to.
+
+The fast path (:mod:`lowering.export.fast_path`) raises :class:`Fallback`, with
+the reason, for whatever it does not handle: higher-order ops, symbolic
+shapes, get_attr / call_module nodes, mutations through views or of user
+inputs / parameters / constants, ops it does not know, a decomposition that
+itself mutates or makes constants.  The slow path, :func:`slow_core_aten`, is
+``ExportedProgram.run_decompositions()`` (a full retrace with
+functionalization, >= 0.15 s even on a 5-node graph), followed by the same
+clean-ups, inside cond / map submodules too
+(:func:`lowering.export.control_flow.clean_control_flow_submodules`).
+"""
+
+from __future__ import annotations
+
+from torch.export import ExportedProgram
+
+from ..errors import ExportError, first_line
+from .cleanups import remove_asserts, replace_view_ops_with_copies
+from .control_flow import clean_control_flow_submodules
+
+
+class Fallback(Exception):
+    """The fast path does not handle this program; the message says why."""
+
+
+def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
+    """``run_decompositions()`` (a full retrace), then views to copies and no asserts."""
+    try:
+        decomposed = exported.run_decompositions()
+    except Exception as exc:
+        raise ExportError(
+            f"model {name!r}: decomposition to core ATen failed: {first_line(exc)}"
+        ) from exc
+    graph = decomposed.graph_module.graph
+    replace_view_ops_with_copies(graph)
+    remove_asserts(graph)
+    clean_control_flow_submodules(decomposed)
+    graph.lint()
+    decomposed.graph_module.recompile()
+    return decomposed

@@ -1,0 +1,138 @@
+"""Stage 1's constant folding: view-copies of weights become lifted constants.
+
+After either path, with ``fold_constants=True``, a ``*_copy`` view of
+parameters / tensor constants (e.g. a Linear's transposed weight) is
+evaluated now and stored as a new lifted constant, so that it neither runs
+nor occupies the arena at runtime; see :func:`fold_constant_views`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+from torch.utils import _pytree as pytree
+
+#: Kinds of lifted inputs whose value is fixed at export time.
+_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)
+
+
+def fold_constant_views(program: ExportedProgram) -> int:
+    """Replace view-copies of parameters / tensor constants by new lifted constants.
+
+    A ``*_copy`` view op (permute, view, transpose, squeeze, unsqueeze, select,
+    slice, ...) whose tensor inputs are all parameters or tensor constants is
+    evaluated now; its result (contiguous) becomes a ``CONSTANT_TENSOR`` input
+    named ``_folded_<node>``.  Ops that would grow the data (``expand_copy``)
+    and nodes the graph returns are left alone, and so is a view of a weight
+    something else reads too (a tied weight: an embedding and its LM head):
+    folding it would store the weight twice, growing the file by what the
+    arena saves at most, so file + arena would not shrink.  The same view of the same
+    weight (e.g. an LSTM's transposed weight at every time step) is folded
+    once.  Returns the count of nodes removed; a parameter nothing else reads
+    is then removed by :func:`remove_unused_constants`.
+
+    Before::
+
+        %p_fc2_weight = placeholder                          # PARAMETER fc2.weight
+        %permute_1 = aten.permute_copy.default(%p_fc2_weight, [1, 0])
+        %addmm_1 = aten.addmm.default(%p_fc2_bias, %relu, %permute_1)
+
+    After::
+
+        %c__folded_permute_1 = placeholder                   # CONSTANT_TENSOR _folded_permute_1
+        %addmm_1 = aten.addmm.default(%p_fc2_bias, %relu, %c__folded_permute_1)
+    """
+    from torch._guards import detect_fake_mode
+
+    graph = program.graph_module.graph
+    specs = program.graph_signature.input_specs
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    spec_of = dict(zip(placeholders, specs))
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    names = {n.name for n in graph.nodes}
+    targets = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
+    folded: dict[tuple, torch.fx.Node] = {}  # the same view of the same weight once
+    count = 0
+    for node in list(graph.nodes):
+        if not _foldable(node, spec_of):
+            continue
+        key = (node.target, repr(torch.fx.node.map_arg((node.args, node.kwargs), lambda a: spec_of[a].target)))
+        if key in folded:
+            node.replace_all_uses_with(folded[key])
+            graph.erase_node(node)
+            count += 1
+            continue
+        real = _constant_value(program, node, spec_of)
+        target = _fresh(f"_folded_{node.name}", targets)
+        placeholder_name = _fresh(f"c{target}", names)
+        anchor = _first_user_input(graph, spec_of)
+        with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(
+            [n for n in graph.nodes if n.op == "placeholder"][-1]
+        ):
+            new = graph.placeholder(placeholder_name)
+        new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+        new.meta["val"] = fake_mode.from_tensor(real, static_shapes=True) if fake_mode else real
+        spec = InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(new.name), target)
+        ordered = [n for n in graph.nodes if n.op == "placeholder"]
+        specs.insert(ordered.index(new), spec)
+        spec_of[new] = spec
+        program.constants[target] = real
+        folded[key] = new
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        count += 1
+    return count
+
+
+def _foldable(node: torch.fx.Node, spec_of: Mapping[torch.fx.Node, InputSpec]) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.view_copy not in node.target.tags or node.target is torch.ops.aten.expand_copy.default:
+        return False
+    inputs = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+    if not inputs or any(a.op != "placeholder" or spec_of[a].kind not in _CONSTANT_KINDS for a in inputs):
+        return False
+    if any(user.op == "output" for user in node.users):
+        return False
+    if any(not _same_view(user, node) for a in inputs for user in a.users):
+        return False  # the weight stays (it has other readers): folding would store it twice
+    out, ins = node.meta.get("val"), [a.meta.get("val") for a in inputs]
+    if not isinstance(out, torch.Tensor) or not all(isinstance(v, torch.Tensor) for v in ins):
+        return False
+    return out.numel() <= sum(v.numel() for v in ins)
+
+
+def _same_view(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether ``a`` computes the same view as ``b`` (then both fold into one constant)."""
+    return a is b or (a.target is b.target and a.args[1:] == b.args[1:] and a.kwargs == b.kwargs)
+
+
+def _constant_value(program: ExportedProgram, node: torch.fx.Node, spec_of) -> torch.Tensor:
+    """Run ``node`` on the real parameter / constant tensors; a dense copy."""
+
+    def real(arg: torch.fx.Node) -> torch.Tensor:
+        target = spec_of[arg].target
+        table = program.constants if target in program.constants else program.state_dict
+        return table[target].detach()
+
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), real)
+    with torch.no_grad():
+        return node.target(*args, **kwargs).contiguous().clone()
+
+
+def _first_user_input(graph: torch.fx.Graph, spec_of) -> torch.fx.Node | None:
+    for n in graph.nodes:
+        if n.op == "placeholder" and spec_of[n].kind == InputKind.USER_INPUT:
+            return n
+    return None
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate
