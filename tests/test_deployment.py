@@ -274,10 +274,49 @@ def store(deployment) -> Path:
     return deployment.base / "store"
 
 
+MEETING = textwrap.dedent(
+    '''
+    """examples.models' {models}, each built only once the other's build has begun (or
+    after {patience} s): two model runs that overlap whenever two workers take them."""
+    import time
+    from pathlib import Path
+
+    from examples.models import MODELS
+
+    HERE = Path({here!r})
+
+
+    def _meet(me, other):
+        (HERE / f"{{me}}.started").touch()
+        deadline = time.monotonic() + {patience}
+        while not (HERE / f"{{other}}.started").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    '''
+)
+
+
+def meeting_models(directory: Path, models: tuple[str, str], patience: int = 120) -> Path:
+    """A models file whose two factories wait for each other (see MEETING)."""
+    source = MEETING.format(models=" and ".join(models), patience=patience, here=str(directory))
+    for me, other in (models, models[::-1]):
+        source += f"\ndef {me}():\n    _meet({me!r}, {other!r})\n    return MODELS[{me!r}]()\n\n"
+    path = directory / "meeting.py"
+    path.write_text(source)
+    return path
+
+
 def test_fleet_fans_out_to_both_model_workers(deployment, store, tmp_path):
     models = ("mlp", "buffer_mutation")
+    # Each model's build waits (up to 2 min) until the other's has begun.  A --limit 1
+    # worker runs one model at a time, so the runs overlap only if both workers took one:
+    # a worker that took both would finish late and show as the only worker in ran_on.
+    meeting = meeting_models(tmp_path, models)
+    fleet = fleet_manifest(store, models)
+    for entry in fleet["models"]:
+        entry["model"] = f"{meeting}:{entry['name']}"
     manifest = tmp_path / "fleet.json"
-    manifest.write_text(json.dumps(fleet_manifest(store, models)))
+    manifest.write_text(json.dumps(fleet))
 
     status, fleet_id, out = run_fleet(deployment, manifest)
     assert status == 0, out[-5000:]
@@ -298,9 +337,8 @@ def test_fleet_fans_out_to_both_model_workers(deployment, store, tmp_path):
     for run in children:
         assert run.deployment_id == model_deployment.id and run.work_queue_name == "models"
         assert run.state.is_completed(), (run.parameters["name"], run.state)
-    # Which worker ran each.  Both runs were submitted at once, and a --limit 1 worker
-    # never claims a second run while it runs one (each takes seconds; the other worker
-    # polls every second), so each model worker ran one.
+    # Which worker ran each: the two builds waited for each other, and a --limit 1 worker
+    # never claims a second run while it runs one, so each model worker ran one.
     ran_on = {run.parameters["name"]: ran_by(deployment, run.id) for run in children}
     assert sorted(w for ws in ran_on.values() for w in ws) == sorted(MODEL_WORKERS), ran_on
     # The plain Prefect worker's run loaded its flow through the deployment's pull step;
