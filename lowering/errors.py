@@ -42,6 +42,11 @@ class FusedOpError(PartitionError):
     """Stage 2: a backend's fused op is unusable (missing kernel, untraceable pattern)."""
 
 
+class QuantizeError(LoweringError):
+    """The quantize stage: a bad recipe, missing or malformed calibration data, or a
+    program the recipe cannot quantize."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message (its type name when it has none): torch's
     messages run to pages, an error of ours quotes one line."""
