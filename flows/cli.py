@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="dynamic dims by forward argument, e.g. "
                             "'{\"x\": {\"0\": {\"name\": \"batch\", \"min\": 1, \"max\": 32}}}' "
                             "(replaces the factory's own)")
+    lower.add_argument("--quantize", "-q", metavar="RECIPE",
+                       help="quantize every target: int8 (static, needs calibration), int8-dynamic or 8da4w; "
+                            "or JSON, e.g. '{\"recipe\": \"8da4w\", \"group_size\": 64}' or "
+                            "'{\"xnnpack\": \"int8\"}' (per target)")
+    lower.add_argument("--calibration", metavar="SPEC",
+                       help="int8's calibration data: path/file.py:function, package.module:function or a "
+                            "safetensors URL (default: the factory's own 'calibration')")
+    lower.add_argument("--min-sqnr", type=float, metavar="DB",
+                       help="fail a quantized target whose SQNR against fp32 eager is below DB")
+    lower.add_argument("--max-error", type=float, metavar="E",
+                       help="fail a quantized target whose max |Δ| / max |fp32| is above E")
     lower.set_defaults(run=cmd_lower)
 
     fleet = sub.add_parser("fleet", parents=[common], help="lower every model of a fleet manifest",
@@ -175,6 +186,38 @@ def parse_dynamic_shapes(text: str | None, spec) -> Any:
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
+def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, Any]:
+    """``--quantize`` / ``--calibration`` / ``--min-sqnr`` / ``--max-error`` as lower_model
+    parameters, validated as a manifest's are (exit status 2 when bad)."""
+    import json
+
+    from flows.manifest import ManifestError, recipes_by_target
+    from tasks.calibration import CalibrationError, check_calibration_source
+
+    out: dict[str, Any] = {}
+    if args.quantize is not None:
+        text = args.quantize.strip()
+        try:
+            value = json.loads(text) if text.startswith(("{", '"')) else text
+        except json.JSONDecodeError as exc:
+            raise CLIError(f"--quantize: not JSON: {exc}", EXIT_USAGE) from None
+        try:
+            out["quantize"] = recipes_by_target(value, targets, "--quantize")
+        except ManifestError as exc:
+            raise CLIError(str(exc), EXIT_USAGE) from None
+    if args.calibration is not None:
+        try:
+            out["calibration"] = check_calibration_source(args.calibration, "--calibration")
+        except CalibrationError as exc:
+            raise CLIError(str(exc), EXIT_USAGE) from None
+    for key in ("min_sqnr", "max_error"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    if not out.get("quantize") and len(out) > ("quantize" in out):
+        raise CLIError("--calibration, --min-sqnr and --max-error need --quantize", EXIT_USAGE)
+    return {k: v for k, v in out.items() if v is not None}
+
+
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
@@ -199,6 +242,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
+    quantize = parse_quantize(args, targets)
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
@@ -206,7 +250,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     quiet_console(args.verbose)
     try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store,
+        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize,
                                **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest

@@ -58,7 +58,15 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
         "name": entry.name, "version": entry.version, "verify": entry.verify,
         **({"locks": locks} if locks is not None else {}),  # else each worker's LOWERFLOW_LOCKS
         **({"dynamic_shapes": entry.dynamic_shapes} if entry.dynamic_shapes is not None else {}),
+        **quantize_parameters(entry),
     }
+
+
+def quantize_parameters(entry: ModelEntry) -> dict[str, Any]:
+    """The entry's quantize settings as ``lower_model`` parameters (none: an fp32 model)."""
+    values = {"quantize": entry.quantize, "calibration": entry.calibration,
+              "min_sqnr": entry.min_sqnr, "max_error": entry.max_error}
+    return {k: v for k, v in values.items() if v is not None}
 
 
 @flow(name="lower-fleet")
@@ -344,6 +352,7 @@ def plan_models(manifest: str | dict | FleetManifest) -> dict:
         planned = plan_model(
             entry.model, list(entry.targets), fleet.store, {k: dict(v) for k, v in entry.options.items()},
             entry.name, entry.version, entry.verify, dynamic_shapes=entry.dynamic_shapes,
+            **quantize_parameters(entry),
         )
         summary["models"][entry.name] = planned
         if any(result.get("ok") is False for result in planned["targets"].values()):

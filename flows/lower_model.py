@@ -38,9 +38,10 @@ from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
-from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key
+from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
 from . import heartbeats
+from .quantized import NO_QUANTIZATION, QuantSettings
 
 heartbeats.install()
 
@@ -76,8 +77,17 @@ def lower_model(
     verify: bool = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
+    quantize: Any = None,
+    calibration: str | None = None,
+    min_sqnr: float | None = None,
+    max_error: float | None = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
+
+    ``quantize``: a recipe (``"int8"``, ``"int8-dynamic"``, ``"8da4w"`` or its mapping
+    form) for every target, or ``{target: recipe or None}``; ``calibration``: int8's
+    calibration data spec (default: the factory's own); ``min_sqnr`` / ``max_error``:
+    a quantized target fails verify beyond them (see :mod:`flows.quantized`).
 
     ``dynamic_shapes``: the JSON form of torch.export's argument
     (``{"x": {"0": {"name": "batch", "min": 1, "max": 32}}}``, see
@@ -87,7 +97,8 @@ def lower_model(
     None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.locks`).
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
-    return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes)
+    return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
+                     quantize, calibration, min_sqnr, max_error)
 
 
 def run_model(
@@ -100,6 +111,10 @@ def run_model(
     verify: bool = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
+    quantize: Any = None,
+    calibration: str | None = None,
+    min_sqnr: float | None = None,
+    max_error: float | None = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -125,7 +140,8 @@ def run_model(
         ref = stages.store.put_named(f"{name}/{target}.pte", stages.store.get_bytes(pte_ref), "pte")
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
-    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes)
+    quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
+    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant)
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -194,7 +210,26 @@ def changed_since_last(store, manifest: dict) -> list[str] | None:
         previous = store.get_json(f"{manifest['name']}/manifest.json")
     except Exception:  # no previous manifest (or an unreadable one): nothing to compare
         return None
-    return Fingerprint.changed(previous.get("fingerprint"), manifest["fingerprint"])
+    changed = Fingerprint.changed(previous.get("fingerprint"), manifest["fingerprint"])
+    if changed is None:
+        return None
+    return changed + quantize_changes(previous, manifest)
+
+
+def quantize_changes(previous: dict, manifest: dict) -> list[str]:
+    """``quantize`` when a target's recipe differs from the previous manifest's, ``calibration``
+    when the calibration data (its digest) does."""
+    def recipes(m: dict) -> dict:
+        return {t: (r.get("quantize") or {}).get("recipe") for t, r in (m.get("targets") or {}).items()}
+
+    before, after = recipes(previous), recipes(manifest)
+    changes = []
+    if any(before.get(t) != after[t] for t in after if t in before):
+        changes.append("quantize")
+    old, new = (previous.get("calibration") or {}).get("digest"), (manifest.get("calibration") or {}).get("digest")
+    if old and new and old != new:
+        changes.append("calibration")
+    return changes
 
 
 def plan_model(
@@ -207,10 +242,15 @@ def plan_model(
     verify: bool = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
+    quantize: Any = None,
+    calibration: str | None = None,
+    min_sqnr: float | None = None,
+    max_error: float | None = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
-    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes)
+    quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
+    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant)
 
 
 def export_options(version: str | None, dynamic_shapes: Any = None) -> dict[str, Any]:
@@ -222,7 +262,8 @@ def export_options(version: str | None, dynamic_shapes: Any = None) -> dict[str,
     return options
 
 
-def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None) -> dict:
+def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
+              quant: QuantSettings = NO_QUANTIZATION) -> dict:
     """Load and fingerprint the model, export it, then each target's stages.
 
     The factory runs on every run, cached or not: the model's fingerprint (its
@@ -248,6 +289,17 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     fingerprint = loaded.fingerprint.digest
     manifest["fingerprint"] = loaded.fingerprint.to_json()
     manifest["load_seconds"] = round(time.perf_counter() - start, 4)
+    try:
+        if loaded.methods and quant.recipes and any(quant.recipes.values()):
+            raise ValueError(f"model {name!r} has several methods {list(loaded.methods)}: "
+                             "quantize is for a model of one method")
+        calibration = quant.calibrate(name, loaded)
+    except Exception as exc:
+        export_records.append({"stage": "calibration", "state": "Failed", "cached": False,
+                               "seconds": round(time.perf_counter() - start, 4), "bytes": None})
+        return _all_failed(manifest, targets, export_records, exc)
+    if calibration is not None:
+        manifest["calibration"] = calibration
     if loaded.methods:
         manifest["methods"] = list(loaded.methods)
         with holding(loaded):
@@ -262,17 +314,40 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             manifest["targets"][target] = lower_target(
                 run, publish, name, model, fingerprint, exported["program"], target,
                 options.get(target, {}), list(export_records), verify,
+                quantized=quantize_step(quant, target, calibration),
             )
     return manifest
 
 
-def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify) -> dict:
-    """The stages after export for one target; a failure is recorded, not raised."""
+def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -> dict | None:
+    """What :func:`lower_target` quantizes ``target``'s program with (None: it stays fp32)."""
+    recipe = quant.recipe(target)
+    if recipe is None:
+        return None
+    static = recipe["recipe"] == "int8"
+    return {"recipe": recipe, "calibration": calibration if static else None, "thresholds": quant.thresholds()}
+
+
+def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify,
+                 quantized: dict | None = None) -> dict:
+    """The stages after export for one target; a failure is recorded, not raised.
+
+    ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
+    compares with the quantized program and reports the error against fp32 eager."""
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None,
     }
+    reference = None
     try:
+        if quantized is not None:
+            calibration = quantized["calibration"] or {}
+            done = run("quantize", records, program=program, recipe=quantized["recipe"],
+                       calibration=calibration.get("digest"), versions=quantize_versions(),
+                       source=calibration.get("source"), model=model, fingerprint=fingerprint)
+            program = reference = done["program"]
+            result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
+                                  "quantized_nodes": done["quantized_nodes"]}
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
         planned = run("memory_plan", records, program=program, state_of=None)
@@ -282,7 +357,9 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         }
         emitted = run("emit", records, program=program, plan=planned["plan"])
         if verify:
-            report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward")
+            accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
+            report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
+                         **accuracy)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")

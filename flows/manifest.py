@@ -12,6 +12,13 @@
         verify: true                         # optional: run the verify stage
         dynamic_shapes:                      # optional: dynamic dims, by forward argument
           x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
+        quantize: int8                       # optional: a recipe (int8, int8-dynamic, 8da4w, or
+                                             #   {recipe: 8da4w, group_size: 64, keep_fp32: [lm_head]})
+                                             #   for every target, or per target: {xnnpack: int8, portable: null}
+        calibration: data.py:batches         # optional: int8's calibration data (a function spec or a
+                                             #   safetensors URL; default: the factory's "calibration")
+        min_sqnr: 20                         # optional: fail a quantized target below this SQNR (dB)
+        max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
 
 The whole manifest is validated before any work starts; every error names the
 entry (``models[2] ('cnn')``) and the field.  Besides its fields, each entry's
@@ -35,11 +42,13 @@ import yaml
 
 from lowering.errors import BackendError
 from lowering.targets import PORTABLE, check_target, partitioner_for
+from tasks.calibration import CalibrationError, check_calibration_source
 from tasks.locks import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError, resolve_factory
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes"}
+_MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
+               "quantize", "calibration", "min_sqnr", "max_error"}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -57,6 +66,13 @@ class ModelEntry:
     verify: bool
     #: The canonical JSON form (lowering.dynamic), or None.
     dynamic_shapes: Any = None
+    #: Target -> quantize recipe (mapping form) or None (fp32): :func:`recipes_by_target`.
+    quantize: Mapping[str, Any] | None = None
+    #: The calibration spec (tasks.calibration), or None: the factory's own, if any.
+    calibration: str | None = None
+    #: Accuracy thresholds of quantized targets (verify): SQNR floor (dB), error ceiling.
+    min_sqnr: float | None = None
+    max_error: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +221,21 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
             raise ManifestError(f"{where}: 'dynamic_shapes' is only for a factory; a .pt2 program "
                                 "carries its own")
         dynamic_shapes = canonical_dynamic_shapes(dynamic_shapes, f"{where}: 'dynamic_shapes'")
+    quantize = recipes_by_target(raw.get("quantize"), targets, f"{where}: 'quantize'")
+    calibration = raw.get("calibration")
+    if calibration is not None:
+        if isinstance(calibration, str) and ".py:" in calibration and "://" not in calibration:
+            location, _, function = calibration.rpartition(":")
+            if not Path(location).is_absolute():
+                calibration = f"{base / location}:{function}"
+        try:
+            calibration = check_calibration_source(calibration, f"{where}: 'calibration'")
+        except CalibrationError as exc:
+            raise ManifestError(str(exc)) from None
+    thresholds = {k: _threshold(where, k, raw.get(k)) for k in ("min_sqnr", "max_error")}
+    if any(v is not None for v in thresholds.values()) and not quantize:
+        raise ManifestError(f"{where}: 'min_sqnr' and 'max_error' are for quantized targets; "
+                            "the entry has no 'quantize'")
     return ModelEntry(
         name=name,
         model=model,
@@ -213,7 +244,45 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         version=None if version is None else str(version),
         verify=verify,
         dynamic_shapes=dynamic_shapes,
+        quantize=quantize,
+        calibration=calibration,
+        **thresholds,
     )
+
+
+def recipes_by_target(value: Any, targets: list[str] | tuple[str, ...], where: str = "quantize") -> dict | None:
+    """A ``quantize`` setting as ``{target: recipe mapping or None}`` (None: no target quantized).
+
+    ``value``: None; a recipe (``"int8"``, ``{"recipe": "8da4w", "group_size": 64}``) for
+    every target; or per target ``{"xnnpack": "int8", "portable": None}`` (targets not
+    named stay fp32).  Recipes come back in canonical mapping form (equal recipes,
+    equal cache keys).
+    """
+    from lowering.quantize import QuantizeError, parse_recipe
+
+    if value is None:
+        return None
+    per_target = isinstance(value, Mapping) and "recipe" not in value
+    if per_target:
+        stray = sorted(set(map(str, value)) - set(targets))
+        if stray:
+            raise ManifestError(f"{where}: names targets not lowered: {stray} (lowered: {list(targets)})")
+    try:
+        recipes = {t: (value.get(t) if per_target else value) for t in targets}
+        recipes = {t: (None if r is None else parse_recipe(r).to_dict()) for t, r in recipes.items()}
+    except QuantizeError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
+    return recipes if any(r is not None for r in recipes.values()) else None
+
+
+def _threshold(where: str, key: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ManifestError(f"{where}: {key!r} must be a number, got {value!r}")
+    if key == "max_error" and not 0 < value:
+        raise ManifestError(f"{where}: 'max_error' must be positive, got {value!r}")
+    return float(value)
 
 
 def canonical_dynamic_shapes(doc: Any, where: str) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
 from .runtime import load
 
 log = logging.getLogger(__name__)
@@ -31,11 +32,15 @@ class RuntimeCheck:
     skipped: str | None = None
     #: Which input set was run: "example", or the dynamic dims' sizes ("seq=1").
     inputs: str = "example"
+    #: A quantized program's error against fp32 eager (lowering.accuracy.outputs_error).
+    accuracy: dict | None = None
 
 
 @dataclasses.dataclass
 class VerifyReport:
     checks: list[RuntimeCheck]
+    #: A quantized program: the quantized eager reference's own error against fp32 eager.
+    reference_accuracy: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -43,7 +48,10 @@ class VerifyReport:
         return all(c.ok for c in self.checks if c.skipped is None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "checks": [dataclasses.asdict(c) for c in self.checks]}
+        out = {"ok": self.ok, "checks": [dataclasses.asdict(c) for c in self.checks]}
+        if self.reference_accuracy is not None:
+            out["reference_accuracy"] = self.reference_accuracy
+        return out
 
 
 def verify(
@@ -56,9 +64,17 @@ def verify(
     calls: int = 2,
     method: str = "forward",
     dynamic_shapes: Any = None,
+    reference: Any = None,
+    min_sqnr: float | None = None,
+    max_error: float | None = None,
 ) -> VerifyReport:
     """Run ``pte``'s ``method`` ``calls`` times in each available runtime against a fresh
     eager model each time.
+
+    A quantized program comes with its ``reference`` (the quantized ExportedProgram):
+    each runtime must match it within a few steps of each output's int8 grid, and its
+    error against fp32 eager is reported per check (``accuracy``) and must stay within
+    ``min_sqnr`` (dB) / ``max_error`` (:mod:`lowering.accuracy`).
 
     Two calls on the same loaded method check that state (mutated buffers)
     carries over the way it does in eager.  ``model`` is not mutated (each
@@ -75,13 +91,21 @@ def verify(
     missing_executorch = runner.missing_backends(backend_ids) if runner is not None else None
     missing_ops = runner.missing_operators(program_operators(pte)) if runner is not None else None
     checks = []
+    reference_accuracy = None
     for label, inputs in inputs_at_sizes(model, example_inputs, dynamic_shapes):
         flat_inputs = pytree.tree_leaves(tuple(inputs))
         expected = _eager(model, inputs, calls)
+        quantized = None
+        if reference is not None:
+            fp32, expected = expected, _eager(reference.module(), inputs, calls)
+            quantized = {"fp32": fp32, "min_sqnr": min_sqnr, "max_error": max_error}
+            if reference_accuracy is None:
+                reference_accuracy = outputs_error(expected[0], fp32[0])
         if missing_lowerflow:
             check = RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing_lowerflow}")
         else:
-            check = _check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol)
+            check = _check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol,
+                           quantized)
         checks.append(dataclasses.replace(check, inputs=label))
         if runner is None:
             continue
@@ -93,9 +117,10 @@ def verify(
             # executor ran it above through the op's own kernel.
             check = RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}")
         else:
-            check = _check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol)
+            check = _check("executorch", lambda: runner(pte, flat_inputs, calls, method), expected, atol, rtol,
+                           quantized)
         checks.append(dataclasses.replace(check, inputs=label))
-    return VerifyReport(checks)
+    return VerifyReport(checks, reference_accuracy)
 
 
 def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[list[torch.Tensor]]:
@@ -222,7 +247,10 @@ def program_operators(pte: bytes) -> list[str]:
     return names
 
 
-def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
+def _check(name, run, expected, atol, rtol, quantized: dict | None = None) -> RuntimeCheck:
+    """Run and compare with ``expected`` (allclose; a quantized program: within
+    :func:`~lowering.accuracy.quantized_tolerance` of its reference, then its error
+    against ``quantized["fp32"]`` held to the thresholds)."""
     try:
         actual = run()
     except Exception as exc:
@@ -236,9 +264,17 @@ def _check(name, run, expected, atol, rtol) -> RuntimeCheck:
                 return RuntimeCheck(name, False, error=f"output {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}")
             if want.numel():
                 worst = max(worst, (got.double() - want.double()).abs().max().item())
-            if not torch.allclose(got, want, atol=atol, rtol=rtol):
+            if quantized is not None:
+                if want.numel() and (got.double() - want.double()).abs().max().item() > quantized_tolerance(want):
+                    return RuntimeCheck(name, False, worst, error="outputs differ from the quantized eager reference "
+                                        f"by more than {QUANT_STEPS} steps of the output's int8 grid")
+            elif not torch.allclose(got, want, atol=atol, rtol=rtol):
                 return RuntimeCheck(name, False, worst, error="outputs differ from eager")
-    return RuntimeCheck(name, True, worst)
+    if quantized is None:
+        return RuntimeCheck(name, True, worst)
+    accuracy = outputs_error(actual[0], quantized["fp32"][0])
+    broken = threshold_error(accuracy, quantized["min_sqnr"], quantized["max_error"])
+    return RuntimeCheck(name, broken is None, worst, error=broken, accuracy=accuracy)
 
 
 def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:

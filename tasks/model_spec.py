@@ -5,6 +5,9 @@
   ``torch.export.Dim`` objects each with a max; see :mod:`lowering.dynamic`), or
   ``{method_name: (nn.Module, example_inputs[, dynamic_shapes])}`` for a program of several methods
   (e.g. ``encode`` and ``decode`` wrappers over one model; see :func:`load_methods`).
+  One model may also come as a mapping ``{"module": ..., "inputs": ...[, "dynamic_shapes": ...]
+  [, "calibration": batches]}``: the only form that carries calibration data for the
+  quantize stage (:mod:`tasks.calibration`).
   Methods that share mutable buffers (``prefill`` and ``decode`` over one KV cache)
   say so with ``factory.share_mutable_buffers = True`` (see ``lowering.lower_methods``).
   The file's directory is importable while it loads and while the factory runs,
@@ -177,6 +180,9 @@ class LoadedModel:
     dynamic_shapes: Any = None
     #: The methods share their mutable buffers (the factory's ``share_mutable_buffers``).
     share_mutable_buffers: bool = False
+    #: Calibration data the factory returned (``"calibration"`` of its mapping), as it
+    #: returned it: an iterable of input tuples or a callable (see :mod:`tasks.calibration`).
+    calibration: Any = None
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -195,7 +201,7 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
         data = read_pt2(spec, storage_options)
         return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
     with _FACTORY_LOCK:
-        module, inputs, factory_module, dynamic_shapes = _run_factory(spec)
+        module, inputs, factory_module, dynamic_shapes, calibration = _run_factory(spec)
         if isinstance(module, dict):
             if override is not None:
                 raise ModelSpecError(
@@ -206,7 +212,7 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
             return _load_methods(spec, module, factory_module, options, share)
         dynamic_shapes = _dynamic_shapes(spec, module, inputs, dynamic_shapes, override)
         fp = _fingerprint(spec, module, inputs, factory_module, options, dynamic_shapes)
-    return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes)
+    return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes, calibration=calibration)
 
 
 def _fingerprint(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, factory_module: Any,
@@ -242,7 +248,7 @@ def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
-        module, inputs, _, _ = _run_factory(spec)
+        module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):
         raise ModelSpecError(f"model spec {spec.text!r} has several methods {sorted(module)}; "
                              "use load_methods")
@@ -255,7 +261,7 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
     with _FACTORY_LOCK:
-        module, inputs, _, _ = _run_factory(spec)
+        module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):
         return {name: (method, method_inputs) for name, (method, method_inputs, _) in module.items()}
     return {"forward": (module, inputs)}
@@ -314,9 +320,10 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any]:
-    """(model, inputs, the factory's Python module, its dynamic shapes or None); the caller
-    holds _FACTORY_LOCK.  For several methods: ({name: (module, inputs)}, None, module, None)."""
+def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any, Any]:
+    """(model, inputs, the factory's Python module, its dynamic shapes or None, its calibration
+    data or None); the caller holds _FACTORY_LOCK.  For several methods:
+    ({name: (module, inputs)}, None, module, None, None)."""
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
     with _importable(directory):
         module, factory = _factory_of(spec)
@@ -328,17 +335,39 @@ def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any
                 result = factory()
         except Exception as exc:
             raise ModelSpecError(f"model spec {spec.text!r}: factory raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(result, dict):  # several methods: ({name: (module, inputs)}, None, module, None)
-        return _factory_methods(spec, result), None, module, None
+    if isinstance(result, dict) and isinstance(result.get("module"), torch.nn.Module):
+        result, calibration = _model_mapping(spec, result)
+    else:
+        calibration = None
+    if isinstance(result, dict):  # several methods: ({name: (module, inputs)}, None, module, None, None)
+        return _factory_methods(spec, result), None, module, None, None
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], torch.nn.Module)):
         raise ModelSpecError(
             f"model spec {spec.text!r}: factory must return (nn.Module, example_inputs), "
-            f"(nn.Module, example_inputs, dynamic_shapes) or "
+            f"(nn.Module, example_inputs, dynamic_shapes), {{'module': ..., 'inputs': ..., "
+            f"'dynamic_shapes': ..., 'calibration': ...}} or "
             f"{{method_name: (nn.Module, example_inputs)}}, got {type(result).__name__}"
         )
     model, inputs = result[:2]
     dynamic_shapes = result[2] if len(result) == 3 else None
-    return model, (tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)), module, dynamic_shapes
+    inputs = tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    return model, inputs, module, dynamic_shapes, calibration
+
+
+#: The keys of a factory's mapping form (one model): ``module`` and ``inputs`` are required.
+MODEL_KEYS = ("module", "inputs", "dynamic_shapes", "calibration")
+
+
+def _model_mapping(spec: ModelSpec, result: dict) -> tuple[tuple, Any]:
+    """A factory's ``{"module", "inputs"[, "dynamic_shapes"][, "calibration"]}`` as
+    ((module, inputs, dynamic_shapes), calibration)."""
+    unknown = sorted(set(map(str, result)) - set(MODEL_KEYS))
+    if unknown:
+        raise ModelSpecError(f"model spec {spec.text!r}: factory returned unknown keys {unknown}; "
+                             f"allowed: {list(MODEL_KEYS)}")
+    if "inputs" not in result:
+        raise ModelSpecError(f"model spec {spec.text!r}: factory returned no 'inputs' (the example inputs)")
+    return (result["module"], result["inputs"], result.get("dynamic_shapes")), result.get("calibration")
 
 
 #: Top-level modules imported from a factory's directory: name -> (file, sha256 when imported).

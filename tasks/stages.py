@@ -6,7 +6,7 @@ Prefect persists.  Cache keys are the stage, its version, the input digests and
 the parameters (see :mod:`tasks.cache`), so a stage whose inputs did not change
 is never recomputed, in any run or process.
 
-    export ─► partition ─► create_submodule ─► build_programs ─► preprocess (per partition)
+    export ─► [quantize] ─► partition ─► create_submodule ─► build_programs ─► preprocess (per partition)
            ─► adjust ─► memory_plan ─► emit ─► verify          (portable: export ─► memory_plan ─► …)
 
 A model of several methods runs export … memory_plan per method (each keyed on
@@ -66,6 +66,7 @@ from .store import ArtifactRef, ArtifactStore
 #: Bump a stage's version when its code changes what it produces.
 STAGE_VERSIONS = {
     "export": "1",
+    "quantize": "1",
     "partition": "3",
     "lower_control_flow": "1",
     "create_submodule": "2",
@@ -275,6 +276,41 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label)
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+
+
+def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
+                 versions: dict, source: str | None = None, model: str | None = None,
+                 fingerprint: str | None = None) -> dict:
+    """Quantize the exported ``program`` with ``recipe`` (its mapping form).
+
+    Keyed on the program's digest, the recipe, ``calibration`` (the digest of the
+    calibration batches, None for a recipe that needs none) and ``versions`` (of the
+    libraries that decide the result: :func:`quantize_versions`).  ``source``, ``model``
+    and ``fingerprint`` only find the batches again in another process
+    (:func:`tasks.calibration.calibration_batches`): not in the key.
+    """
+    from lowering.quantize import parse_recipe, quantize
+
+    from .calibration import calibration_batches
+
+    _begin("quantize")
+    batches = calibration_batches(calibration, source, model, fingerprint) if calibration else None
+    quantized = quantize(get_program(store, program), parse_recipe(recipe), calibration=batches)
+    return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized)}
+
+
+def quantize_versions() -> dict[str, str]:
+    """The versions of the libraries whose code decides a quantized program (torch's and
+    lowerflow's own source are in every key already)."""
+    import importlib.metadata
+
+    return {"torchao": importlib.metadata.version("torchao")}
+
+
+def count_quantized_nodes(program: torch.export.ExportedProgram) -> int:
+    """Quantize / dequantize / choose-qparams nodes of the program (what the report shows)."""
+    return sum(1 for n in program.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "namespace", None) in ("quantized_decomposed", "torchao"))
 
 
 def fused_ops_key(target: str, options: dict) -> str | None:
@@ -532,16 +568,23 @@ def run_emit_methods(store: ArtifactStore, methods: dict) -> dict:
     return {"pte": store.put_bytes(pte, "pte")}
 
 
-def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward") -> dict:
+def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
+               reference: ArtifactRef | None = None, min_sqnr: float | None = None,
+               max_error: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
-    that method's own."""
+    that method's own.  A quantized program is compared with its ``reference`` (the
+    quantized program, run in torch), and its error against fp32 eager is reported and
+    held to ``min_sqnr`` / ``max_error`` (lowering.verify)."""
     _begin("verify")
     loaded = live_model(model, fingerprint)
     if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
+    quantized = {}
+    if reference is not None:
+        quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
     return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method,
-                      dynamic_shapes=loaded.dynamic_shapes).to_dict()
+                      dynamic_shapes=loaded.dynamic_shapes, **quantized).to_dict()
 
 
 def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
@@ -596,7 +639,7 @@ class StageTasks:
 
 #: The stages (each one's body is ``run_<stage>``) and the inputs each one's cache key ignores.
 STAGE_IGNORES: dict[str, tuple[str, ...]] = {
-    "export": (), "partition": (), "create_submodule": (), "build_programs": (), "preprocess": ("label",),
+    "export": (), "quantize": ("source", "model", "fingerprint"), "partition": (), "create_submodule": (), "build_programs": (), "preprocess": ("label",),
     "adjust": (), "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (), "verify": (),
     "verify_sequence": (),
 }
@@ -629,9 +672,8 @@ class StageLookup:
 
     def __call__(self, stage: str, records: list[dict], **inputs: Any) -> Any:
         start = time.perf_counter()
-        ignore = ("label",) if stage == "preprocess" else ()
-        policy = self.config.policy(stage, STAGE_VERSIONS[stage], ignore)
-        key = policy.key_for(inputs)
+        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage])
+        key = policy.key_for(stage_inputs(stage, inputs))
         result = None
         if self.results.exists(key):
             result = self.results.read(key).result
@@ -652,6 +694,17 @@ class StageLookup:
         return result
 
 
+def stage_inputs(stage: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs`` with the defaults of ``run_<stage>``'s parameters filled in: what Prefect
+    hands the cache policy (it binds a task's call with its defaults), so a key computed
+    here (a dry run's lookup, a record's key) is the task's own."""
+    body = globals().get(f"run_{stage}")
+    if body is None:
+        return inputs
+    parameters = list(inspect.signature(body).parameters.values())[1:]  # less the store
+    return {**{p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}, **inputs}
+
+
 class WouldRun(Exception):
     """Raised by :class:`StageLookup` at the first stage that is not cached."""
 
@@ -670,7 +723,7 @@ def call_stage(task, records: list[dict], **kwargs: Any) -> Any:
         "seconds": round(time.perf_counter() - start, 4),
         "bytes": None,
         # The cache record's key: what a published manifest keeps alive (tasks.gc).
-        "key": task.cache_policy.key_for(kwargs),
+        "key": task.cache_policy.key_for(stage_inputs(task.name, kwargs)),
     }
     records.append(record)
     result = state.result()  # raises the stage's exception if it failed
