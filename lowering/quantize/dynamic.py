@@ -1,0 +1,148 @@
+"""``int8-dynamic`` and ``8da4w``: dynamic per-token activations, symmetric int weights.
+
+A graph rewrite of the edge program (no re-export): every linear whose weight
+is a constant gets its weight quantized now (torchao's ``quant_primitives``,
+the arithmetic of ``Int8DynamicActivationIntxWeightConfig``) and its activation
+quantized per token at runtime.
+
+Before::
+
+    %c__folded_permute = placeholder                                   # [K, N] fp32
+    %addmm = aten.addmm.default(%p_fc_bias, %x, %c__folded_permute)
+
+After (8da4w, group size gs)::
+
+    %c__q_weight_addmm = placeholder                                   # int8 [N, K] in [-8, 7]
+    %c__q_scale_addmm = placeholder                                    # fp32 [N, K/gs]
+    %c__q_zero_point_addmm = placeholder                               # int8 [N, K/gs], zeros
+    %cq = torchao.choose_qparams_affine(%x, "ASYMMETRIC", [1, K], int8, -128, 127, None, None, int8)
+    %s = getitem(%cq, 0);  %zp = getitem(%cq, 1)
+    %xq = torchao.quantize_affine(%x, [1, K], %s, %zp, int8, -128, 127)
+    %xdq = torchao.dequantize_affine(%xq, [1, K], %s, %zp, int8, -128, 127)
+    %wdq = torchao.dequantize_affine(%c__q_weight_addmm, [1, gs], %c__q_scale_addmm,
+                                     %c__q_zero_point_addmm, int8, -8, 7)
+    %wt = aten.permute_copy.default(%wdq, [1, 0])
+    %addmm = aten.addmm.default(%p_fc_bias, %xdq, %wt)
+
+``int8-dynamic`` is the same with one block per output channel (``[1, K]``) and
+weights in [-127, 127] (XNNPACK's symmetric int8 range).  The bias stays fp32.
+8da4w leaves a linear whose K is not a multiple of the group size fp32 (as
+ExecuTorch's and optimum-executorch's filters do); :func:`quantize_dynamic`
+returns those names.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from .graph import add_constant, call, constant_value, kept_fp32, unfold_linear_weights
+from .recipes import QuantRecipe
+
+#: Per-token activation quantization (torchao's ``int8_asym_per_token``).
+ACT_QMIN, ACT_QMAX = -128, 127
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """How a weight ``[N, K]`` is quantized: blocks ``[1, block]`` (block 0 = K), range."""
+
+    block: int
+    qmin: int
+    qmax: int
+
+    def block_size(self, k: int) -> list[int]:
+        return [1, self.block or k]
+
+
+def weight_scheme(recipe: QuantRecipe) -> WeightScheme:
+    if recipe.name == "8da4w":
+        return WeightScheme(recipe.group_size, -8, 7)
+    return WeightScheme(0, -127, 127)
+
+
+def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(qdata int8 [N, K], scale fp32 [N, K/b], zero_point int8 [N, K/b])``, symmetric,
+    computed as torchao's ``IntxUnpackedToInt8Tensor.from_hp`` does (AFFINE algorithm)."""
+    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+
+    block = tuple(scheme.block_size(weight.shape[1]))
+    with torch.no_grad():
+        scale, zero_point = choose_qparams_affine(
+            weight.float(), MappingType.SYMMETRIC, block, target_dtype=torch.int8,
+            quant_min=scheme.qmin, quant_max=scheme.qmax, zero_point_dtype=torch.int8, keepdim=True,
+        )
+        qdata = quantize_affine(weight.float(), block, scale, zero_point, output_dtype=torch.int8,
+                                quant_min=scheme.qmin, quant_max=scheme.qmax)
+    return qdata, scale, zero_point
+
+
+def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[ExportedProgram, list[str]]:
+    """Rewrite ``program`` in place (see the module docstring); returns it and the names
+    of the linears left fp32 because K is not a multiple of the group size."""
+    scheme = weight_scheme(recipe)
+    graph = program.graph
+    skipped: list[str] = []
+    weights: dict[torch.fx.Node, torch.fx.Node] = {}  # a weight shared by several linears: once
+    for gemm in unfold_linear_weights(program):
+        if kept_fp32(gemm, recipe.keep_fp32):
+            continue
+        permute = gemm.args[2] if gemm.target is torch.ops.aten.addmm.default else gemm.args[1]
+        source = permute.args[0]
+        k = source.meta["val"].shape[1]
+        if scheme.block and k % scheme.block:
+            skipped.append(gemm.name)
+            continue
+        if source not in weights:
+            weights[source] = _dequantized_weight(program, gemm, source, scheme)
+        permute.replace_input_with(source, weights[source])
+        _quantize_activation(graph, gemm)
+    from .graph import remove_unused
+
+    remove_unused(program)
+    graph.lint()
+    program.graph_module.recompile()
+    return program, skipped
+
+
+def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: torch.fx.Node,
+                        scheme: WeightScheme) -> torch.fx.Node:
+    """Lift qdata / scale / zero point of ``source`` and add their ``dequantize_affine``."""
+    weight = constant_value(program, source)
+    qdata, scale, zero_point = quantize_weight(weight, scheme)
+    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm)
+    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm)
+    zp = add_constant(program, f"_q_zero_point_{gemm.name}", zero_point, meta_from=gemm)
+    users = [u for u in source.users]
+    with program.graph.inserting_before(min(users, key=_position)):
+        return call(program.graph, torch.ops.torchao.dequantize_affine.default,
+                    (q, scheme.block_size(weight.shape[1]), s, zp, torch.int8, scheme.qmin, scheme.qmax),
+                    meta_from=gemm)
+
+
+def _quantize_activation(graph: torch.fx.Graph, gemm: torch.fx.Node) -> None:
+    """Per-token choose_qparams / quantize / dequantize of the gemm's activation."""
+    index = 1 if gemm.target is torch.ops.aten.addmm.default else 0
+    x = gemm.args[index]
+    block = [1] * (x.meta["val"].dim() - 1) + [x.meta["val"].shape[-1]]
+    ops = torch.ops.torchao
+    with graph.inserting_before(gemm):
+        qparams = call(graph, ops.choose_qparams_affine.default,
+                       (x, "ASYMMETRIC", block, torch.int8, ACT_QMIN, ACT_QMAX, None, None, torch.int8),
+                       meta_from=gemm)
+        scale = call(graph, operator.getitem, (qparams, 0), meta_from=gemm)
+        zero_point = call(graph, operator.getitem, (qparams, 1), meta_from=gemm)
+        xq = call(graph, ops.quantize_affine.default,
+                  (x, block, scale, zero_point, torch.int8, ACT_QMIN, ACT_QMAX), meta_from=gemm)
+        xdq = call(graph, ops.dequantize_affine.default,
+                   (xq, block, scale, zero_point, torch.int8, ACT_QMIN, ACT_QMAX), meta_from=gemm)
+    args = list(gemm.args)
+    args[index] = xdq
+    gemm.args = tuple(args)
+
+
+def _position(node: torch.fx.Node) -> int:
+    return list(node.graph.nodes).index(node)

@@ -1,0 +1,190 @@
+"""Graph edits the quantize passes share, on an edge-form ExportedProgram.
+
+- :func:`constant_value` / :func:`add_constant`: read a lifted weight, lift a new one;
+- :func:`unfold_linear_weights`: put the transpose of a linear's weight back in the graph;
+- :func:`call`: a new ``call_function`` node with its ``meta["val"]`` computed on fake tensors;
+- :func:`kept_fp32`: whether a node belongs to a module the recipe keeps fp32.
+
+Unfolding (``lowering.export`` folds ``permute_copy(W)`` into a constant ``[K, N]``)::
+
+    before:  %c__folded_permute = placeholder            # CONSTANT_TENSOR [K, N]
+             %addmm = aten.addmm.default(%b, %x, %c__folded_permute)
+    after:   %c__q_weight_addmm = placeholder            # CONSTANT_TENSOR [N, K]
+             %permute_copy = aten.permute_copy.default(%c__q_weight_addmm, [1, 0])
+             %addmm = aten.addmm.default(%b, %x, %permute_copy)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+#: Lifted inputs whose value is fixed when the program is built.
+CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+#: The edge form's linear layers: ``addmm(bias, x, W^T)`` and ``mm(x, W^T)``.
+GEMMS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
+
+
+def spec_of(program: ExportedProgram) -> dict[torch.fx.Node, InputSpec]:
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    return dict(zip(placeholders, program.graph_signature.input_specs))
+
+
+def constant_value(program: ExportedProgram, node: torch.fx.Node) -> torch.Tensor | None:
+    """The tensor behind a lifted parameter / buffer / constant placeholder (None otherwise).
+
+    A mutated buffer is not constant: None.
+    """
+    if node.op != "placeholder":
+        return None
+    spec = spec_of(program).get(node)
+    if spec is None or spec.kind not in CONSTANT_KINDS:
+        return None
+    if spec.kind == InputKind.BUFFER and spec.target in program.graph_signature.buffers_to_mutate.values():
+        return None
+    table = program.constants if spec.target in program.constants else program.state_dict
+    value = table.get(spec.target)
+    return value.detach() if isinstance(value, torch.Tensor) else None
+
+
+def fake_mode_of(program: ExportedProgram):
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"])
+
+
+def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_from: torch.fx.Node | None = None) -> torch.fx.Node:
+    """Lift ``value`` as a new CONSTANT_TENSOR placeholder ``c_<name>`` (placed before the
+    first user input, as export orders them); returns the placeholder."""
+    graph = program.graph
+    specs = program.graph_signature.input_specs
+    taken = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
+    target = _fresh(name, taken)
+    node_name = _fresh(f"c_{target}", {n.name for n in graph.nodes})
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first_user = next((n for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), None)
+    where = graph.inserting_before(first_user) if first_user is not None else graph.inserting_after(placeholders[-1])
+    with where:
+        node = graph.placeholder(node_name)
+    if meta_from is not None:
+        node.meta.update({k: v for k, v in meta_from.meta.items() if k in ("nn_module_stack", "stack_trace")})
+    value = value.detach().contiguous().clone()
+    mode = fake_mode_of(program)
+    node.meta["val"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
+    ordered = [n for n in graph.nodes if n.op == "placeholder"]
+    specs.insert(ordered.index(node), InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target))
+    program.constants[target] = value
+    return node
+
+
+def call(graph: torch.fx.Graph, target: Any, args: tuple, meta_from: torch.fx.Node | None = None) -> torch.fx.Node:
+    """A ``call_function`` node of ``target(*args)`` (inserted at the graph's current
+    insertion point) whose ``meta["val"]`` is computed from its inputs' fake values."""
+    node = graph.call_function(target, args)
+    if meta_from is not None:
+        node.meta.update({k: v for k, v in meta_from.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")})
+    fakes = torch.fx.node.map_arg(args, lambda n: n.meta["val"])
+    mode = _mode_of(fakes)
+    if mode is None:
+        node.meta["val"] = target(*fakes)
+    else:
+        with mode:
+            node.meta["val"] = target(*fakes)
+    return node
+
+
+def _mode_of(fakes: Any):
+    from torch._guards import detect_fake_mode
+    from torch.utils import _pytree as pytree
+
+    return detect_fake_mode([x for x in pytree.tree_leaves(fakes) if isinstance(x, torch.Tensor)])
+
+
+def gemm_weight(node: torch.fx.Node) -> torch.fx.Node:
+    """The ``[K, N]`` operand of an edge-form linear (``addmm`` arg 2, ``mm`` arg 1)."""
+    return node.args[2] if node.target is torch.ops.aten.addmm.default else node.args[1]
+
+
+def unfold_linear_weights(program: ExportedProgram) -> list[torch.fx.Node]:
+    """Give every linear whose weight is a constant the form ``permute_copy(W[N, K])``.
+
+    A weight already reached through ``permute_copy(<constant [N, K]>, [1, 0])`` stays;
+    a folded constant ``[K, N]`` is replaced by a new constant ``W = folded.T`` and a
+    ``permute_copy`` node.  Returns the gemm nodes whose weight is now
+    ``permute_copy(constant)``, in graph order.  The caller recompiles.
+    """
+    graph = program.graph
+    done = []
+    natural_of: dict[torch.fx.Node, torch.fx.Node] = {}  # a folded weight shared by several linears
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in GEMMS:
+            continue
+        weight = gemm_weight(node)
+        if not isinstance(weight, torch.fx.Node):
+            continue
+        if weight.target is torch.ops.aten.permute_copy.default and list(weight.args[1]) == [1, 0] and (
+            constant_value(program, weight.args[0]) is not None and len(weight.users) == 1
+        ):
+            done.append(node)
+            continue
+        value = constant_value(program, weight)
+        if value is None or value.dim() != 2 or not value.is_floating_point():
+            continue
+        natural = natural_of.get(weight)
+        if natural is None:
+            natural = natural_of[weight] = add_constant(program, f"_weight_{node.name}", value.t(), meta_from=node)
+        with graph.inserting_before(node):
+            permute = call(graph, torch.ops.aten.permute_copy.default, (natural, [1, 0]), meta_from=node)
+        node.replace_input_with(weight, permute)
+        done.append(node)
+    remove_unused(program)
+    return done
+
+
+def remove_unused(program: ExportedProgram) -> None:
+    """Drop lifted constants nothing reads any more (and their tensors)."""
+    from ..export.cleanups import remove_unused_constants
+
+    remove_unused_constants(program)
+
+
+def module_path(node: torch.fx.Node) -> Iterator[tuple[str, str]]:
+    """``(fqn, class name)`` of each module ``node`` was traced in, outermost first."""
+    for fqn, cls in (node.meta.get("nn_module_stack") or {}).values():
+        name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        yield fqn, name.rsplit(".", 1)[-1]
+
+
+def kept_fp32(node: torch.fx.Node, keep_fp32: tuple[str, ...]) -> bool:
+    """Whether ``node`` lies in a module named (fqn prefix at a dot boundary) or typed
+    (class name) in ``keep_fp32``."""
+    if not keep_fp32:
+        return False
+    for fqn, cls in module_path(node):
+        fqn = _plain_fqn(fqn)
+        for entry in keep_fp32:
+            if cls == entry or fqn == entry or fqn.startswith(entry + "."):
+                return True
+    return False
+
+
+def _plain_fqn(fqn: str) -> str:
+    """``L['self'].encoder.layer[0]`` / ``encoder.layer.0`` -> ``encoder.layer.0``."""
+    import re
+
+    fqn = re.sub(r"^L\['self'\]\.?", "", fqn)
+    fqn = re.sub(r"\[(\d+)\]", r".\1", fqn)
+    fqn = re.sub(r"\['([^']+)'\]", r".\1", fqn)
+    return fqn.strip(".").replace("..", ".")
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    candidate, i = name, 1
+    while candidate in taken:
+        candidate, i = f"{name}_{i}", i + 1
+    taken.add(candidate)
+    return candidate

@@ -1,0 +1,58 @@
+"""``quantize``: the stage's entry point (recipe, calibration, copy, dispatch).
+
+    edge program ─► quantize(program, recipe, calibration) ─► quantized edge program
+
+``int8`` runs :mod:`~lowering.quantize.static` (PT2E with lowerflow's own
+quantizer, then a re-export); ``int8-dynamic`` and ``8da4w`` run
+:mod:`~lowering.quantize.dynamic` (a graph rewrite).  The input program is not
+modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from torch.export import ExportedProgram
+
+from ..errors import QuantizeError
+from .calibration import calibration_batches
+from .recipes import parse_recipe
+
+log = logging.getLogger(__name__)
+
+#: ``graph_module.meta`` key listing the linears a recipe left fp32 and why.
+SKIPPED_META = "lowerflow_quantize_skipped"
+
+
+def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, name: str | None = None) -> ExportedProgram:
+    """The quantized edge-form program of ``program`` (see :mod:`lowering.quantize`).
+
+    ``recipe``: anything :func:`~lowering.quantize.parse_recipe` takes.
+    ``calibration``: an iterable of input tuples, or a callable returning one;
+    required by ``int8``, ignored (but still checked) by the dynamic recipes.
+    ``name`` is used in error messages.
+    """
+    recipe = parse_recipe(recipe)
+    label = f"model {name!r}" if name else "program"
+    if not isinstance(program, ExportedProgram):
+        raise QuantizeError(f"{label}: quantize expects an ExportedProgram, got {type(program).__name__}")
+    batches = calibration_batches(program, calibration, label)
+    if recipe.needs_calibration and not batches:
+        raise QuantizeError(
+            f"{label}: recipe {recipe.name!r} (static int8) needs calibration data: pass calibration= "
+            "an iterable of input tuples (a few representative batches), or use 'int8-dynamic'"
+        )
+    if recipe.needs_calibration:
+        from .static import quantize_static
+
+        return quantize_static(program, recipe, batches, label)
+    from .dynamic import quantize_dynamic
+
+    quantized, skipped = quantize_dynamic(copy.deepcopy(program), recipe)
+    if skipped:
+        log.info("%s: %s left %d linear(s) fp32 (K not a multiple of %d): %s", label, recipe.name,
+                 len(skipped), recipe.group_size, ", ".join(skipped))
+    quantized.graph_module.meta[SKIPPED_META] = tuple(skipped)
+    return quantized
