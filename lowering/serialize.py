@@ -69,6 +69,7 @@ from torch.utils import _pytree as pytree
 
 from .control_flow_graph import iter_scopes
 from .errors import LoweringError
+from .quant_ops import register_quantized_ops
 
 #: ``"format"`` of the manifest written by :func:`serialize_program`.
 PROGRAM_FORMAT = "lowerflow.exported_program"
@@ -322,6 +323,7 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
 
 
 def _deserialize_graph(graph: bytes, state_dict, constants, example_inputs) -> ExportedProgram:
+    register_quantized_ops(graph)  # a quantized program's q/dq ops must exist in torch.ops
     serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
     # Dicts and tuples are used as they are: torch.load is never reached.
     return _serde.ExportedProgramDeserializer().deserialize(serialized_ep, state_dict, constants, example_inputs)

@@ -15,7 +15,12 @@ Rooms:
 """
 
 from ..errors import QuantizeError
+from ..quant_ops import register_quantized_ops
 from .recipes import RECIPE_NAMES, QuantRecipe, parse_recipe
 from .stage import quantize
 
 __all__ = ["QuantRecipe", "QuantizeError", "RECIPE_NAMES", "parse_recipe", "quantize"]
+
+# A quantized program's q/dq ops (and their out variants, which memory plan and emit
+# name) exist once this package is imported.
+register_quantized_ops("quantized_decomposed.")
