@@ -218,6 +218,21 @@ def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, An
     return {k: v for k, v in out.items() if v is not None}
 
 
+def quantize_line(entry: dict) -> str:
+    """``quantize int8: SQNR 38.5 dB, max error 1.07% against fp32 eager`` of a target's record."""
+    from lowering.quantize import parse_recipe
+
+    recipe = parse_recipe(entry["quantize"]["recipe"])
+    checks = [c for c in ((entry.get("verify") or {}).get("checks") or []) if c.get("accuracy")]
+    if not checks:
+        return f"quantize {recipe}: not verified"
+    accuracy = checks[0]["accuracy"]
+    sqnr = "inf" if accuracy.get("sqnr_db") is None else f"{accuracy['sqnr_db']:.1f}"
+    error = accuracy.get("max_error")
+    return (f"quantize {recipe}: SQNR {sqnr} dB, max error "
+            f"{'n/a' if error is None else f'{100 * error:.2f}%'} against fp32 eager")
+
+
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
@@ -263,6 +278,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
             path = outputs[target]
             size = write_pte(entry["pte"], manifest.get("store"), path)
             say(f"{target}: wrote {path} ({size:,} bytes)")
+            if entry.get("quantize"):
+                say(f"{target}: {quantize_line(entry)}")
         else:
             failed.append(f"{target}: {entry.get('error') or 'failed'}")
     if manifest.get("store_error"):
