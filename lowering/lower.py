@@ -1,6 +1,7 @@
 """``lower``: a model (or exported program) to ``.pte`` bytes in one call.
 
-    export ─► to_backend (only with a partitioner) ─► memory plan ─► emit
+    export ─► quantize (only with a recipe) ─► to_backend (only with a partitioner)
+           ─► memory plan ─► emit
 
 Every stage runs in this process on live objects; nothing is written to disk.
 
@@ -30,7 +31,7 @@ from .export import export, to_edge
 from .memory_plan.plan import MemoryPlan, memory_plan
 
 #: The stages ``LowerResult.timings`` reports, in order.
-STAGES = ("export", "to_backend", "memory_plan", "emit")
+STAGES = ("export", "quantize", "to_backend", "memory_plan", "emit")
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ def lower(
     partitioner: Any = None,
     dynamic_shapes: Any = None,
     share_mutable_buffers: bool = False,
+    quantize: Any = None,
+    calibration: Any = None,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -73,7 +76,11 @@ def lower(
     is delegated.  ``dynamic_shapes`` (torch.export's argument, every
     ``torch.export.Dim`` with a max) makes those dims dynamic: the ``.pte``
     runs at any size in their ranges.  ``share_mutable_buffers`` is for a dict
-    of methods (see :func:`lower_methods`).
+    of methods (see :func:`lower_methods`).  ``quantize``: a recipe
+    (:func:`lowering.quantize.parse_recipe`: ``"int8"``, ``"int8-dynamic"``,
+    ``"8da4w"`` or a mapping) applied after export, with ``calibration`` batches
+    (an iterable of input tuples; ``int8`` needs them).  Without a partitioner
+    the program keeps its quantize / dequantize ops at the top level.
     """
     if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
         raise LoweringError("lower: share_mutable_buffers applies to a dict of methods, not one model")
@@ -83,16 +90,35 @@ def lower(
         if dynamic_shapes is not None:
             raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
         return lower_methods(model_or_exported_program, partitioner=partitioner,
-                             share_mutable_buffers=share_mutable_buffers)
+                             share_mutable_buffers=share_mutable_buffers, quantize=quantize,
+                             calibration=calibration)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
+    program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit.method import emit_program
 
     with _timed(timings, "emit"):
         pte = emit_program(program, plan)
     return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings)
+
+
+def _quantize(program: ExportedProgram, recipe: Any, calibration: Any, timings: dict[str, float],
+              name: str) -> ExportedProgram:
+    """The quantize stage with a recipe; the program itself without one."""
+    if recipe is None:
+        if calibration is not None:
+            raise LoweringError(f"lower: model {name!r}: calibration is given but no quantize recipe")
+        return program
+    from .quantize import quantize
+
+    with _timed(timings, "quantize"):
+        return quantize(program, recipe, calibration, name=name)
+
+
+def _label(model: Any) -> str:
+    return type(model).__name__
 
 
 def _delegate_and_plan(program: ExportedProgram, partitioner: Any, timings: dict[str, float]):
@@ -129,7 +155,8 @@ class MethodsLowerResult:
 
 
 def lower_methods(
-    methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False
+    methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False,
+    quantize: Any = None, calibration: Any = None,
 ) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
@@ -150,6 +177,9 @@ def lower_methods(
     mutable buffers get a region of arena 2 of their own
     (:func:`lowering.methods.plan_method_state`: ExecuTorch's runtime shares
     arena 1 between the methods of a program).
+
+    ``quantize``: one recipe for every method; ``calibration``: a dict
+    ``{method name: batches}`` (int8 needs one entry per method).
     """
     from .methods import (
         check_no_shared_state,
@@ -171,7 +201,10 @@ def lower_methods(
                 program = _edge_program(model, None)
             else:
                 program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
-        programs[name] = program
+        calibration_of = calibration.get(name) if isinstance(calibration, Mapping) else None
+        if calibration is not None and not isinstance(calibration, Mapping):
+            raise LoweringError("lower_methods: calibration must be a dict {method name: batches}")
+        programs[name] = _quantize(program, quantize, calibration_of, timings[name], name)
     modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
     (check_shared_state_names if share_mutable_buffers else check_no_shared_state)(modules, mutated)
