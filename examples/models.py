@@ -61,6 +61,13 @@ def cnn():
     return model, (torch.randn(1, 3, 32, 32),)
 
 
+def cnn_calibration():
+    """Calibration batches of :func:`cnn` for the static ``int8`` recipe (the demo fleet's
+    ``cnn-int8``): 16 images like its example input, from their own seeded generator."""
+    g = torch.Generator().manual_seed(1234)
+    return [(torch.randn(1, 3, 32, 32, generator=g),) for _ in range(16)]
+
+
 class LSTMModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -347,7 +347,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
                        source=calibration.get("source"), model=model, fingerprint=fingerprint)
             program = reference = done["program"]
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
-                                  "quantized_nodes": done["quantized_nodes"]}
+                                  "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
             program, result["delegation"] = delegate(run, name, program, target, options, records)
         planned = run("memory_plan", records, program=program, state_of=None)

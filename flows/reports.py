@@ -241,6 +241,8 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
         lines += [f"**.pte:** {format_bytes(pte.get('size'))} B, sha256 `{str(pte.get('sha256', ''))[:16]}`, `{pte.get('uri')}`", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
+    if entry.get("quantize"):
+        lines += [f"**quantized:** {quantize_line(entry['quantize'], entry.get('verify'))}", ""]
     lines += [f"**memory plan:** {memory_line(entry.get('memory_plan'))}", ""]
     if entry.get("methods"):
         lines += [methods_table(entry["methods"]), ""]
@@ -250,6 +252,33 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
         lines += [note, ""]
     lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
     return "\n".join(lines)
+
+
+def quantize_line(quantize: Mapping[str, Any], verify: Mapping[str, Any] | None) -> str:
+    """The recipe, the weights' bytes against fp32, and the error against fp32 eager
+    (of the program as run, and of its quantized eager reference)."""
+    recipe = dict(quantize.get("recipe") or {})
+    name = recipe.pop("recipe", "?")
+    extra = ", ".join(f"{k} {v}" for k, v in recipe.items() if v not in ([], None))
+    parts = [f"`{name}`" + (f" ({extra})" if extra else "")]
+    weights = quantize.get("weight_bytes") or {}
+    if weights.get("fp32"):
+        parts.append(f"weights {format_bytes(weights.get('quantized'))} B of fp32's {format_bytes(weights['fp32'])} B "
+                     f"({weights.get('quantized', 0) / weights['fp32']:.2f}×)")
+    accuracy = next((c["accuracy"] for c in ((verify or {}).get("checks") or []) if c.get("accuracy")), None)
+    if accuracy:
+        parts.append(f"against fp32 eager: {_accuracy_text(accuracy)}")
+    reference = (verify or {}).get("reference_accuracy")
+    if reference:
+        parts.append(f"quantized eager reference: {_accuracy_text(reference)}")
+    return "; ".join(parts)
+
+
+def _accuracy_text(accuracy: Mapping[str, Any]) -> str:
+    sqnr = accuracy.get("sqnr_db")
+    error = accuracy.get("max_error")
+    return (f"SQNR {'∞' if sqnr is None else f'{float(sqnr):.1f}'} dB, max error "
+            f"{'—' if error is None else f'{100 * float(error):.2f}%'}")
 
 
 def methods_table(methods: Mapping[str, Any]) -> str:

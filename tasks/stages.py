@@ -295,8 +295,20 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
 
     _begin("quantize")
     batches = calibration_batches(calibration, source, model, fingerprint) if calibration else None
-    quantized = quantize(get_program(store, program), parse_recipe(recipe), calibration=batches)
-    return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized)}
+    fp32 = get_program(store, program)
+    quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
+            "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}}
+
+
+def weight_bytes(program: torch.export.ExportedProgram) -> int:
+    """Bytes of the program's parameters, buffers and lifted constants (each tensor once)."""
+    seen, total = set(), 0
+    for tensor in [*program.state_dict.values(), *program.constants.values()]:
+        if isinstance(tensor, torch.Tensor) and id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def quantize_versions() -> dict[str, str]:

@@ -273,8 +273,13 @@ def test_demo_fleet_manifest():
 
     fleet = load_manifest(REPO / "examples" / "fleet.yaml")
     assert fleet.store == str(REPO / ".lowerflow")  # the CLI's default store when run from the repo root
-    assert [m.name for m in fleet.models] == ["mlp", "cnn", "lstm", "transformer", "buffer_mutation"]
+    assert [m.name for m in fleet.models] == ["mlp", "cnn", "cnn-int8", "lstm", "transformer", "buffer_mutation"]
     for entry in fleet.models:
+        if entry.name == "cnn-int8":  # the quantized one
+            assert entry.targets == ("portable", "xnnpack") and entry.min_sqnr == 25
+            assert dict(entry.quantize) == {t: {"recipe": "int8", "keep_fp32": []} for t in entry.targets}
+            assert entry.calibration == f"{REPO / 'examples' / 'models.py'}:cnn_calibration"
+            continue
         xnnpack = ("xnnpack",) if entry.name in ("mlp", "cnn") else ()
         assert entry.targets == ("portable", "reference", *xnnpack)
         assert entry.model == f"{REPO / 'examples' / 'models.py'}:{entry.name}"
