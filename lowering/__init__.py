@@ -1,6 +1,6 @@
 """lowerflow's compiler library: ExecuTorch's lowering stages on torch alone.
 
-    export ─► partition ─► create submodule ─► build ExportedProgram ─► preprocess
+    export ─► quantize (optional) ─► partition ─► create submodule ─► build ExportedProgram ─► preprocess
            ─► adjust original program ─► memory plan ─► emit
 """
 
@@ -15,6 +15,7 @@ from .errors import (
     LoweringError,
     MemoryPlanError,
     PartitionError,
+    QuantizeError,
     SubmoduleError,
 )
 from .export import export
@@ -30,6 +31,7 @@ from .partition import (
     tag_constant_data,
     tag_mutated_buffer,
 )
+from .quantize import RECIPE_NAMES, QuantRecipe, parse_recipe, quantize
 from .to_backend import to_backend
 
 __all__ = [
@@ -53,6 +55,9 @@ __all__ = [
     "PartitionResult",
     "Partitioner",
     "PreprocessResult",
+    "QuantRecipe",
+    "QuantizeError",
+    "RECIPE_NAMES",
     "SubmoduleError",
     "apply_fused_ops",
     "define_fused_op",
@@ -61,6 +66,8 @@ __all__ = [
     "export",
     "lower",
     "lower_methods",
+    "parse_recipe",
+    "quantize",
     "tag_constant_data",
     "tag_mutated_buffer",
     "to_backend",

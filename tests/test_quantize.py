@@ -305,6 +305,9 @@ def test_int8_mlp_graph_and_accuracy_match_executorch():
     # relu fused: the relu, not the addmm, feeds the quantize
     assert all(q.args[0].target in (aten.relu.default, aten.addmm.default) for q in calls(quantized, qd.quantize_per_tensor.default)[1:])
     assert not [n for n in quantized.graph.nodes if n.op == "placeholder" and "folded" in n.name]
+    # the same user inputs and outputs
+    assert quantized.call_spec == program.call_spec
+    assert [s.arg.name for s in quantized.graph_signature.input_specs if s.kind.name == "USER_INPUT"] == ["x"]
     ref, ours = outputs(model, batches), outputs(quantized.module(), batches)
     theirs = outputs(executorch_int8(model, batches), batches)
     assert rel(ref, ours) < 0.05 and sqnr(ref, ours) > 30
@@ -369,7 +372,7 @@ def test_int8_cat_shares_one_scale():
     assert len(params) == 1 and q_out.args[1:3] in params
 
 
-def test_int8_keep_fp32_by_name_and_class():
+def test_int8_keep_fp32_by_name_and_class(caplog):
     model, batches = cnn_case()
     program = export(model, batches[0])
     by_name = quantize(program, {"recipe": "int8", "keep_fp32": ["fc"]}, batches)
@@ -379,6 +382,9 @@ def test_int8_keep_fp32_by_name_and_class():
     by_class = quantize(program, {"recipe": "int8", "keep_fp32": ["Conv2d"]}, batches)
     assert len(calls(by_class, qd.dequantize_per_channel.default)) == 1
     assert all(c.args[1].op == "placeholder" for c in calls(by_class, aten.convolution.default))
+    assert "keep_fp32" not in caplog.text
+    quantize(program, {"recipe": "int8", "keep_fp32": ["fc2", "Conv2d"]}, batches)
+    assert "keep_fp32 entries ['fc2'] name no module" in caplog.text
 
 
 def test_int8_without_calibration_or_with_bad_batches_names_them():

@@ -93,6 +93,9 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
         permute = gemm.args[2] if gemm.target is torch.ops.aten.addmm.default else gemm.args[1]
         source = permute.args[0]
         k = source.meta["val"].shape[1]
+        x = gemm.args[1] if gemm.target is torch.ops.aten.addmm.default else gemm.args[0]
+        if not _is_float32(x) or not _is_float32(source):
+            continue
         if scheme.block and k % scheme.block:
             skipped.append(gemm.name)
             continue
@@ -142,6 +145,11 @@ def _quantize_activation(graph: torch.fx.Graph, gemm: torch.fx.Node) -> None:
     args = list(gemm.args)
     args[index] = xdq
     gemm.args = tuple(args)
+
+
+def _is_float32(node) -> bool:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float32
 
 
 def _position(node: torch.fx.Node) -> int:

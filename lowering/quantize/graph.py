@@ -172,6 +172,18 @@ def kept_fp32(node: torch.fx.Node, keep_fp32: tuple[str, ...]) -> bool:
     return False
 
 
+def unmatched_keep_fp32(graph: torch.fx.Graph, keep_fp32: tuple[str, ...]) -> list[str]:
+    """The ``keep_fp32`` entries that name no module of ``graph`` (a typo, most likely)."""
+    names: set[str] = set()
+    for node in graph.nodes:
+        for fqn, cls in module_path(node):
+            fqn = _plain_fqn(fqn)
+            names.add(cls)
+            parts = fqn.split(".")
+            names.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+    return [entry for entry in keep_fp32 if entry not in names]
+
+
 def _plain_fqn(fqn: str) -> str:
     """``L['self'].encoder.layer[0]`` / ``encoder.layer.0`` -> ``encoder.layer.0``."""
     import re

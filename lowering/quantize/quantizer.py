@@ -142,8 +142,7 @@ def _annotate_cat(node: Node) -> None:
     from torchao.quantization.pt2e.quantizer import SharedQuantizationSpec
 
     inputs = node.args[0]
-    dim_ok = all(_is_float(a) for a in inputs) and _is_float(node)
-    if not dim_ok or not inputs:
+    if not inputs or not all(_is_float(a) for a in inputs) or not _is_float(node):
         return
     act, _ = specs()
     source = next((a for a in inputs if _output_spec(a) is not None), inputs[0])
@@ -234,14 +233,7 @@ def _annotated(node: Node) -> bool:
 
 
 def _output_spec(node) -> object | None:
-    if not isinstance(node, Node):
-        return None
-    if node.target is operator.getitem and isinstance(node.args[0], Node) and (
-        node.args[0].target is aten.max_pool2d_with_indices.default
-    ):
-        ann = node.meta.get("quantization_annotation")
-        return ann.output_qspec if ann is not None else None
-    ann = node.meta.get("quantization_annotation")
+    ann = node.meta.get("quantization_annotation") if isinstance(node, Node) else None
     return ann.output_qspec if ann is not None else None
 
 

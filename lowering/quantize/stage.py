@@ -18,6 +18,7 @@ from torch.export import ExportedProgram
 
 from ..errors import QuantizeError
 from .calibration import calibration_batches
+from .graph import unmatched_keep_fp32
 from .recipes import parse_recipe
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, 
     label = f"model {name!r}" if name else "program"
     if not isinstance(program, ExportedProgram):
         raise QuantizeError(f"{label}: quantize expects an ExportedProgram, got {type(program).__name__}")
+    _warn_unmatched(program, recipe, label)
     batches = calibration_batches(program, calibration, label)
     if recipe.needs_calibration and not batches:
         raise QuantizeError(
@@ -56,3 +58,10 @@ def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, 
                  len(skipped), recipe.group_size, ", ".join(skipped))
     quantized.graph_module.meta[SKIPPED_META] = tuple(skipped)
     return quantized
+
+
+def _warn_unmatched(program: ExportedProgram, recipe, label: str) -> None:
+    unmatched = unmatched_keep_fp32(program.graph, recipe.keep_fp32)
+    if unmatched:
+        log.warning("%s: keep_fp32 entries %s name no module of the program (fqn prefix or class name)",
+                    label, unmatched)
