@@ -72,7 +72,7 @@ def plan_quantization(graph: torch.fx.Graph, ctx) -> QuantPlan:
     for node in graph.nodes:
         if node.op != "call_function":
             continue
-        if node.target in GEMMS and _plan_dynamic(plan, node, ctx):
+        if (node.target in GEMMS or node.target is aten.convolution.default) and _plan_dynamic(plan, node, ctx):
             continue
         if node.target in FREE_PARAMS or node.target in SAME_PARAMS:
             _plan_static(plan, node, ctx)
@@ -116,6 +116,8 @@ def _bias_ok(node: torch.fx.Node, ctx) -> bool:
 
 
 def _plan_dynamic(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
+    if node.target is aten.convolution.default:
+        return _plan_dynamic_conv(plan, node, ctx)
     act = node.args[1] if node.target is aten.addmm.default else node.args[0]
     views = []
     while is_op(act, aten.view_copy.default) and len(act.users) == 1:
@@ -132,6 +134,23 @@ def _plan_dynamic(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
         return False
     plan.dynamic[node] = group[0]
     plan.dynamic_parts.update(group[1:] + views)
+    return True
+
+
+def _plan_dynamic_conv(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
+    """A 2-D, non-transposed, ungrouped convolution of a dynamically quantized activation
+    (qdint8 per image in NHWC, qcint8 filter, fp32 bias and result)."""
+    group = _dynamic_group(node.args[0])
+    w_shape = node.args[1].meta["val"].shape
+    if group is None or len(w_shape) != 4 or w_shape[1] == 1 or node.args[6] or int(node.args[8]) != 1:
+        return False
+    if not _bias_ok(node, ctx):
+        return False
+    w = _weight(plan, node, node.args[1], ctx)
+    if w is None or w.kind != "channel" or w.bits != 8 or w.axis != 0:
+        return False
+    plan.dynamic[node] = group[0]
+    plan.dynamic_parts.update(group[1:])
     return True
 
 

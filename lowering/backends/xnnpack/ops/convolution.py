@@ -126,7 +126,7 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         top, bottom, left, right = top + pre[2], bottom + post[2], left + pre[3], right + post[3]
         x_node = x_node.args[0]
     transposed, output_padding, groups = bool(node.args[6]), pair(node.args[7]), int(node.args[8])
-    qweight = b.qplan.weights.get(w_node) if node in b.qplan.qout else None
+    qweight = b.qplan.weights.get(w_node) if b.qplan.quantized(node) else None
     weight = qweight.data if qweight is not None else b.static_tensor(w_node).double()
     if one_d:
         weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
@@ -149,12 +149,17 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
         w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
         filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
-    x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
-    if qweight is not None:  # per-channel scales follow the output channel: dim 3 of a depthwise filter
+    if node in b.qplan.dynamic:  # quantized per image at run time; fp32 bias and result
+        x = quantized.dynamic_input(b, b.qplan.dynamic[node], None, NHWC)
+        filter_id = quantized.weight_constant(b, qweight, filt)
+        bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+    elif qweight is not None:  # per-channel scales follow the output channel: dim 3 of a depthwise filter
+        x = b.get(x_node, NHWC)
         filter_id = quantized.weight_constant(b, qweight, filt, channel_dim=3 if depthwise else 0)
         bias_id = (quantized.static_bias(b, bias, qweight, quantized.value_params(b, x))
                    if bias is not None else P.INVALID_ID)
     else:
+        x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
         filter_id = b.constant(filt.float())
         bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
     out = b.define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)

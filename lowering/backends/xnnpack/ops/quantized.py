@@ -30,7 +30,7 @@ import torch
 from .. import payload as P
 from ..generated import xnngraph_generated as fbx
 from ..qparams import ACT_Q, QParams, QWeight, act_qparams, is_op
-from ..values import NCHW, shape
+from ..values import NCHW, NHWC, shape
 from ..xnodes import node1x1, reshape
 
 if TYPE_CHECKING:
@@ -141,18 +141,20 @@ def lower_not_alone(b: GraphBuilder, node: torch.fx.Node) -> None:
 # --------------------------------------------------------------------------- operands
 
 
-def dynamic_input(b: GraphBuilder, x: torch.fx.Node, dims: list[int]) -> int:
-    """``x`` (fp32, NCHW: layout transposes happen before the Convert) reshaped to ``dims``
-    and converted to qdint8 with per-row parameters chosen at run time; made once."""
-    key = (x, tuple(dims))
+def dynamic_input(b: GraphBuilder, x: torch.fx.Node, dims: list[int] | None, layout: str = NCHW) -> int:
+    """``x`` (fp32, in ``layout``: layout transposes happen before the Convert) reshaped to ``dims``
+    and converted to qdint8 with parameters chosen at run time: per row for a FullyConnected
+    (NCHW), per image for a convolution (NHWC); made once."""
+    key = (x, tuple(dims or ()), layout)
     if key not in b.dynamic_inputs:
-        value = b.get(x, NCHW)
+        value = b.get(x, layout)
+        dims = dims or b.dims[value]
         if b.dims[value] != list(dims):
             flat = b.define(list(dims), datatype=P.DATATYPE_FP32)
             b.add_node(fbx.NodeUnion.XNNStaticReshape, reshape(list(dims), value, flat))
             value = flat
         quant = fbx.PerTokenDynamicQuantT()
-        quant.numNonbatchDims = 1
+        quant.numNonbatchDims = 3 if layout == NHWC else 1
         out = b.define(list(dims), datatype=P.DATATYPE_QDINT8, quant=quant)
         b.add_node(fbx.NodeUnion.XNNConvert, node1x1(value, out))
         b.dynamic_inputs[key] = out
