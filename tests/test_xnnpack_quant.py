@@ -239,9 +239,11 @@ def kinds(graph) -> list[str]:
     return [KIND[n.xnodeUnionType] for n in graph.xnodes]
 
 
-def output_step(program) -> float:
-    """The scale of the last quantize before the program's output (static programs)."""
+def output_step(program) -> float | None:
+    """The scale of the quantization the program's output is dequantized from (None: fp32 output)."""
     out = program.graph.output_node().args[0][0]
+    if out.target is not torch.ops.quantized_decomposed.dequantize_per_tensor.default:
+        return None
     return float(out.args[1])
 
 
@@ -264,11 +266,18 @@ def test_static_int8_is_bit_exact_with_the_quantized_module(name):
     assert (got - want).abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("name", ["mixed", "encoder"])
-def test_static_int8_is_within_one_output_step(name):
-    got, want = run(name, "int8")
-    step = output_step(case(name, "int8").program)
-    assert (got - want).abs().max().item() <= step * 1.001 * (3 if name == "encoder" else 1)
+def test_static_mixed_graph_is_within_one_output_step():
+    got, want = run("mixed", "int8")
+    step = output_step(case("mixed", "int8").program)
+    assert (got - want).abs().max().item() <= step * 1.001
+
+
+def test_static_encoder_matches_the_quantized_module():
+    """Its output is a layer norm's (fp32), so no output step: requantization differences of one
+    step inside (ExecuTorch's own lowering shows them too) must stay small."""
+    got, want = run("encoder", "int8")
+    assert output_step(case("encoder", "int8").program) is None
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
 
 
 def test_static_mlp_payload():
