@@ -20,9 +20,11 @@ import torch
 from torch.export import ExportedProgram
 
 from ...delegation import CompileSpec
+from ...errors import PartitionError
 from ...partition import TAG, OpSupportPartitioner, PartitionResult
 from . import payload as P
-from .ops import OPS, check_node
+from .ops import check_node, rule_of
+from .qplan import plan_quantization
 from .values import Context
 
 BACKEND_ID = "XnnpackBackend"
@@ -48,6 +50,9 @@ class XnnpackPartitioner(OpSupportPartitioner):
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         self._ctx = Context(exported_program)
+        self._ctx.qplan = plan_quantization(exported_program.graph, self._ctx)
+        for node, reason in self._ctx.qplan.refusals.items():
+            raise PartitionError(f"node {node.name!r} ({node.target}): XNNPACK cannot take its quantized weight: {reason}")
         try:
             result = super().partition(exported_program)
         finally:
@@ -71,7 +76,7 @@ class XnnpackPartitioner(OpSupportPartitioner):
         reason = check_node(node, ctx)
         if reason:
             return reason
-        for position in OPS[node.target].static_operands:  # must be static data owned by the partition
+        for position in rule_of(node.target).static_operands:  # must be static data owned by the partition
             arg = node.args[position] if position < len(node.args) else None
             if arg is not None and not self._owned(arg):
                 return f"static operand {arg.name!r} is also used by nodes XNNPACK does not take"

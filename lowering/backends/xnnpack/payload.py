@@ -51,6 +51,12 @@ FLAG_ALIGN_CORNERS = 0x8
 MAX_EXTERNS = 4096
 
 DATATYPE_FP32 = fbx.XNNDatatype.xnn_datatype_fp32
+DATATYPE_QINT8 = fbx.XNNDatatype.xnn_datatype_qint8
+DATATYPE_QINT32 = fbx.XNNDatatype.xnn_datatype_qint32
+DATATYPE_QCINT8 = fbx.XNNDatatype.xnn_datatype_qcint8
+DATATYPE_QCINT32 = fbx.XNNDatatype.xnn_datatype_qcint32
+DATATYPE_QDINT8 = fbx.XNNDatatype.xnn_datatype_qdint8
+DATATYPE_QBINT4 = fbx.XNNDatatype.xnn_datatype_qbint4
 
 
 class PayloadError(BackendError):

@@ -46,7 +46,10 @@ from torch.export.graph_signature import OutputKind
 from ...delegation import named_data_key
 from . import payload as P
 from .generated import xnngraph_generated as fbx
-from .ops import OPS, PLANS, check_node, lower_getitem
+from .ops import PLANS, check_node, lower_getitem, rule_of
+from .ops.quantized import QUANT_TYPES, per_tensor_quant
+from .qparams import WEIGHT_DQ, is_op, weight_of
+from .qplan import plan_quantization
 from .values import NCHW, NHWC, TO_NCHW, TO_NHWC, Context, Value, XnnpackPreprocessError, shape, val
 from .xnodes import min_max, node1x1, transpose
 
@@ -88,6 +91,10 @@ class GraphBuilder:
         self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
         self.skip: set[torch.fx.Node] = set()  # nodes a pattern lowers with another node (PReLU's gt, mul)
         self.node: torch.fx.Node | None = None
+        self.qplan = plan_quantization(self.ep.graph, self.ctx)
+        self.ctx.qplan = self.qplan
+        self.dq_source: dict[torch.fx.Node, torch.fx.Node] = {}  # dq converted to fp32 -> its qint8 q
+        self.dynamic_inputs: dict[tuple[torch.fx.Node, tuple[int, ...]], int] = {}  # (x, dims) -> qdint8
         empty = fbx.ConstantDataOffsetT()
         empty.offset, empty.size, empty.namedKey = 0, 0, ""
         self.constant_data.append(empty)
@@ -110,12 +117,14 @@ class GraphBuilder:
             self.node = node
             if node.op != "call_function":
                 continue
+            if node in self.skip or node in self.qplan.dynamic_parts:
+                continue  # part of a pattern another node lowers
             if node.target is operator.getitem:
                 lower_getitem(self, node)
                 continue
-            if self.ctx.is_static(node) or node in self.skip:
-                continue  # folded: a constant defined where it is used, or part of a pattern
-            rule = OPS.get(node.target)
+            if self.ctx.is_static(node):
+                continue  # folded: a constant defined where it is used
+            rule = rule_of(node.target)
             if rule is None:
                 raise XnnpackPreprocessError(f"node {node.name!r}: no XNNPACK lowering for {node.target}")
             reason = check_node(node, self.ctx)
@@ -148,11 +157,11 @@ class GraphBuilder:
                 raise XnnpackPreprocessError(f"output {i} is not a tensor")
             self.node = arg
             vid = self.get(arg, NCHW)
-            table = self.values[vid].xvalueUnion
+            table = self.tensor_value(vid)
             if vid in self._external_inputs or table.flags & P.EXTERNAL_OUTPUT or table.constantBufferIdx:
                 copy = self.define(self.dims[vid])
                 self.add_node(fbx.NodeUnion.XNNCopy, node1x1(vid, copy))
-                vid, table = copy, self.values[copy].xvalueUnion
+                vid, table = copy, self.tensor_value(copy)
             table.flags |= P.EXTERNAL_OUTPUT
             table.externalId = n_inputs + i
             ids.append(vid)
@@ -160,9 +169,16 @@ class GraphBuilder:
 
     # ------------------------------------------------------------- values
 
-    def define(self, dims: list[int], *, constant: int = 0, external_id: int = P.INVALID_ID, flags: int = 0) -> int:
+    def define(self, dims: list[int], *, datatype: int | None = None, quant: Any = None, constant: int = 0,
+               external_id: int = P.INVALID_ID, flags: int = 0) -> int:
+        """A new value; ``datatype`` None: fp32, or qint8 with the planned parameters of a node
+        computing quantized (:attr:`qplan`); ``quant`` a PerTensorQuantT/PerChannelQuantT/... ."""
+        if datatype is None:
+            datatype = P.DATATYPE_FP32
+            if constant == 0 and self.node in self.qplan.qout:
+                datatype, quant = P.DATATYPE_QINT8, per_tensor_quant(self.qplan.qout[self.node])
         tensor = fbx.XNNTensorValueT()
-        tensor.datatype = P.DATATYPE_FP32
+        tensor.datatype = datatype
         tensor.numDims = len(dims)
         tensor.dims = [int(d) for d in dims]
         tensor.constantBufferIdx = constant
@@ -170,24 +186,48 @@ class GraphBuilder:
         tensor.flags = flags
         tensor.idOut = len(self.values)
         value = fbx.XValueT()
-        value.xvalueUnionType = fbx.ValueUnion.XNNTensorValue
-        value.xvalueUnion = tensor
+        if quant is None:
+            value.xvalueUnionType, value.xvalueUnion = fbx.ValueUnion.XNNTensorValue, tensor
+        else:
+            qvalue = fbx.XNNQuantizedTensorValueT()
+            qvalue.tensorValue = tensor
+            qvalue.quantParamsType, qvalue.quantParams = QUANT_TYPES[type(quant)], quant
+            value.xvalueUnionType, value.xvalueUnion = fbx.ValueUnion.XNNQuantizedTensorValue, qvalue
         self.values.append(value)
         self.dims[tensor.idOut] = list(tensor.dims)
         return tensor.idOut
 
-    def constant(self, tensor: torch.Tensor) -> int:
-        """A new value holding ``tensor`` (fp32), its bytes as named data keyed by sha256."""
-        t = tensor.detach().to(torch.float32).contiguous()
-        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        key = named_data_key(data)
+    def tensor_value(self, vid: int) -> fbx.XNNTensorValueT:
+        value = self.values[vid].xvalueUnion
+        return value.tensorValue if isinstance(value, fbx.XNNQuantizedTensorValueT) else value
+
+    def value_type(self, vid: int) -> tuple[int, Any]:
+        """``(datatype, quant params)`` of a value, to define another one like it."""
+        value = self.values[vid].xvalueUnion
+        if isinstance(value, fbx.XNNQuantizedTensorValueT):
+            return value.tensorValue.datatype, value.quantParams
+        return value.datatype, None
+
+    def blob(self, data: bytes, prefix: str = "") -> int:
+        """The ``constant_data`` index of named data ``data`` (key ``prefix`` + sha256), stored once."""
+        key = prefix + named_data_key(data)
         if key not in self._constant_of_key:
             entry = fbx.ConstantDataOffsetT()
             entry.offset, entry.size, entry.namedKey = P.NAMED_OFFSET, len(data), key
             self._constant_of_key[key] = len(self.constant_data)
             self.constant_data.append(entry)
             self.named_data[key] = data
-        return self.define(list(t.shape) or [1], constant=self._constant_of_key[key])
+        return self._constant_of_key[key]
+
+    def constant(self, tensor: torch.Tensor, *, datatype: int = P.DATATYPE_FP32, quant: Any = None,
+                 data: bytes | None = None) -> int:
+        """A new value holding ``tensor`` (fp32 unless ``datatype`` says otherwise: its dtype's bytes
+        as they are, or ``data`` if given, e.g. packed 4-bit), as named data keyed by sha256."""
+        t = tensor.detach()
+        t = (t.to(torch.float32) if datatype == P.DATATYPE_FP32 else t).contiguous()
+        if data is None:
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return self.define(list(t.shape) or [1], datatype=datatype, quant=quant, constant=self.blob(data))
 
     def set_value(self, node: torch.fx.Node, vid: int, layout: str) -> None:
         self._by_layout[(node, layout)] = vid
@@ -221,10 +261,17 @@ class GraphBuilder:
         return self._primary[node]
 
     def layout(self, node: Any) -> str:
-        return self.primary(node).layout if isinstance(node, torch.fx.Node) else NCHW
+        return self.primary(self.quantized_source(node)).layout if isinstance(node, torch.fx.Node) else NCHW
+
+    def quantized_source(self, node: torch.fx.Node) -> torch.fx.Node:
+        """For a node computing quantized, the qint8 q behind a dq that was converted to fp32."""
+        if node in self.dq_source and self.node in self.qplan.qout:
+            return self.dq_source[node]
+        return node
 
     def get(self, node: torch.fx.Node, layout: str | None = None) -> int:
         """``node``'s value in ``layout`` (its own layout if None), transposing once if needed."""
+        node = self.quantized_source(node)
         primary = self.primary(node)
         layout = layout or primary.layout
         key = (node, layout)
@@ -237,7 +284,8 @@ class GraphBuilder:
             vid = self.constant(t.permute(TO_NHWC) if layout == NHWC else t)
         else:
             perm = TO_NHWC if layout == NHWC else TO_NCHW
-            vid = self.define([primary.dims[i] for i in perm])
+            datatype, quant = self.value_type(primary.id)
+            vid = self.define([primary.dims[i] for i in perm], datatype=datatype, quant=quant)
             self.add_node(fbx.NodeUnion.XNNStaticTranspose, transpose(perm, primary.id, vid))
         self._by_layout[key] = vid
         return vid
@@ -247,6 +295,9 @@ class GraphBuilder:
         if node not in self._static_cache:
             if node in self.ctx.static_targets:
                 t = self.ctx.tensor(node)
+            elif is_op(node, WEIGHT_DQ):
+                w = self.qplan.weights.get(node) or weight_of(node, self.static_tensor)
+                t = w.dequantized()
             else:
                 source = self.static_tensor(node.args[0])
                 if node.target is aten.permute_copy.default:
@@ -275,6 +326,14 @@ class GraphBuilder:
             self._producer[fusable_output] = len(self.nodes) - 1
         return node
 
+    def _same_type(self, vid: int, node: torch.fx.Node) -> bool:
+        """Whether ``vid`` has the type ``node``'s own result would have (a clamp fused into its
+        producer must not change the quantization parameters)."""
+        datatype, quant = self.value_type(vid)
+        if node in self.qplan.qout:
+            return _same_params(quant, self.qplan.qout[node])
+        return datatype == P.DATATYPE_FP32
+
     def _name(self) -> str:
         return repr(self.node.name) if self.node is not None else "<graph>"
 
@@ -297,9 +356,11 @@ class GraphBuilder:
             return False
         produced = self._primary[chain]
         index = self._producer.get(produced.id)
-        if index is None or self.values[produced.id].xvalueUnion.flags:
+        if index is None or self.tensor_value(produced.id).flags:
             return False
         if self._by_layout.get((chain, produced.layout)) != produced.id:
+            return False
+        if not self._same_type(produced.id, node):
             return False
         primary = self._primary[source]
         xnode = self.nodes[index]
@@ -308,6 +369,11 @@ class GraphBuilder:
         xnode.outputMinMax = min_max(lo, hi)
         self.set_value(node, primary.id, primary.layout)
         return True
+
+
+def _same_params(quant: Any, params: Any) -> bool:
+    return isinstance(quant, fbx.PerTensorQuantT) and (quant.scale, quant.zeroPoint) == (
+        float(params.scale), int(params.zero_point))
 
 
 def preprocess_program(ep: ExportedProgram) -> tuple[bytes, dict[str, bytes]]:

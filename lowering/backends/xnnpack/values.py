@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind
 
 from ...dynamic import upper_bound_shape
 from ...errors import BackendError
+from .qparams import WEIGHT_DQ, is_op
 
 aten = torch.ops.aten
 
@@ -65,6 +66,8 @@ class Context:
             if spec.target in mutated:
                 continue
             self.static_targets[node] = spec.target
+        #: The quantization plan (:mod:`.qplan`), set by whoever builds this context for a walk.
+        self.qplan = None
 
     def tensor(self, node: torch.fx.Node) -> torch.Tensor:
         target = self.static_targets[node]
@@ -72,12 +75,30 @@ class Context:
         return table[target].detach()
 
     def is_static(self, arg: Any) -> bool:
-        """A static placeholder, or a permute/view/clone of one (folded at preprocess)."""
+        """A static placeholder, a permute/view/clone of one, or the dequantization of a static
+        quantized weight (folded at preprocess)."""
         if not isinstance(arg, torch.fx.Node):
             return False
         if arg in self.static_targets:
             return True
-        return arg.op == "call_function" and arg.target in FOLDABLE and self.is_static(arg.args[0])
+        if arg.op != "call_function":
+            return False
+        if arg.target in FOLDABLE:
+            return self.is_static(arg.args[0])
+        return is_op(arg, WEIGHT_DQ) and all(self.is_static(a) for a in arg.all_input_nodes)
+
+    def static_value(self, node: torch.fx.Node) -> torch.Tensor:
+        """The tensor of a static placeholder, or of a permute/view/clone of one."""
+        if node in self.static_targets:
+            return self.tensor(node)
+        source = self.static_value(node.args[0])
+        if node.target is aten.permute_copy.default:
+            return source.permute(node.args[1])
+        if node.target is aten.expand_copy.default:
+            return source.expand(shape(node))
+        if node.target in (aten.view_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dims):
+            return source.reshape(shape(node))
+        return source
 
 
 def val(node: Any) -> Any:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..values import Context, val
-from . import convolution, elementwise, linear, normalization, pooling, shape
+from ..qparams import op_key
+from . import convolution, elementwise, linear, normalization, pooling, quantized, shape
 from .shape import lower_getitem
 
 if TYPE_CHECKING:
@@ -114,6 +115,17 @@ OPS: dict[Any, OpRule] = {
     **_each((aten.split_with_sizes_copy.default, aten.split_copy.Tensor), OpRule(shape.lower_split)),
     aten.cat.default: OpRule(shape.lower_cat, shape.check_cat),
     aten.constant_pad_nd.default: OpRule(shape.lower_pad, shape.check_pad),
+    # quantization (which nodes compute quantized: ..qplan); torchao's ops are keyed by name
+    quantized.qd.quantize_per_tensor.default: OpRule(quantized.lower_act_q, quantized.check_act_q,
+                                                     checks_dtypes=True),
+    quantized.qd.dequantize_per_tensor.default: OpRule(quantized.lower_act_dq, quantized.check_dequantize_per_tensor,
+                                                       checks_dtypes=True),
+    **_each((quantized.qd.dequantize_per_channel.default, "torchao::dequantize_affine"),
+            OpRule(quantized.lower_not_alone, quantized.check_weight_dq, checks_dtypes=True)),
+    **_each((quantized.qd.choose_qparams.tensor, quantized.qd.quantize_per_tensor.tensor,
+             quantized.qd.dequantize_per_tensor.tensor, "torchao::choose_qparams_affine",
+             "torchao::quantize_affine"),
+            OpRule(quantized.lower_not_alone, quantized.check_dynamic_part, checks_dtypes=True)),
 }
 
 #: Passes over the whole partition before the walk, each recording in the builder which
@@ -126,6 +138,11 @@ PLANS: tuple[Callable[[GraphBuilder], None], ...] = (
 )
 
 
+def rule_of(target: Any) -> OpRule | None:
+    """The rule of an op (torchao's looked up by name)."""
+    return OPS.get(op_key(target))
+
+
 def register(target: Any, rule: OpRule) -> None:
     """Add ``target`` to the table (for ops defined outside ATen, e.g. :mod:`..fused`)."""
     OPS[target] = rule
@@ -136,7 +153,7 @@ def register(target: Any, rule: OpRule) -> None:
 
 def check_node(node: torch.fx.Node, ctx: Context) -> str | None:
     """Why the runtime cannot take ``node`` (None if it can)."""
-    rule = OPS.get(node.target)
+    rule = rule_of(node.target)
     if rule is None:
         return f"no XNNPACK lowering for {node.target}"
     if rule.checks_dtypes:
@@ -197,4 +214,4 @@ def _dynamic_reason(node: torch.fx.Node, rule: OpRule) -> str | None:
     return rule.symbolic_sizes(node)
 
 
-__all__ = ["OPS", "PLANS", "OpRule", "check_node", "lower_getitem", "register"]
+__all__ = ["OPS", "PLANS", "OpRule", "check_node", "lower_getitem", "register", "rule_of"]

@@ -17,6 +17,7 @@ from .. import payload as P
 from ..generated import xnngraph_generated as fbx
 from ..values import NCHW, NHWC, TO_NHWC, pair, shape
 from ..xnodes import reshape, transpose
+from . import quantized
 from .normalization import batch_norm_scale_shift
 from .shape import pads
 
@@ -55,6 +56,7 @@ def plan_batch_norm_folds(b: GraphBuilder) -> None:
         if (
             isinstance(conv, torch.fx.Node)
             and conv.target is aten.convolution.default
+            and conv not in b.qplan.qout
             and len(conv.users) == 1
             and not conv.args[6]  # not transposed
             and all(b.ctx.is_static(a) for a in node.args[1:5])
@@ -124,11 +126,12 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         top, bottom, left, right = top + pre[2], bottom + post[2], left + pre[3], right + post[3]
         x_node = x_node.args[0]
     transposed, output_padding, groups = bool(node.args[6]), pair(node.args[7]), int(node.args[8])
-    weight = b.static_tensor(w_node).double()
+    qweight = b.qplan.weights.get(w_node) if b.qplan.quantized(node) else None
+    weight = qweight.data if qweight is not None else b.static_tensor(w_node).double()
     if one_d:
         weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
     bias = b.static_tensor(bias_node).double() if bias_node is not None else None
-    bn = b.bn_folds.get(node)
+    bn = b.bn_folds.get(node) if qweight is None else None
     if bn is not None:
         scale, shift = batch_norm_scale_shift(b, bn)
         weight = weight * scale.reshape(-1, 1, 1, 1)
@@ -146,9 +149,19 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
         w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
         filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
-    x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
-    filter_id = b.constant(filt.float())
-    bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+    if node in b.qplan.dynamic:  # quantized per image at run time; fp32 bias and result
+        x = quantized.dynamic_input(b, b.qplan.dynamic[node], None, NHWC)
+        filter_id = quantized.weight_constant(b, qweight, filt)
+        bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+    elif qweight is not None:  # per-channel scales follow the output channel: dim 3 of a depthwise filter
+        x = b.get(x_node, NHWC)
+        filter_id = quantized.weight_constant(b, qweight, filt, channel_dim=3 if depthwise else 0)
+        bias_id = (quantized.static_bias(b, bias, qweight, quantized.value_params(b, x))
+                   if bias is not None else P.INVALID_ID)
+    else:
+        x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
+        filter_id = b.constant(filt.float())
+        bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
     out = b.define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)
     body = fbx._XNNNodeConvT()
     body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left

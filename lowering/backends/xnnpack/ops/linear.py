@@ -16,6 +16,7 @@ from .. import payload as P
 from ..generated import xnngraph_generated as fbx
 from ..values import NCHW, shape, val
 from ..xnodes import node2x1
+from . import quantized
 
 if TYPE_CHECKING:
     from ..preprocess import GraphBuilder
@@ -64,6 +65,9 @@ def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
     is_addmm = node.target in ADDMM_LIKE
     x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
+    if b.qplan.quantized(node):  # the quantized weight [N, K] read through permute_copy
+        quantized.fully_connected(b, node, x_node, w_node.args[0], node.args[0] if is_addmm else None)
+        return
     x = b.get(x_node, NCHW)
     flags = P.FLAG_TRANSPOSE_WEIGHTS
     if b.ctx.is_static(w_node):

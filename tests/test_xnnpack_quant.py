@@ -1,0 +1,433 @@
+"""Quantized programs through the XNNPACK backend, checked on ExecuTorch's own runtime.
+
+Inputs are quantized the standard way, independent of lowerflow's quantize stage:
+
+- ``int8``: ExecuTorch's XNNPACKQuantizer (per-channel symmetric) + torchao
+  ``prepare_pt2e`` / calibration / ``convert_pt2e``;
+- ``int8-dynamic``: the same quantizer with ``is_dynamic=True``;
+- ``8da4w``: torchao ``quantize_`` with ``Int8DynamicActivationIntxWeightConfig(int4, PerGroup(32))``
+  and ``unwrap_tensor_subclass``.
+
+PT2E modules go through ``lowering.export``; ``lowering.export`` decomposes torchao's
+affine ops into ATen arithmetic, so 8da4w programs are exported with those ops
+preserved (:func:`edge_keeping_torchao_ops`).  Each ``.pte`` runs on
+``executorch.runtime`` and is compared with the quantized eager module, its
+payload is decoded, and its size is compared with ExecuTorch's own lowering
+(``to_edge_transform_and_lower`` + ``XnnpackPartitioner``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytest.importorskip("executorch")
+pytest.importorskip("torchao")
+
+import lowering  # noqa: E402
+from lowering.backends.xnnpack import XnnpackPartitioner  # noqa: E402
+from lowering.backends.xnnpack import payload as P  # noqa: E402
+from lowering.backends.xnnpack.generated import xnngraph_generated as fbx  # noqa: E402
+from lowering.errors import LoweringError  # noqa: E402
+from lowering.lowered_module import LoweredBackendModule  # noqa: E402
+from tests._interop import ExecutorchMethod  # noqa: E402
+
+DT = fbx.XNNDatatype
+KIND = P.node_kind_names()
+
+# --------------------------------------------------------------------------- models
+
+
+class MLP(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                         torch.nn.Linear(256, 10))
+
+
+class CNN(torch.nn.Module):
+    """conv-BN-ReLU, maxpool, conv-BN-ReLU, conv-BN + residual add + ReLU, GAP, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16)
+        self.c2, self.b2 = torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32)
+        self.c3, self.b3 = torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.BatchNorm2d(32)
+        self.fc = torch.nn.Linear(32, 10)
+        for bn in (self.b1, self.b2, self.b3):
+            bn.running_mean.uniform_(-0.2, 0.2)
+            bn.running_var.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        x = torch.relu(self.b1(self.c1(x)))
+        x = torch.nn.functional.max_pool2d(x, 2)
+        y = torch.relu(self.b2(self.c2(x)))
+        y = torch.relu(self.b3(self.c3(y)) + y)
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+class Mixed(torch.nn.Module):
+    """hardtanh, depthwise conv, cat, mul, average pooling (fp32 between Converts), linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.dw = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.c2 = torch.nn.Conv2d(32, 16, 1)
+        self.fc = torch.nn.Linear(16 * 8 * 8, 10)
+
+    def forward(self, x):
+        a = torch.nn.functional.hardtanh(self.c1(x), 0.0, 6.0)
+        b = self.dw(a)
+        c = self.c2(torch.cat([a, b], dim=1))
+        d = c * b
+        d = torch.nn.functional.avg_pool2d(d, 2)
+        return self.fc(d.flatten(1))
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        return self.layer(x)
+
+
+MODELS = {"mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+          "encoder": (Encoder, (1, 16, 64))}
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    cls, size = MODELS[name]
+    return cls().eval(), (torch.randn(size),)
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+def pt2e(model, inputs, *, dynamic: bool):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer, get_symmetric_quantization_config)
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True,
+                                                                              is_dynamic=dynamic))
+    prepared = prepare_pt2e(torch.export.export(model, inputs).module(), quantizer)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        prepared(torch.randn(inputs[0].shape, generator=generator))
+    return convert_pt2e(prepared)
+
+
+def da4w(model, *, group_size=32, mapping=None):
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.utils import unwrap_tensor_subclass
+
+    extra = {} if mapping is None else {"weight_mapping_type": mapping}
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(group_size), **extra))
+    unwrap_tensor_subclass(model)
+    return model
+
+
+def edge_keeping_torchao_ops(model, inputs):
+    """The edge form of ``model`` with torchao's affine ops kept (``lowering.export`` decomposes them)."""
+    from torch._export.utils import _special_op_to_preserve_cia
+
+    table = torch.export.default_decompositions()
+    for name in ("choose_qparams_affine", "quantize_affine", "dequantize_affine"):
+        table[getattr(torch.ops.torchao, name).default] = _special_op_to_preserve_cia
+    ep = torch.export.export(model, inputs).run_decompositions(table)
+    aten = torch.ops.aten
+    copies = {aten.view.default: aten.view_copy.default, aten.permute.default: aten.permute_copy.default,
+              aten.unsqueeze.default: aten.unsqueeze_copy.default, aten.expand.default: aten.expand_copy.default,
+              aten.t.default: aten.t_copy.default, aten.squeeze.dims: aten.squeeze_copy.dims,
+              aten.select.int: aten.select_copy.int, aten.slice.Tensor: aten.slice_copy.Tensor,
+              aten.transpose.int: aten.transpose_copy.int, aten.alias.default: aten.alias_copy.default}
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and node.target in copies:
+            node.target = copies[node.target]
+    ep.graph_module.recompile()
+    return ep
+
+
+@dataclass
+class Case:
+    reference: torch.nn.Module  # the quantized eager module
+    program: object  # lowerflow's edge program
+    inputs: tuple
+
+
+@functools.lru_cache(maxsize=None)
+def case(name: str, recipe: str) -> Case:
+    model, inputs = build(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if recipe == "8da4w":
+            ref = da4w(model)
+            return Case(ref, edge_keeping_torchao_ops(ref, inputs), inputs)
+        ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic")
+        return Case(ref, lowering.export(ref, inputs), inputs)
+
+
+@functools.lru_cache(maxsize=None)
+def lowered(name: str, recipe: str):
+    c = case(name, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lowering.lower(c.program, partitioner=XnnpackPartitioner())
+
+
+@functools.lru_cache(maxsize=None)
+def executorch_pte(name: str, recipe: str) -> bytes:
+    """ExecuTorch's own lowering of the same quantized module."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner as EtPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    c = case(name, recipe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(c.reference, c.inputs)
+        return bytes(to_edge_transform_and_lower(ep, partitioner=[EtPartitioner()]).to_executorch().buffer)
+
+
+def segment_bytes(pte: bytes) -> int:
+    """Bytes of a .pte's segments: the delegate payloads and their named data (the backend's output)."""
+    import json
+    import struct
+
+    from executorch.exir._serialize._flatbuffer import _program_flatbuffer_to_json
+
+    program_size = struct.unpack_from("<Q", pte, 16)[0]
+    program = json.loads(_program_flatbuffer_to_json(pte[:program_size]))
+    return sum(s["size"] for s in program.get("segments", []))
+
+
+def payloads(result) -> list[tuple[fbx.XNNGraphT, dict[str, bytes]]]:
+    found = []
+    for module in result.exported_program.graph_module.modules():
+        if isinstance(module, LoweredBackendModule):
+            graph, _ = P.deserialize_payload(module.processed_bytes)
+            found.append((graph, module.named_data))
+    return found
+
+
+def values_of(graph):
+    """id -> (datatype, quant params or None, dims, tensor value)."""
+    out = {}
+    for v in graph.xvalues:
+        t = v.xvalueUnion
+        quant = None
+        if isinstance(t, fbx.XNNQuantizedTensorValueT):
+            t, quant = t.tensorValue, t.quantParams
+        out[t.idOut] = (t.datatype, quant, list(t.dims), t)
+    return out
+
+
+def key(graph, index: int) -> str:
+    k = graph.constantData[index].namedKey
+    return k.decode() if isinstance(k, bytes) else k
+
+
+def kinds(graph) -> list[str]:
+    return [KIND[n.xnodeUnionType] for n in graph.xnodes]
+
+
+def output_step(program) -> float | None:
+    """The scale of the quantization the program's output is dequantized from (None: fp32 output)."""
+    out = program.graph.output_node().args[0][0]
+    if out.target is not torch.ops.quantized_decomposed.dequantize_per_tensor.default:
+        return None
+    return float(out.args[1])
+
+
+def run(name: str, recipe: str):
+    c = case(name, recipe)
+    method = ExecutorchMethod(lowered(name, recipe).pte)
+    got = method.execute(c.inputs)[0]
+    with torch.no_grad():
+        want = c.reference(*c.inputs)
+    return got, want
+
+
+# --------------------------------------------------------------------------- static int8
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_static_int8_is_bit_exact_with_the_quantized_module(name):
+    got, want = run(name, "int8")
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() == 0.0
+
+
+def test_static_mixed_graph_is_within_one_output_step():
+    got, want = run("mixed", "int8")
+    step = output_step(case("mixed", "int8").program)
+    assert (got - want).abs().max().item() <= step * 1.001
+
+
+def test_static_encoder_matches_the_quantized_module():
+    """Its output is a layer norm's (fp32), so no output step: requantization differences of one
+    step inside (ExecuTorch's own lowering shows them too) must stay small."""
+    got, want = run("encoder", "int8")
+    assert output_step(case("encoder", "int8").program) is None
+    assert (got - want).abs().max().item() <= 0.05 * want.abs().max().item()
+
+
+def test_static_mlp_payload():
+    (graph, named), = payloads(lowered("mlp", "int8"))
+    vals = values_of(graph)
+    assert kinds(graph) == ["XNNConvert", "XNNFullyConnected", "XNNFullyConnected", "XNNFullyConnected",
+                            "XNNConvert"]
+    first, last = graph.xnodes[0].xnodeUnion, graph.xnodes[-1].xnodeUnion
+    assert vals[first.inputId][0] == DT.xnn_datatype_fp32 and vals[first.outputId][0] == DT.xnn_datatype_qint8
+    assert vals[last.inputId][0] == DT.xnn_datatype_qint8 and vals[last.outputId][0] == DT.xnn_datatype_fp32
+    x_quant = vals[first.outputId][1]
+    program = case("mlp", "int8").program
+    q_in = next(n for n in program.graph.nodes if n.name == "quantize_per_tensor")
+    assert (x_quant.scale, x_quant.zeroPoint) == pytest.approx((q_in.args[1], q_in.args[2]))
+    for node in graph.xnodes[1:4]:
+        fc = node.xnodeUnion
+        w_type, w_quant, w_dims, w = vals[fc.filterId]
+        b_type, b_quant, _, b = vals[fc.biasId]
+        assert (w_type, b_type) == (DT.xnn_datatype_qcint8, DT.xnn_datatype_qcint32)
+        assert isinstance(w_quant, fbx.PerChannelQuantT) and w_quant.numScales == w_dims[0]
+        assert fc.flags == 0  # weights [N, K]
+        scale_key = key(graph, w_quant.scaleBufferIdx)
+        assert scale_key.startswith("scale_") and len(named[scale_key]) == 4 * w_dims[0]
+        assert len(named[key(graph, w.constantBufferIdx)]) == w_dims[0] * w_dims[1]
+        assert len(named[key(graph, b.constantBufferIdx)]) == 4 * w_dims[0]
+        assert vals[fc.outputId][0] == DT.xnn_datatype_qint8
+    assert graph.xnodes[1].outputMinMax.outputMin == 0.0  # relu fused
+    assert graph.xnodes[3].outputMinMax is None
+
+
+def test_static_bias_is_int32_of_weight_and_input_scales():
+    (graph, named), = payloads(lowered("mlp", "int8"))
+    vals = values_of(graph)
+    program = case("mlp", "int8").program
+    state = {**program.state_dict, **program.constants}
+    fc = graph.xnodes[1].xnodeUnion
+    s_in = vals[fc.input1Id][1].scale
+    bias = torch.frombuffer(bytearray(named[key(graph, vals[fc.biasId][3].constantBufferIdx)]),
+                            dtype=torch.int32)
+    expect = torch.round(state["0.bias"] / (state["_scale_0"] * s_in)).to(torch.int32)
+    assert (bias - expect).abs().max().item() <= 1
+
+
+def test_static_cnn_payload():
+    (graph, _), = payloads(lowered("cnn", "int8"))
+    vals = values_of(graph)
+    ks = kinds(graph)
+    assert ks[0] == "XNNConvert" and ks[-1] == "XNNConvert" and ks.count("XNNConvert") == 2
+    assert ks.count("XNNConv2d") == 3 and "XNNMaxPooling2d" in ks and "XNNGlobalAvgPooling2d" in ks
+    assert "XNNAdd" in ks
+    for node in graph.xnodes[1:-1]:
+        body = node.xnodeUnion
+        out = getattr(body, "outputId", None)
+        assert vals[out][0] == DT.xnn_datatype_qint8, KIND[node.xnodeUnionType]
+    pool = next(n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNMaxPooling2d")
+    qi, qo = vals[pool.inputId][1], vals[pool.outputId][1]
+    assert (qi.scale, qi.zeroPoint) == (qo.scale, qo.zeroPoint)
+
+
+# --------------------------------------------------------------------------- dynamic
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+def test_dynamic_int8_matches_the_quantized_module(name):
+    got, want = run(name, "int8-dynamic")
+    assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+
+
+def test_dynamic_mlp_payload():
+    (graph, _), = payloads(lowered("mlp", "int8-dynamic"))
+    vals = values_of(graph)
+    assert kinds(graph) == ["XNNConvert", "XNNFullyConnected"] * 3
+    for convert, fc in zip(graph.xnodes[0::2], graph.xnodes[1::2]):
+        c, f = convert.xnodeUnion, fc.xnodeUnion
+        assert vals[c.outputId][0] == DT.xnn_datatype_qdint8
+        assert isinstance(vals[c.outputId][1], fbx.PerTokenDynamicQuantT)
+        assert vals[c.outputId][1].numNonbatchDims == 1
+        assert f.input1Id == c.outputId
+        assert vals[f.filterId][0] == DT.xnn_datatype_qcint8
+        assert vals[f.biasId][0] == DT.xnn_datatype_fp32 and vals[f.outputId][0] == DT.xnn_datatype_fp32
+
+
+# --------------------------------------------------------------------------- 8da4w
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+def test_8da4w_matches_the_quantized_module(name):
+    got, want = run(name, "8da4w")
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+
+
+def test_8da4w_payload_is_blockwise_int4_with_bf16_scales():
+    (graph, named), = payloads(lowered("mlp", "8da4w"))
+    vals = values_of(graph)
+    program = case("mlp", "8da4w").program
+    state = {**program.state_dict, **program.constants}
+    fcs = [n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+    assert len(fcs) == 3
+    fc = fcs[0]
+    w_type, quant, dims, w = vals[fc.filterId]
+    assert w_type == DT.xnn_datatype_qbint4 and dims == [256, 64]
+    assert isinstance(quant, fbx.PerChannelGroupQuantT)
+    assert (quant.groupSize, quant.numScales, quant.channelDim) == (32, 256 * 2, 0)
+    qdata = state["0.parametrizations.weight.original0"]
+    blob = named[key(graph, w.constantBufferIdx)]
+    packed = torch.frombuffer(bytearray(blob), dtype=torch.uint8).reshape(256, 32)
+    assert torch.equal((packed & 15).to(torch.int16) - 8, qdata[:, 0::2].to(torch.int16))
+    assert torch.equal((packed >> 4).to(torch.int16) - 8, qdata[:, 1::2].to(torch.int16))
+    scales = named[key(graph, quant.scaleBufferIdx)]
+    expect = state["0.parametrizations.weight.original1"].to(torch.bfloat16).contiguous()
+    assert scales == expect.view(torch.uint8).numpy().tobytes()
+    assert vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
+
+
+def test_asymmetric_4bit_weight_is_refused_naming_the_node():
+    from torchao.quantization.quant_primitives import MappingType
+
+    model, inputs = build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = edge_keeping_torchao_ops(da4w(model, mapping=MappingType.ASYMMETRIC), inputs)
+    with pytest.raises(LoweringError, match=r"node 'addmm.*asymmetric weight.*not 0"):
+        lowering.lower(program, partitioner=XnnpackPartitioner())
+
+
+def test_group_size_16_is_refused_naming_the_node():
+    model, inputs = build("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = edge_keeping_torchao_ops(da4w(model, group_size=16), inputs)
+    with pytest.raises(LoweringError, match=r"node 'addmm.*group size 16 is not a multiple of 32"):
+        lowering.lower(program, partitioner=XnnpackPartitioner())
+
+
+# --------------------------------------------------------------------------- sizes
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+@pytest.mark.parametrize("recipe", ["int8", "int8-dynamic", "8da4w"])
+def test_payload_and_weights_are_not_larger_than_executorchs(name, recipe):
+    """Payload + named data: the backend's bytes.  (The whole .pte can differ by up to a
+    segment alignment, 128 bytes: the container sorts segments by key, ExecuTorch by first use.)"""
+    ours, theirs = lowered(name, recipe).pte, executorch_pte(name, recipe)
+    assert segment_bytes(ours) <= segment_bytes(theirs)
+    assert len(ours) <= len(theirs) + 2 * 128
+
+
+def test_same_program_same_bytes():
+    a = lowered("cnn", "int8").pte
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b = lowering.lower(case("cnn", "int8").program, partitioner=XnnpackPartitioner()).pte
+    assert bytes(a) == bytes(b)
