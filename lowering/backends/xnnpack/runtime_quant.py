@@ -11,7 +11,7 @@ does it in fp32 and exactly in integers (float64 accumulations) elsewhere:
                        1/s = m; the row's scale is 1/m
     q -> fp32          (q - zp) * s
     FC / convs (static)  acc = sum (x - zx) * w + b_int32;  y = rint(clamp(f32(acc) * (sx*sw[c]/sy))) + zy
-    FC / conv (dynamic)  y = f32(acc_row) * sx_row * sw[c] + b_f32   (blockwise: sum_b f32(acc_b) * sw[c,b])
+    FC / conv (dynamic)  y = fma(f32(acc_row) * sx_row, sw[c], b_f32)   (blockwise: acc = sum_b f32(acc_b) * sw[c,b])
     Add / Subtract     fixed point: m = rint(|sa/sy| * 2^shift), shift = 20 - exponent(max |s/sy|),
                        y = (bias + a*ma + b*mb) >> shift + zy,  bias = 2^(shift-1) - ma*za - mb*zb
     Multiply           y = rint(f32((a-za)*(b-zb)) * (sa*sb/sy)) + zy
@@ -218,14 +218,20 @@ def _static_out(n: QNode, acc: torch.Tensor, pin: QParams, pw: QParams) -> torch
     return requantize(acc, scale, pout.zero_point, *bounds(n.node, pout))
 
 
+def _fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 fused multiply-add (one rounding), as XNNPACK's x86 and Arm kernels do."""
+    return (a.to(F64) * b.to(F64) + c.to(F64)).to(F32)
+
+
 def _dynamic_out(n: QNode, acc: torch.Tensor, x: DynamicQ, pw: QParams) -> torch.Tensor:
-    y = acc.to(F32) * x.scale * _weight_scale(pw)
+    """y = fma(f32(acc) * s_x, s_w, bias): the qd8-f32-qc8w GEMM's output stage."""
+    scaled = acc.to(F32) * x.scale
     bias, pb = _bias(n)
-    if bias is not None:
-        if pb is not None:
-            raise n.fail(f"a quantized bias (value {n.body.biasId}) on a dynamically quantized node")
-        y = y + bias
-    return n.finish_float(y)
+    if bias is None:
+        return n.finish_float(scaled * _weight_scale(pw))
+    if pb is not None:
+        raise n.fail(f"a quantized bias (value {n.body.biasId}) on a dynamically quantized node")
+    return n.finish_float(_fma(scaled, _weight_scale(pw), bias))
 
 
 def _fully_connected(n: QNode, floats: dict) -> Any:
@@ -253,11 +259,8 @@ def _blockwise_fc(n: QNode, x: DynamicQ, xq: torch.Tensor, w: torch.Tensor, pw: 
         xq, w = F.pad(xq, (0, pad)), F.pad(w, (0, pad))
     acc = torch.einsum("...bk,obk->...ob", xq.reshape(*xq.shape[:-1], blocks, gs), w.reshape(oc, blocks, gs))
     summed = (acc.to(F32).to(F64) * pw.scale.to(F64)).sum(-1).to(F32)
-    y = summed * x.scale
     bias, _ = _bias(n)
-    if bias is not None:
-        y = y + bias
-    return n.finish_float(y)
+    return n.finish_float(summed * x.scale if bias is None else _fma(summed, x.scale, bias))
 
 
 def _conv_like(n: QNode, floats: dict) -> Any:
