@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import ExecutorError
+from .kernels_quant import QUANT_KERNEL_SPECS
 
 
 @dataclass(frozen=True)
@@ -161,4 +162,6 @@ _PYTHON_KERNELS: dict[str, Kernel] = {
         "dim_order_ops::_empty_dim_order.out", 3, 1, _nothing, (2,)
     ),
     **_SYM_KERNELS,
+    # ExecuTorch's quantized kernel library (quantized_decomposed::*.out), ours.
+    **{name: Kernel(name, num_args, 1, call, written) for name, (num_args, call, written) in QUANT_KERNEL_SPECS.items()},
 }

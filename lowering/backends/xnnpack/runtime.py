@@ -5,11 +5,16 @@ constants from the program's named data by key), then runs the nodes in order.
 Values carry the graph's dims, so NHWC values are NHWC tensors here too:
 convolutions and poolings permute to torch's NCHW around the torch call.
 External inputs are bound by external id; outputs come back in external id order.
+
+Quantized values (``XNNQuantizedTensorValue``: qint8, qcint8, q(c)int32, qdint8,
+qcint4, qbint4) are read by ``runtime_qvalues`` and every node touching one runs in
+``runtime_quant`` with XNNPACK's arithmetic (requantization, rounding); fp32 nodes
+run here, unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -17,6 +22,8 @@ import torch.nn.functional as F
 
 from ...runtime.errors import ExecutorError
 from . import payload as P
+from . import runtime_quant as RQ
+from . import runtime_qvalues as Q
 from .generated import xnngraph_generated as fbx
 
 K = fbx.NodeUnion
@@ -31,6 +38,8 @@ class XnnpackProgram:
     constants: dict[int, torch.Tensor]  # value id -> tensor
     inputs: list[tuple[int, int]]  # (external id, value id), sorted
     outputs: list[tuple[int, int]]
+    qparams: dict[int, Q.QParams] = field(default_factory=dict)  # quantized value id -> params
+    quantized_nodes: set[int] = field(default_factory=set)  # indices of nodes run by runtime_quant
 
 
 class XnnpackRuntime:
@@ -38,40 +47,30 @@ class XnnpackRuntime:
 
     def init(self, processed: bytes, compile_specs: Sequence[Any] = (), named_data: Mapping[str, bytes] | None = None):
         graph, inline = P.deserialize_payload(processed)
-        named_data = named_data or {}
-        constants, inputs, outputs = {}, [], []
-        table = graph.constantData or []
+        read = Q.blob_reader(graph.constantData or [], inline, named_data or {})
+        constants, qparams, inputs, outputs = {}, {}, [], []
         for value in graph.xvalues or []:
-            tensor = value.xvalueUnion
-            if value.xvalueUnionType != fbx.ValueUnion.XNNTensorValue:
-                raise ExecutorError("XNNPACK payload: quantized values are not supported by lowerflow's runtime")
-            if tensor.datatype != P.DATATYPE_FP32:
-                raise ExecutorError(f"XNNPACK payload: value {tensor.idOut} has datatype {tensor.datatype} (fp32 only)")
-            dims = [int(d) for d in (tensor.dims if tensor.dims is not None else [])]
+            tensor = Q.tensor_part(value)
+            if Q.is_quantized(value):
+                qparams[tensor.idOut] = Q.read_qparams(value, read)
+            elif tensor.datatype != P.DATATYPE_FP32:
+                raise ExecutorError(f"XNNPACK payload: value {tensor.idOut} has datatype "
+                                    f"{Q.DATATYPE_NAMES.get(tensor.datatype, tensor.datatype)} (fp32 or quantized only)")
             if tensor.constantBufferIdx:
-                entry = table[tensor.constantBufferIdx]
-                key = entry.namedKey.decode() if isinstance(entry.namedKey, bytes) else (entry.namedKey or "")
-                if key:
-                    if key not in named_data:
-                        raise ExecutorError(f"XNNPACK payload: constant {key!r} is not in the program's named data")
-                    data = named_data[key]
-                else:
-                    data = inline[entry.offset:entry.offset + entry.size]
-                count = 1
-                for d in dims:
-                    count *= d
-                if len(data) < 4 * count:
-                    raise ExecutorError(f"XNNPACK payload: constant {key!r} has {len(data)} bytes, needs {4 * count}")
-                constants[tensor.idOut] = torch.frombuffer(bytearray(data[:4 * count]), dtype=torch.float32).reshape(dims)
+                constants[tensor.idOut] = _constant(tensor, qparams.get(tensor.idOut), read)
             if tensor.flags & P.EXTERNAL_INPUT:
                 inputs.append((tensor.externalId, tensor.idOut))
             if tensor.flags & P.EXTERNAL_OUTPUT:
                 outputs.append((tensor.externalId, tensor.idOut))
-        for node in graph.xnodes or []:
-            if node.xnodeUnionType not in _KERNELS:
-                raise ExecutorError(f"XNNPACK payload: node kind {_NAMES.get(node.xnodeUnionType, node.xnodeUnionType)} "
+        quantized_nodes = set()
+        for index, node in enumerate(graph.xnodes or []):
+            kind = node.xnodeUnionType
+            if kind not in _KERNELS and kind not in RQ.QUANT_KERNELS:
+                raise ExecutorError(f"XNNPACK payload: node {index} of kind {_NAMES.get(kind, kind)} "
                                     "is not supported by lowerflow's runtime")
-        return XnnpackProgram(graph, constants, sorted(inputs), sorted(outputs))
+            if any(vid in qparams for vid in _value_ids(node.xnodeUnion)):
+                quantized_nodes.add(index)
+        return XnnpackProgram(graph, constants, sorted(inputs), sorted(outputs), qparams, quantized_nodes)
 
     def num_inputs(self, handle: XnnpackProgram) -> int:
         return len(handle.inputs)
@@ -80,20 +79,50 @@ class XnnpackRuntime:
     def execute(self, handle: XnnpackProgram, args: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if len(args) != len(handle.inputs):
             raise ExecutorError(f"XNNPACK delegate takes {len(handle.inputs)} inputs, got {len(args)}")
-        values: dict[int, torch.Tensor] = dict(handle.constants)
+        values: dict[int, Any] = dict(handle.constants)
         for (_, vid), arg in zip(handle.inputs, args):
-            dims = list(handle.graph.xvalues[vid].xvalueUnion.dims)
+            dims = list(Q.tensor_part(handle.graph.xvalues[vid]).dims)
             # A 0-dim input is [1] in the graph; an input smaller than its dims is a
             # dynamic one (dims at the upper bound): it runs at its own size.
             if list(arg.shape) != dims and arg.numel() == _numel(dims):
                 arg = arg.reshape(dims)
-            values[vid] = arg
-        for node in handle.graph.xnodes or []:
+            values[vid] = arg.to(torch.int32) if vid in handle.qparams else arg
+        for index, node in enumerate(handle.graph.xnodes or []):
+            if index in handle.quantized_nodes:
+                qnode = RQ.QNode(index, node, values, handle.qparams, _NAMES.get(node.xnodeUnionType, "?"))
+                values[_output_id(node.xnodeUnion)] = RQ.run_quantized_node(qnode, _KERNELS).contiguous()
+                continue
             result = _KERNELS[node.xnodeUnionType](node.xnodeUnion, values)
             if node.outputMinMax is not None:
                 result = result.clamp(node.outputMinMax.outputMin, node.outputMinMax.outputMax)
             values[_output_id(node.xnodeUnion)] = result.contiguous()
-        return [values[vid].clone() for _, vid in handle.outputs]
+        return [_external_output(values[vid], handle.qparams.get(vid)) for _, vid in handle.outputs]
+
+
+def _external_output(value: Any, params: Q.QParams | None) -> torch.Tensor:
+    """A copy of an output value; a quantized one in its storage dtype (int8, uint8)."""
+    if params is None:
+        return value.clone()
+    if isinstance(value, Q.DynamicQ):
+        raise ExecutorError("XNNPACK payload: a dynamically quantized (qdint8) value is a delegate output")
+    return value.to(Q.storage_dtype(params))
+
+
+def _constant(tensor: fbx.XNNTensorValueT, params: Q.QParams | None, read) -> torch.Tensor:
+    """A constant value's data: fp32, or the integers of a quantized one."""
+    dims = [int(d) for d in (tensor.dims if tensor.dims is not None else [])]
+    data = read(tensor.constantBufferIdx, f"constant value {tensor.idOut}")
+    if params is not None:
+        return Q.decode_constant(tensor.idOut, tensor.datatype, dims, data)
+    count = _numel(dims)
+    if len(data) < 4 * count:
+        raise ExecutorError(f"XNNPACK payload: constant value {tensor.idOut} has {len(data)} bytes, needs {4 * count}")
+    return torch.frombuffer(bytearray(data[:4 * count]), dtype=torch.float32).reshape(dims)
+
+
+def _value_ids(body: Any) -> list[int]:
+    """The value ids a node body names (inputs, filter, bias, output)."""
+    return [getattr(body, name) for name in vars(body) if name.endswith("Id") and isinstance(getattr(body, name), int)]
 
 
 def _numel(dims: Sequence[int]) -> int:
