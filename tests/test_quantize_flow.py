@@ -233,3 +233,79 @@ def test_quantize_is_deterministic_across_processes(tmp_path):
     digests = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root,
                               check=True).stdout.strip().splitlines()[-1] for _ in range(2)}
     assert len(digests) == 1, digests
+
+
+# --------------------------------------------------------------------------- xnnpack and real architectures
+
+HF_MODELS = textwrap.dedent(
+    '''
+    import torch
+    import transformers
+
+    from examples.hf_models import bert
+
+
+    def bert_batches():
+        g = torch.Generator().manual_seed(7)
+        return [(torch.randint(0, 128, (2, 12), generator=g), torch.ones(2, 12, dtype=torch.long)) for _ in range(4)]
+
+
+    class Logits(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens):
+            return self.model(input_ids=tokens, use_cache=False).logits
+
+
+    def llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, use_cache=False, attn_implementation="eager")
+        return Logits(transformers.LlamaForCausalLM(config).eval()).eval(), (torch.randint(0, 256, (1, 8)),)
+    '''
+)
+
+
+def checks_of(result: dict) -> dict:
+    return {c["runtime"]: c for c in result["verify"]["checks"]}
+
+
+def test_xnnpack_and_portable_share_one_quantize_stage(tmp_path):
+    models = write_models(tmp_path)
+    store = tmp_path / "store"
+    manifest, ran = executions_during(run, f"{models}:mlp", store, targets=["portable", "xnnpack"], quantize="int8")
+    assert ran["quantize"] == 1, dict(ran)  # one quantized program, two targets
+    xnnpack = manifest["targets"]["xnnpack"]
+    assert xnnpack["ok"], xnnpack["error"]
+    assert xnnpack["delegation"]["partitions"] >= 1
+    for runtime, check in checks_of(xnnpack).items():
+        assert check["ok"] is True, (runtime, check)
+        assert check["accuracy"]["sqnr_db"] > 25, check
+    fp32 = run(f"{models}:plain_mlp", store, targets=["xnnpack"], verify=False)
+    # (a tiny MLP: the fixed parts of the file weigh; the weights alone are 4x smaller)
+    assert xnnpack["pte"]["size"] < 0.7 * fp32["targets"]["xnnpack"]["pte"]["size"]
+    weights = xnnpack["quantize"]["weight_bytes"]
+    assert weights["quantized"] < 0.4 * weights["fp32"], weights  # int8 + fp32 scales, zero points, biases
+
+
+@pytest.mark.parametrize("spec, recipe, calibration", [
+    ("bert", "int8-dynamic", None),
+    ("bert", "int8", "bert_batches"),
+    ("llama", {"recipe": "8da4w", "group_size": 32}, None),
+])
+def test_transformers_architectures_through_the_flow(tmp_path, spec, recipe, calibration):
+    pytest.importorskip("transformers")
+    path = tmp_path / "hf_quant.py"
+    path.write_text(HF_MODELS)
+    extra = {"calibration": f"{path}:{calibration}"} if calibration else {}
+    manifest = run(f"{path}:{spec}", tmp_path / "store", targets=["xnnpack"], quantize=recipe, **extra)
+    result = manifest["targets"]["xnnpack"]
+    assert result["ok"], result["error"]
+    assert result["delegation"]["partitions"] >= 1 and result["quantize"]["quantized_nodes"] > 0
+    checks = checks_of(result)
+    assert checks["lowerflow"]["ok"] is True, checks["lowerflow"]
+    assert checks["executorch"]["ok"] is True, checks["executorch"]
+    print(spec, recipe, result["pte"]["size"], checks["executorch"]["accuracy"], result["verify"]["reference_accuracy"])
