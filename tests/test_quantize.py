@@ -556,8 +556,17 @@ def test_lower_runs_quantize_between_export_and_to_backend():
     assert plain.timings["quantize"] == 0.0 and list(plain.timings)[:2] == ["export", "quantize"]
     with pytest.raises(LoweringError, match="no quantize recipe"):
         lowering.lower(model, batches[0], calibration=batches)
-    with pytest.raises(QuantizeError, match="needs calibration"):
+    with pytest.raises(QuantizeError, match="model 'MLP'.*needs calibration"):
         lowering.lower(model, batches[0], quantize="int8")
+    with pytest.raises(QuantizeError, match="model 'MLP'.*batch 0 has 2 input"):
+        lowering.lower(model, batches[0], quantize="int8", calibration=[batches[0] * 2])
+    with pytest.raises(QuantizeError, match="unknown name"):
+        lowering.lower(model, batches[0], quantize="int3")
+    methods = {"a": (model, batches[0]), "b": (model, batches[0])}
+    with pytest.raises(LoweringError, match="calibration must be a dict"):
+        lowering.lower(methods, quantize="int8", calibration=batches)
+    with pytest.raises(QuantizeError, match="model 'b'.*needs calibration"):
+        lowering.lower(methods, quantize="int8", calibration={"a": batches})
 
 
 @pytest.mark.xfail(raises=MemoryPlanError, strict=True,
@@ -565,4 +574,13 @@ def test_lower_runs_quantize_between_export_and_to_backend():
 def test_lower_int8_without_partitioner_gives_bytes():
     model, batches = mlp_case()
     result = lowering.lower(model, batches[0], quantize="int8", calibration=batches)
+    assert result.timings["quantize"] > 0 and result.pte
+    assert calls(result.exported_program, qd.quantize_per_tensor.default)  # the q/dq stay at the top level
+
+
+@pytest.mark.xfail(raises=MemoryPlanError, strict=True,
+                   reason="top-level quantized_decomposed / torchao ops have no out variant yet (helper RT)")
+def test_lower_8da4w_without_partitioner_gives_bytes():
+    model, batches = mlp_case()
+    result = lowering.lower(model, batches[0], quantize="8da4w")
     assert result.timings["quantize"] > 0 and result.pte
