@@ -398,6 +398,7 @@ def test_int8_without_calibration_or_with_bad_batches_names_them():
         ([batches[0], (torch.randn(4, 64), torch.randn(4, 64))], "batch 1 has 2 input"),
         ([batches[0], batches[1], (torch.randn(4, 64, dtype=torch.float64),)], "batch 2, input 'x'.*float64"),
         ([(torch.randn(64),)], "batch 0, input 'x'.*rank 1.*rank 2"),
+        ([(torch.randn(2, 64),)], r"batch 0, input 'x'.*\[2, 64\].*\[4, 64\].*fixed at export"),
         ([("not a tensor",)], "batch 0, input 'x': expected a tensor"),
         ([3], "batch 0 must be a tuple"),
         (torch.randn(4, 64), "iterable of input tuples"),
