@@ -317,7 +317,11 @@ def test_int8_mlp_graph_and_accuracy_match_executorch():
 def test_int8_cnn_folds_batch_norm_and_shares_qparams():
     model, batches = cnn_case()
     program = export(model, batches[0])
+    code, names = program.graph_module.code, (list(program.state_dict), list(program.constants))
     quantized = quantize(program, "int8", batches)
+    # the input program is untouched
+    assert program.graph_module.code == code and (list(program.state_dict), list(program.constants)) == names
+    assert torch.allclose(outputs(program.module(), batches), outputs(model, batches), atol=1e-5)
     assert not calls(quantized, aten._native_batch_norm_legit_no_training.default)
     assert len(check_static_weights(quantized)) == 3
     convs = calls(quantized, aten.convolution.default)
@@ -474,6 +478,8 @@ def test_8da4w_leaves_linears_whose_k_does_not_divide_fp32():
     program = export(model, batches[0])
     quantized = quantize(program, "8da4w", batches)
     assert len(check_dynamic(quantized, 32, -8, 7)) == 2
+    assert quantized.state_dict["fc1.bias"] is program.state_dict["fc1.bias"]  # weights shared, not copied
+    assert "_folded_permute" in program.constants and "_folded_permute" not in quantized.constants
     assert quantized.graph_module.meta["lowerflow_quantize_skipped"] == ("addmm_2",)
     assert len(check_dynamic(quantize(program, {"recipe": "8da4w", "group_size": 128}, batches), 128, -8, 7)) == 1
     out, theirs = outputs(quantized.module(), batches), outputs(torchao_dynamic(model), batches)
