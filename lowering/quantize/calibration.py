@@ -2,7 +2,7 @@
 
 ``calibration`` is an iterable of input tuples, or a callable returning one.
 A batch must have as many inputs as the program's user inputs, and each tensor
-the dtype and rank of its placeholder; a mismatch is a QuantizeError naming the
+the dtype, rank and static sizes of its placeholder; a mismatch is a QuantizeError naming the
 batch index and the input.
 """
 
@@ -73,6 +73,11 @@ def _check_batch(index: int, batch: Any, expected: list[tuple[str, Any]], label:
             raise QuantizeError(
                 f"{label}: calibration batch {index}, input {name!r}: got {_describe(value)}, "
                 f"the program takes {_describe(meta)}"
+            )
+        if any(isinstance(want, int) and got != want for got, want in zip(value.shape, meta.shape)):
+            raise QuantizeError(
+                f"{label}: calibration batch {index}, input {name!r}: got {_describe(value)}, "
+                f"the program takes {_describe(meta)} (its static sizes are fixed at export)"
             )
     return tuple(batch)
 

@@ -29,6 +29,39 @@ CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENS
 GEMMS = (torch.ops.aten.addmm.default, torch.ops.aten.mm.default)
 
 
+def copy_program(program: ExportedProgram) -> ExportedProgram:
+    """A copy of ``program`` that the passes may edit: new graph (node meta dicts copied,
+    values shared), new signature lists and weight tables; the weight tensors themselves
+    are shared, never copied (the passes only add and drop entries), so a large model
+    does not need twice its memory."""
+    from torch.export.graph_signature import ExportGraphSignature
+
+    graph = torch.fx.Graph()
+    val_map: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(program.graph, val_map))
+    graph.output_node().meta = dict(program.graph.output_node().meta)
+    for old, new in val_map.items():
+        if new.name != old.name:  # graph_copy renames a name that shadows a builtin
+            new.name = old.name
+            if old.op == "placeholder":
+                new.target = old.target
+            graph._graph_namespace._rename_object(new, old.name)
+    signature = program.graph_signature
+    copied = ExportedProgram(
+        root=program.graph_module,
+        graph=graph,
+        graph_signature=ExportGraphSignature(list(signature.input_specs), list(signature.output_specs)),
+        state_dict=dict(program.state_dict),
+        range_constraints=dict(program.range_constraints),
+        module_call_graph=list(program.module_call_graph),
+        example_inputs=program.example_inputs,
+        constants=dict(program.constants),
+        verifiers=list(program.verifiers),
+    )
+    copied.graph_module.meta.update(program.graph_module.meta)
+    return copied
+
+
 def spec_of(program: ExportedProgram) -> dict[torch.fx.Node, InputSpec]:
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     return dict(zip(placeholders, program.graph_signature.input_specs))

@@ -10,7 +10,6 @@ modified.
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
@@ -18,7 +17,7 @@ from torch.export import ExportedProgram
 
 from ..errors import QuantizeError
 from .calibration import calibration_batches
-from .graph import unmatched_keep_fp32
+from .graph import copy_program, unmatched_keep_fp32
 from .recipes import parse_recipe
 
 log = logging.getLogger(__name__)
@@ -52,7 +51,7 @@ def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, 
         return quantize_static(program, recipe, batches, label)
     from .dynamic import quantize_dynamic
 
-    quantized, skipped = quantize_dynamic(copy.deepcopy(program), recipe)
+    quantized, skipped = quantize_dynamic(copy_program(program), recipe)
     if skipped:
         log.info("%s: %s left %d linear(s) fp32 (K not a multiple of %d): %s", label, recipe.name,
                  len(skipped), recipe.group_size, ", ".join(skipped))

@@ -28,7 +28,6 @@ dynamic shapes is refused (QuantizeError).
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 
 import torch
@@ -36,7 +35,7 @@ from torch.export import ExportedProgram
 
 from ..errors import QuantizeError, first_line
 from .bn_fold import fold_batch_norms
-from .graph import unfold_linear_weights
+from .graph import copy_program, unfold_linear_weights
 from .quantizer import make_quantizer
 from .recipes import QuantRecipe
 
@@ -44,7 +43,7 @@ from .recipes import QuantRecipe
 def quantize_static(program: ExportedProgram, recipe: QuantRecipe, batches: list[tuple], label: str) -> ExportedProgram:
     """The int8 program of ``program`` calibrated on ``batches`` (see the module docstring)."""
     _refuse_dynamic_shapes(program, label)
-    program = copy.deepcopy(program)
+    program = copy_program(program)
     unfold_linear_weights(program)
     fold_batch_norms(program)
     program.graph.lint()
