@@ -269,7 +269,11 @@ def recipes_by_target(value: Any, targets: list[str] | tuple[str, ...], where: s
             raise ManifestError(f"{where}: names targets not lowered: {stray} (lowered: {list(targets)})")
     try:
         recipes = {t: (value.get(t) if per_target else value) for t in targets}
-        recipes = {t: (None if r is None else parse_recipe(r).to_dict()) for t, r in recipes.items()}
+        recipes = {t: (None if r is None else parse_recipe(r)) for t, r in recipes.items()}
+        for target, recipe in recipes.items():
+            if recipe is not None and target == PORTABLE:
+                recipe.check_portable(f"target {target!r}")
+        recipes = {t: (None if r is None else r.to_dict()) for t, r in recipes.items()}
     except QuantizeError as exc:
         raise ManifestError(f"{where}: {exc}") from None
     return recipes if any(r is not None for r in recipes.values()) else None

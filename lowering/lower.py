@@ -95,6 +95,8 @@ def lower(
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
+    if quantize is not None and partitioner is None:
+        _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
     program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit.method import emit_program
@@ -204,6 +206,8 @@ def lower_methods(
         calibration_of = calibration.get(name) if isinstance(calibration, Mapping) else None
         if calibration is not None and not isinstance(calibration, Mapping):
             raise LoweringError("lower_methods: calibration must be a dict {method name: batches}")
+        if quantize is not None and partitioner is None:
+            _parse_recipe(quantize).check_portable(f"lower_methods: method {name!r}")
         programs[name] = _quantize(program, quantize, calibration_of, timings[name], name)
     modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
@@ -275,3 +279,9 @@ def _timed(timings: dict[str, float], stage: str) -> Iterator[None]:
         yield
     finally:
         timings[stage] = time.perf_counter() - start
+
+
+def _parse_recipe(recipe: Any):
+    from .quantize import parse_recipe
+
+    return parse_recipe(recipe)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lowering
-from lowering.errors import LoweringError, MemoryPlanError
+from lowering.errors import LoweringError
 from lowering.export import export
 from lowering.quantize import RECIPE_NAMES, QuantizeError, QuantRecipe, parse_recipe, quantize
 
@@ -576,18 +576,22 @@ def test_lower_runs_quantize_between_export_and_to_backend():
         lowering.lower(methods, quantize="int8", calibration={"a": batches})
 
 
-@pytest.mark.xfail(raises=MemoryPlanError, strict=True,
-                   reason="top-level quantized_decomposed / torchao ops have no out variant yet (helper RT)")
 def test_lower_int8_without_partitioner_gives_bytes():
+    """The portable program keeps its q/dq ops at the top level: the stock runtime's
+    quantized kernels (quantized_decomposed::*.out) run them, and so does lowerflow's."""
+    from lowering.verify import verify
+
     model, batches = mlp_case()
     result = lowering.lower(model, batches[0], quantize="int8", calibration=batches)
     assert result.timings["quantize"] > 0 and result.pte
     assert calls(result.exported_program, qd.quantize_per_tensor.default)  # the q/dq stay at the top level
+    reference = quantize(export(model, batches[0]), "int8", calibration=batches)
+    report = verify(result.pte, model, batches[0], reference=reference)
+    assert report.ok and {c.runtime for c in report.checks if c.ok} >= {"lowerflow"}, report.to_dict()
 
 
-@pytest.mark.xfail(raises=MemoryPlanError, strict=True,
-                   reason="top-level quantized_decomposed / torchao ops have no out variant yet (helper RT)")
-def test_lower_8da4w_without_partitioner_gives_bytes():
+def test_lower_dynamic_recipes_without_partitioner_are_refused():
     model, batches = mlp_case()
-    result = lowering.lower(model, batches[0], quantize="8da4w")
-    assert result.timings["quantize"] > 0 and result.pte
+    for recipe in ("8da4w", "int8-dynamic"):
+        with pytest.raises(QuantizeError, match=f"recipe '{recipe}' cannot quantize a program without a backend"):
+            lowering.lower(model, batches[0], quantize=recipe)

@@ -143,10 +143,18 @@ def test_dynamic_recipe_ignores_calibration_in_its_key(tmp_path):
     """int8-dynamic observes nothing: other calibration data must not re-quantize it."""
     models = write_models(tmp_path, seed=1)
     store = tmp_path / "store"
-    first = run(f"{models}:mlp", store, targets=["portable"], quantize={"portable": "int8-dynamic"}, verify=False)
-    assert "calibration" not in first
-    records = {r["stage"]: r for r in first["targets"]["portable"]["stages"]}
-    assert records["quantize"]["state"] == "Completed"
+    first = run(f"{models}:mlp", store, targets=["xnnpack"], quantize="int8-dynamic", verify=False)
+    assert "calibration" not in first and first["targets"]["xnnpack"]["ok"], first["targets"]["xnnpack"]["error"]
+    write_models(tmp_path, seed=2)  # other calibration batches (and so other code: a new export)
+    second, ran = executions_during(run, f"{models}:mlp", store, targets=["xnnpack"], quantize="int8-dynamic",
+                                    verify=False)
+    assert ran["export"] == 1 and ran["quantize"] == 0, dict(ran)  # the same exported program: a hit
+
+
+def test_dynamic_recipe_on_the_portable_target_is_refused(tmp_path):
+    models = write_models(tmp_path)
+    with pytest.raises(ValueError, match="target 'portable': recipe '8da4w' cannot quantize a program without a backend"):
+        run(f"{models}:mlp", tmp_path / "store", targets=["portable"], quantize="8da4w")
 
 
 def test_min_sqnr_fails_a_target_that_is_too_coarse(tmp_path):

@@ -74,6 +74,17 @@ class QuantRecipe:
         """Whether :func:`~lowering.quantize.quantize` needs calibration batches."""
         return self.name == "int8"
 
+    def check_portable(self, where: str = "the portable target") -> None:
+        """Raise unless the recipe's top-level ops run on the stock ExecuTorch runtime without
+        a backend: ``int8``'s q/dq ops have kernels there (its quantized library), the
+        per-token ops of ``int8-dynamic`` / ``8da4w`` (torchao's affine ops) do not."""
+        if self.name != "int8":
+            raise QuantizeError(
+                f"{where}: recipe {self.name!r} cannot quantize a program without a backend: its per-token "
+                "dynamic quantization (torchao affine ops) has no kernel in the stock ExecuTorch runtime; "
+                f"quantize a backend target only (e.g. {{xnnpack: {self.name}}}), or use 'int8'"
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """The mapping form :func:`parse_recipe` accepts (``group_size`` only for 8da4w)."""
         out: dict[str, Any] = {"recipe": self.name}
