@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 from torch.utils import _pytree as pytree
 
+from ..quant_ops import QUANT_NAMESPACES
 from .cleanups import ASSERT_OPS
 from .fallback import Fallback
 
@@ -96,7 +97,11 @@ def _keeps(op: torch._ops.OpOverload) -> bool:
         return True
     if op._schema.is_mutable:
         return False
-    return torch.Tag.core in op.tags or op in _preserved_ops()
+    if op.namespace in QUANT_NAMESPACES:  # a quantized program's q/dq ops: what the backends match
+        return True
+    # ``*_copy`` views are the edge form already (a program re-exported from an edge graph,
+    # as the quantize stage does).
+    return torch.Tag.core in op.tags or torch.Tag.view_copy in op.tags or op in _preserved_ops()
 
 
 def _trace_op(node: torch.fx.Node, fake_mode: Any, table: Mapping) -> torch.fx.GraphModule:
