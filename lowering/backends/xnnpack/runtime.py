@@ -69,6 +69,7 @@ class XnnpackRuntime:
                 raise ExecutorError(f"XNNPACK payload: node {index} of kind {_NAMES.get(kind, kind)} "
                                     "is not supported by lowerflow's runtime")
             if any(vid in qparams for vid in _value_ids(node.xnodeUnion)):
+                RQ.check_quantized_node(index, node, _NAMES.get(kind, str(kind)), _KERNELS)
                 quantized_nodes.add(index)
         return XnnpackProgram(graph, constants, sorted(inputs), sorted(outputs), qparams, quantized_nodes)
 

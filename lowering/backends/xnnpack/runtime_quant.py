@@ -119,6 +119,11 @@ def add_params(sa: float, sb: float, so: float, sign_b: int = 1) -> tuple[int, i
 
 # ------------------------------------------------------------------ node context
 
+def node_error(index: int, kind_name: str, output_id: int, why: str) -> ExecutorError:
+    return ExecutorError(f"XNNPACK payload: node {index} ({kind_name}, output value {output_id}): {why} "
+                         "(lowerflow's runtime)")
+
+
 class QNode:
     """One node's view of the values: float/int tensors, their QParams, the node."""
 
@@ -134,8 +139,7 @@ class QNode:
         return self.qparams.get(self.body.outputId)
 
     def fail(self, why: str) -> ExecutorError:
-        return ExecutorError(f"XNNPACK payload: node {self.index} ({self.kind_name}, output value "
-                             f"{self.body.outputId}): {why} (lowerflow's runtime)")
+        return node_error(self.index, self.kind_name, self.body.outputId, why)
 
     def per_tensor(self, vid: int) -> QParams:
         p = self.q(vid)
@@ -402,14 +406,17 @@ QUANT_KERNELS: dict[int, Callable] = {
 }
 
 
-def run_quantized_node(n: QNode, floats: dict[int, Callable]) -> Any:
-    """Run one node that has a quantized input or output."""
-    kind = n.node.xnodeUnionType
+def check_quantized_node(index: int, node: fbx.XNodeT, kind_name: str, floats: dict[int, Callable]) -> None:
+    """At load: refuse a node on quantized values that cannot run (named by index, kind, output id)."""
+    kind = node.xnodeUnionType
     if kind in _REFUSED:
-        raise n.fail("is not supported on quantized values (XNNPACK refuses it too)")
-    kernel = QUANT_KERNELS.get(kind)
-    if kernel is not None:
-        return kernel(n, floats)
-    if kind in floats:
-        return _reference(n, floats)
-    raise n.fail("is not supported on quantized values")
+        raise node_error(index, kind_name, node.xnodeUnion.outputId,
+                         "is not supported on quantized values (XNNPACK refuses it too)")
+    if kind not in QUANT_KERNELS and kind not in floats:
+        raise node_error(index, kind_name, node.xnodeUnion.outputId, "is not supported on quantized values")
+
+
+def run_quantized_node(n: QNode, floats: dict[int, Callable]) -> Any:
+    """Run one node that has a quantized input or output (checked by :func:`check_quantized_node`)."""
+    kernel = QUANT_KERNELS.get(n.node.xnodeUnionType)
+    return kernel(n, floats) if kernel is not None else _reference(n, floats)
