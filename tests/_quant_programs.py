@@ -66,12 +66,28 @@ class Mixed(nn.Module):
         return self.fc(y.mean((2, 3))), y
 
 
+class SharedInput(nn.Module):
+    """One conv output feeds a 3x3 and a 1x1 conv: with dynamic quantization they share one
+    qdint8 value, which XNNPACK quantizes per pixel for the 1x1 conv (defined as a fully
+    connected node) while the 3x3 conv reads it per image."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 16, 3, padding=1)
+        self.k3, self.k1 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 1)
+
+    def forward(self, x):
+        x = self.c(x)
+        return torch.cat([self.k3(x), self.k1(x)], 1)
+
+
 def encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
 
 
 MODELS = {"mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 16, 16)), "mixed": (Mixed, (1, 3, 8, 8)),
+          "shared": (SharedInput, (1, 3, 8, 8)),
           "encoder": (encoder, (1, 16, 64))}
 RECIPES = ("static", "dynamic", "8da4w")
 

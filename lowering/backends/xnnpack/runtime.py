@@ -62,6 +62,7 @@ class XnnpackRuntime:
                 inputs.append((tensor.externalId, tensor.idOut))
             if tensor.flags & P.EXTERNAL_OUTPUT:
                 outputs.append((tensor.externalId, tensor.idOut))
+        RQ.apply_define_rules(graph, qparams)
         quantized_nodes = set()
         for index, node in enumerate(graph.xnodes or []):
             kind = node.xnodeUnionType

@@ -26,6 +26,7 @@ reference form.  Softmax, AvgPooling2d and BatchMatrixMultiply on qint8 are refu
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any, Callable
 
@@ -276,6 +277,8 @@ def _conv_like(n: QNode, floats: dict) -> Any:
     body = n.body
     scratch = {body.filterId: w}
     if isinstance(x, DynamicQ):
+        if not (n.node.xnodeUnionType == K.XNNConv2d and becomes_fully_connected(body)):
+            x = per_image(x)
         scratch[body.input1Id] = (x.q - x.zero_point).to(F64)
     else:
         pin = n.per_tensor(body.input1Id)
@@ -287,6 +290,17 @@ def _conv_like(n: QNode, floats: dict) -> Any:
     if isinstance(x, DynamicQ):
         return _dynamic_out(n, acc, x, pw)
     return _static_out(n, acc, n.per_tensor(body.input1Id), pw)
+
+
+def per_image(x: DynamicQ) -> DynamicQ:
+    """The params a convolution reads for a qdint8 input: ``quantization_params[n]`` for image n
+    (``xnn_compute_dqigemm``).  An input quantized per image has them; one quantized per pixel
+    (shared with a 1x1 conv, see :func:`apply_define_rules`) is read as its first N rows' params."""
+    n = x.q.shape[0]
+    if x.scale.numel() == n:
+        return x
+    shape = (n,) + (1,) * (x.q.dim() - 1)
+    return DynamicQ(x.q, x.scale.reshape(-1)[:n].reshape(shape), x.zero_point.reshape(-1)[:n].reshape(shape))
 
 
 def _add_sub(sign_b: int) -> Callable:
@@ -404,6 +418,29 @@ QUANT_KERNELS: dict[int, Callable] = {
     K.XNNConcatenate4: _concatenate,
     K.XNNConcatenate5: _concatenate,
 }
+
+
+def apply_define_rules(graph: fbx.XNNGraphT, qparams: dict[int, QParams]) -> None:
+    """What XNNPACK changes while defining the graph: a 1x1, stride-1, unpadded, ungrouped
+    Conv2d becomes a fully-connected node, and its qdint8 input is then quantized per pixel
+    (``num_nonbatch_dims = 1``) instead of per image (``src/subgraph/convolution-2d.c``)."""
+    for node in graph.xnodes or []:
+        body = node.xnodeUnion
+        if node.xnodeUnionType != K.XNNConv2d:
+            continue
+        p = qparams.get(body.input1Id)
+        if p is None or p.datatype != D.xnn_datatype_qdint8:
+            continue
+        if becomes_fully_connected(body):
+            qparams[body.input1Id] = dataclasses.replace(p, num_nonbatch_dims=1)
+
+
+def becomes_fully_connected(body: Any) -> bool:
+    """Whether XNNPACK defines this Conv2d as a fully-connected node (1x1, stride 1, no padding, 1 group)."""
+    padded = body.paddingTop or body.paddingRight or body.paddingBottom or body.paddingLeft
+    return (body.groups == 1 and body.kernelHeight == body.kernelWidth == 1 and not padded
+            and body.subsamplingHeight == body.subsamplingWidth == 1
+            and body.groupInputChannels + body.groupOutputChannels > 2)
 
 
 def check_quantized_node(index: int, node: fbx.XNodeT, kind_name: str, floats: dict[int, Callable]) -> None:
