@@ -13,6 +13,7 @@ ExecuTorch's portable kernels: within one quantization step of the output.
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ from lowering.backends.xnnpack import payload as P  # noqa: E402
 from lowering.backends.xnnpack.generated import xnngraph_generated as fbx  # noqa: E402
 from lowering.backends.xnnpack.runtime import XnnpackRuntime  # noqa: E402
 from lowering.backends.xnnpack.runtime_qvalues import D, decode_constant  # noqa: E402
-from lowering.pte import deserialize  # noqa: E402
+from lowering.pte import deserialize, serialize  # noqa: E402
 from lowering.pte.format import decode_string  # noqa: E402
 from lowering.runtime import ExecutorError, load  # noqa: E402
 
@@ -239,3 +240,38 @@ def test_a_missing_scale_blob_is_named():
     scale_key = next(k for k in sorted(keys) if k.startswith("scale_"))
     with pytest.raises(ExecutorError, match=f"{scale_key}.*not in the program's named data"):
         XnnpackRuntime().init(P.serialize_payload(graph), named_data={k: v for k, v in named.items() if k != scale_key})
+
+
+# ------------------------------------------------------------------ edited payloads, both runtimes
+
+def _with_requantizing_convert(scale_factor: float, zero_shift: int) -> bytes:
+    """The static MLP with a qint8 -> qint8 Convert (new scale and zero point) inserted
+    between its input Convert and its first FullyConnected."""
+    pte = deserialize(delegated_pte("mlp", "static")[0])
+    graph, _ = P.deserialize_payload(pte.delegate_data[0])
+    first = graph.xnodes[0]
+    assert first.xnodeUnionType == K.XNNConvert
+    source = graph.xvalues[first.xnodeUnion.outputId]
+    value = copy.deepcopy(source)
+    value.xvalueUnion.tensorValue.idOut = len(graph.xvalues)
+    params = value.xvalueUnion.quantParams
+    params.scale *= scale_factor
+    params.zeroPoint = max(-128, min(127, params.zeroPoint + zero_shift))
+    graph.xvalues.append(value)
+    convert = copy.deepcopy(first)
+    convert.xnodeUnion.inputId = first.xnodeUnion.outputId
+    convert.xnodeUnion.outputId = value.xvalueUnion.tensorValue.idOut
+    fc = next(n for n in graph.xnodes if n.xnodeUnionType == K.XNNFullyConnected)
+    fc.xnodeUnion.input1Id = convert.xnodeUnion.outputId
+    graph.xnodes.insert(1, convert)
+    pte.delegate_data[0] = P.serialize_payload(graph)
+    return serialize(pte)
+
+
+@pytest.mark.parametrize("scale_factor, zero_shift", [(1.37, 5), (0.61, -9), (3.0, 0)])
+def test_a_requantizing_convert_is_bit_exact(scale_factor, zero_shift):
+    pte = _with_requantizing_convert(scale_factor, zero_shift)
+    assert "XNNConvert" in quantized_kinds(load(pte))
+    x = delegated_pte("mlp", "static")[1] * 3
+    for out in compare(pte, x):
+        assert out["differ"] == 0, out

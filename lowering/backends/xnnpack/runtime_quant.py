@@ -10,6 +10,7 @@ does it in fp32 and exactly in integers (float64 accumulations) elsewhere:
                        zp = rint(clamp(lo*m+128 > 127-hi*m ? -128-lo*m : 127-hi*m)), then as above with
                        1/s = m; the row's scale is 1/m
     q -> fp32          (q - zp) * s
+    qint8 -> qint8     y = (x * m + (zy << 8) - m*zx + 128) >> 8,  m = rint(256 * sx/sy)
     FC / convs (static)  acc = sum (x - zx) * w + b_int32;  y = rint(clamp(f32(acc) * (sx*sw[c]/sy))) + zy
     FC / conv (dynamic)  y = fma(f32(acc_row) * sx_row, sw[c], b_f32)   (blockwise: acc = sum_b f32(acc_b) * sw[c,b])
     Add / Subtract     fixed point: m = rint(|sa/sy| * 2^shift), shift = 20 - exponent(max |s/sy|),
@@ -185,7 +186,18 @@ def _convert(n: QNode, floats: dict) -> Any:
     inv = f32(1.0) / f32(pout.scale)
     if pin is None:
         return quantize(x, inv, pout.zero_point, pout.qmin, pout.qmax)
+    ratio = float(f32(n.per_tensor(n.body.inputId).scale) / f32(pout.scale))
+    if pin.datatype == pout.datatype == D.xnn_datatype_qint8 and 2.0 ** -8 <= ratio <= 2.0 ** 7:
+        return requantize_q8(x, pin, pout, ratio)
     return quantize(n.as_float(n.body.inputId), inv, pout.zero_point, pout.qmin, pout.qmax)
+
+
+def requantize_q8(x: torch.Tensor, pin: QParams, pout: QParams, ratio: float) -> torch.Tensor:
+    """qint8 -> qint8 (``xnn_qs8_vcvt``): multiplier rint(256 * si/so), 8-bit fixed point."""
+    multiplier = int(torch.round(f32(256.0) * f32(ratio)))
+    bias = (pout.zero_point << 8) - multiplier * pin.zero_point + 0x80
+    y = torch.div(bias + x.to(torch.int64) * multiplier, 256, rounding_mode="floor")
+    return torch.clamp(y, -128, 127).to(torch.int32)
 
 
 def _weights(n: QNode, transpose: bool) -> tuple[torch.Tensor, QParams]:
