@@ -89,7 +89,7 @@ def encoder() -> nn.Module:
 MODELS = {"mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 16, 16)), "mixed": (Mixed, (1, 3, 8, 8)),
           "shared": (SharedInput, (1, 3, 8, 8)),
           "encoder": (encoder, (1, 16, 64))}
-RECIPES = ("static", "dynamic", "8da4w")
+RECIPES = ("static", "dynamic", "8da4w", "8da4w-axis")
 
 
 def model_and_input(name: str):
@@ -114,18 +114,19 @@ def _pt2e(model, example: tuple, dynamic: bool):
     return torch.export.export(convert_pt2e(prepared), example)
 
 
-def _8da4w(model, example: tuple):
+def _8da4w(model, example: tuple, per_axis: bool = False):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
-    quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)))
+    granularity = PerAxis(0) if per_axis else PerGroup(32)
+    quantize_(model, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=granularity))
     return torch.export.export(model, example)
 
 
 def exported(name: str, recipe: str):
     model, x = model_and_input(name)
-    if recipe == "8da4w":
-        return _8da4w(model, (x,)), x
+    if recipe.startswith("8da4w"):
+        return _8da4w(model, (x,), per_axis=recipe == "8da4w-axis"), x
     return _pt2e(model, (x,), recipe == "dynamic"), x
 
 

@@ -275,3 +275,39 @@ def test_a_requantizing_convert_is_bit_exact(scale_factor, zero_shift):
     x = delegated_pte("mlp", "static")[1] * 3
     for out in compare(pte, x):
         assert out["differ"] == 0, out
+
+
+def _as_qcint4_per_channel() -> bytes:
+    """The per-axis 8da4w MLP (qbint4 weights with group size = IC) with every weight
+    rewritten as qcint4 PerChannelQuant with inline fp32 scales: a form AoT never emits and
+    the ExecuTorch runtime accepts."""
+    pte_bytes = delegated_pte("mlp", "8da4w-axis")[0]
+    _, handle = load(pte_bytes).method("forward").delegates[0]
+    pte = deserialize(pte_bytes)
+    graph, _ = P.deserialize_payload(pte.delegate_data[0])
+    rewritten = 0
+    for value in graph.xvalues:
+        tensor = value.xvalueUnion.tensorValue if value.xvalueUnionType == fbx.ValueUnion.XNNQuantizedTensorValue else None
+        if tensor is None or tensor.datatype != D.xnn_datatype_qbint4:
+            continue
+        scales = handle.qparams[tensor.idOut].scale
+        assert scales.shape[1] == 1  # one block per row: per channel
+        params = fbx.PerChannelQuantT()
+        params.scale, params.channelDim, params.scaleBufferIdx, params.numScales = scales[:, 0].tolist(), 0, 0, scales.shape[0]
+        tensor.datatype = D.xnn_datatype_qcint4
+        value.xvalueUnion.quantParamsType, value.xvalueUnion.quantParams = fbx.QuantParams.PerChannelQuant, params
+        rewritten += 1
+    assert rewritten == 3
+    pte.delegate_data[0] = P.serialize_payload(graph)
+    return serialize(pte)
+
+
+def test_per_axis_4bit_weights_as_qbint4_and_as_qcint4():
+    pte, x = delegated_pte("mlp", "8da4w-axis")
+    assert "qbint4" in quantized_kinds(load(pte))
+    edited = _as_qcint4_per_channel()
+    assert "qcint4" in quantized_kinds(load(edited))
+    for program in (pte, edited):
+        for out in compare(program, x):
+            assert out["max"] <= 1e-5 * out["ref"], out
+    torch.testing.assert_close(load(edited).run("forward", [x]), load(pte).run("forward", [x]), atol=1e-6, rtol=1e-5)
