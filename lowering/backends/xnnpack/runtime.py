@@ -62,6 +62,7 @@ class XnnpackRuntime:
                 inputs.append((tensor.externalId, tensor.idOut))
             if tensor.flags & P.EXTERNAL_OUTPUT:
                 outputs.append((tensor.externalId, tensor.idOut))
+        RQ.apply_define_rules(graph, qparams)
         quantized_nodes = set()
         for index, node in enumerate(graph.xnodes or []):
             kind = node.xnodeUnionType
@@ -69,6 +70,7 @@ class XnnpackRuntime:
                 raise ExecutorError(f"XNNPACK payload: node {index} of kind {_NAMES.get(kind, kind)} "
                                     "is not supported by lowerflow's runtime")
             if any(vid in qparams for vid in _value_ids(node.xnodeUnion)):
+                RQ.check_quantized_node(index, node, _NAMES.get(kind, str(kind)), _KERNELS)
                 quantized_nodes.add(index)
         return XnnpackProgram(graph, constants, sorted(inputs), sorted(outputs), qparams, quantized_nodes)
 

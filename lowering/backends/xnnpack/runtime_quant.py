@@ -10,6 +10,7 @@ does it in fp32 and exactly in integers (float64 accumulations) elsewhere:
                        zp = rint(clamp(lo*m+128 > 127-hi*m ? -128-lo*m : 127-hi*m)), then as above with
                        1/s = m; the row's scale is 1/m
     q -> fp32          (q - zp) * s
+    qint8 -> qint8     y = (x * m + (zy << 8) - m*zx + 128) >> 8,  m = rint(256 * sx/sy)
     FC / convs (static)  acc = sum (x - zx) * w + b_int32;  y = rint(clamp(f32(acc) * (sx*sw[c]/sy))) + zy
     FC / conv (dynamic)  y = fma(f32(acc_row) * sx_row, sw[c], b_f32)   (blockwise: acc = sum_b f32(acc_b) * sw[c,b])
     Add / Subtract     fixed point: m = rint(|sa/sy| * 2^shift), shift = 20 - exponent(max |s/sy|),
@@ -26,6 +27,7 @@ reference form.  Softmax, AvgPooling2d and BatchMatrixMultiply on qint8 are refu
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from typing import Any, Callable
 
@@ -119,6 +121,11 @@ def add_params(sa: float, sb: float, so: float, sign_b: int = 1) -> tuple[int, i
 
 # ------------------------------------------------------------------ node context
 
+def node_error(index: int, kind_name: str, output_id: int, why: str) -> ExecutorError:
+    return ExecutorError(f"XNNPACK payload: node {index} ({kind_name}, output value {output_id}): {why} "
+                         "(lowerflow's runtime)")
+
+
 class QNode:
     """One node's view of the values: float/int tensors, their QParams, the node."""
 
@@ -134,8 +141,7 @@ class QNode:
         return self.qparams.get(self.body.outputId)
 
     def fail(self, why: str) -> ExecutorError:
-        return ExecutorError(f"XNNPACK payload: node {self.index} ({self.kind_name}, output value "
-                             f"{self.body.outputId}): {why} (lowerflow's runtime)")
+        return node_error(self.index, self.kind_name, self.body.outputId, why)
 
     def per_tensor(self, vid: int) -> QParams:
         p = self.q(vid)
@@ -180,7 +186,18 @@ def _convert(n: QNode, floats: dict) -> Any:
     inv = f32(1.0) / f32(pout.scale)
     if pin is None:
         return quantize(x, inv, pout.zero_point, pout.qmin, pout.qmax)
+    ratio = float(f32(n.per_tensor(n.body.inputId).scale) / f32(pout.scale))
+    if pin.datatype == pout.datatype == D.xnn_datatype_qint8 and 2.0 ** -8 <= ratio <= 2.0 ** 7:
+        return requantize_q8(x, pin, pout, ratio)
     return quantize(n.as_float(n.body.inputId), inv, pout.zero_point, pout.qmin, pout.qmax)
+
+
+def requantize_q8(x: torch.Tensor, pin: QParams, pout: QParams, ratio: float) -> torch.Tensor:
+    """qint8 -> qint8 (``xnn_qs8_vcvt``): multiplier rint(256 * si/so), 8-bit fixed point."""
+    multiplier = int(torch.round(f32(256.0) * f32(ratio)))
+    bias = (pout.zero_point << 8) - multiplier * pin.zero_point + 0x80
+    y = torch.div(bias + x.to(torch.int64) * multiplier, 256, rounding_mode="floor")
+    return torch.clamp(y, -128, 127).to(torch.int32)
 
 
 def _weights(n: QNode, transpose: bool) -> tuple[torch.Tensor, QParams]:
@@ -272,6 +289,8 @@ def _conv_like(n: QNode, floats: dict) -> Any:
     body = n.body
     scratch = {body.filterId: w}
     if isinstance(x, DynamicQ):
+        if not (n.node.xnodeUnionType == K.XNNConv2d and becomes_fully_connected(body)):
+            x = per_image(x)
         scratch[body.input1Id] = (x.q - x.zero_point).to(F64)
     else:
         pin = n.per_tensor(body.input1Id)
@@ -283,6 +302,17 @@ def _conv_like(n: QNode, floats: dict) -> Any:
     if isinstance(x, DynamicQ):
         return _dynamic_out(n, acc, x, pw)
     return _static_out(n, acc, n.per_tensor(body.input1Id), pw)
+
+
+def per_image(x: DynamicQ) -> DynamicQ:
+    """The params a convolution reads for a qdint8 input: ``quantization_params[n]`` for image n
+    (``xnn_compute_dqigemm``).  An input quantized per image has them; one quantized per pixel
+    (shared with a 1x1 conv, see :func:`apply_define_rules`) is read as its first N rows' params."""
+    n = x.q.shape[0]
+    if x.scale.numel() == n:
+        return x
+    shape = (n,) + (1,) * (x.q.dim() - 1)
+    return DynamicQ(x.q, x.scale.reshape(-1)[:n].reshape(shape), x.zero_point.reshape(-1)[:n].reshape(shape))
 
 
 def _add_sub(sign_b: int) -> Callable:
@@ -402,14 +432,40 @@ QUANT_KERNELS: dict[int, Callable] = {
 }
 
 
-def run_quantized_node(n: QNode, floats: dict[int, Callable]) -> Any:
-    """Run one node that has a quantized input or output."""
-    kind = n.node.xnodeUnionType
+def apply_define_rules(graph: fbx.XNNGraphT, qparams: dict[int, QParams]) -> None:
+    """What XNNPACK changes while defining the graph: a 1x1, stride-1, unpadded, ungrouped
+    Conv2d becomes a fully-connected node, and its qdint8 input is then quantized per pixel
+    (``num_nonbatch_dims = 1``) instead of per image (``src/subgraph/convolution-2d.c``)."""
+    for node in graph.xnodes or []:
+        body = node.xnodeUnion
+        if node.xnodeUnionType != K.XNNConv2d:
+            continue
+        p = qparams.get(body.input1Id)
+        if p is None or p.datatype != D.xnn_datatype_qdint8:
+            continue
+        if becomes_fully_connected(body):
+            qparams[body.input1Id] = dataclasses.replace(p, num_nonbatch_dims=1)
+
+
+def becomes_fully_connected(body: Any) -> bool:
+    """Whether XNNPACK defines this Conv2d as a fully-connected node (1x1, stride 1, no padding, 1 group)."""
+    padded = body.paddingTop or body.paddingRight or body.paddingBottom or body.paddingLeft
+    return (body.groups == 1 and body.kernelHeight == body.kernelWidth == 1 and not padded
+            and body.subsamplingHeight == body.subsamplingWidth == 1
+            and body.groupInputChannels + body.groupOutputChannels > 2)
+
+
+def check_quantized_node(index: int, node: fbx.XNodeT, kind_name: str, floats: dict[int, Callable]) -> None:
+    """At load: refuse a node on quantized values that cannot run (named by index, kind, output id)."""
+    kind = node.xnodeUnionType
     if kind in _REFUSED:
-        raise n.fail("is not supported on quantized values (XNNPACK refuses it too)")
-    kernel = QUANT_KERNELS.get(kind)
-    if kernel is not None:
-        return kernel(n, floats)
-    if kind in floats:
-        return _reference(n, floats)
-    raise n.fail("is not supported on quantized values")
+        raise node_error(index, kind_name, node.xnodeUnion.outputId,
+                         "is not supported on quantized values (XNNPACK refuses it too)")
+    if kind not in QUANT_KERNELS and kind not in floats:
+        raise node_error(index, kind_name, node.xnodeUnion.outputId, "is not supported on quantized values")
+
+
+def run_quantized_node(n: QNode, floats: dict[int, Callable]) -> Any:
+    """Run one node that has a quantized input or output (checked by :func:`check_quantized_node`)."""
+    kernel = QUANT_KERNELS.get(n.node.xnodeUnionType)
+    return kernel(n, floats) if kernel is not None else _reference(n, floats)

@@ -137,7 +137,7 @@ def read_qparams(value: fbx.XValueT, read_blob: Callable[[int, str], bytes]) -> 
         raw = read_blob(params.scaleBufferIdx, f"blockwise scales of value {vid}")
         scale = torch.frombuffer(bytearray(raw[:2 * params.numScales]), dtype=torch.bfloat16).float()
     else:
-        scale = torch.tensor(list(params.scale or []), dtype=torch.float32).bfloat16().float()
+        scale = torch.tensor(_floats(params.scale), dtype=torch.float32).bfloat16().float()
     dims = [int(d) for d in tensor.dims]
     if len(dims) != 2 or params.groupSize <= 0 or scale.numel() != dims[0] * dims[1] // params.groupSize:
         raise ExecutorError(f"XNNPACK payload: blockwise value {vid} has {scale.numel()} scales for dims {dims} "
@@ -151,7 +151,7 @@ def _fp32_scales(vid: int, params: Any, read_blob: Callable[[int, str], bytes], 
         if len(raw) < 4 * params.numScales:
             raise ExecutorError(f"XNNPACK payload: {what} of value {vid}: {len(raw)} bytes for {params.numScales}")
         return torch.frombuffer(bytearray(raw[:4 * params.numScales]), dtype=torch.float32).clone()
-    return torch.tensor(list(params.scale or []), dtype=torch.float32)
+    return torch.tensor(_floats(params.scale), dtype=torch.float32)
 
 
 def decode_constant(vid: int, datatype: int, dims: list[int], data: bytes) -> torch.Tensor:
@@ -204,3 +204,8 @@ def blob_reader(table: list, inline: bytes, named_data: Mapping[str, bytes]) -> 
         return inline[entry.offset:entry.offset + entry.size]
 
     return read
+
+
+def _floats(vector: Any) -> list[float]:
+    """A flatbuffer float vector (None, a list or a numpy array) as a list."""
+    return [] if vector is None else [float(v) for v in vector]
