@@ -97,7 +97,19 @@ class Encoder(torch.nn.Module):
         return self.layer(x)
 
 
-MODELS = {"mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+class Up(torch.nn.Module):
+    """A transposed convolution (per-channel weights on axis 1) after a conv + ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(torch.relu(self.c(x)))
+
+
+MODELS = {"up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -110,12 +122,12 @@ def build(name: str):
 # --------------------------------------------------------------------------- quantization
 
 
-def pt2e(model, inputs, *, dynamic: bool):
+def pt2e(model, inputs, *, dynamic: bool, per_channel: bool = True):
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer, get_symmetric_quantization_config)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True,
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=per_channel,
                                                                               is_dynamic=dynamic))
     prepared = prepare_pt2e(torch.export.export(model, inputs).module(), quantizer)
     generator = torch.Generator().manual_seed(1)
@@ -172,7 +184,7 @@ def case(name: str, recipe: str) -> Case:
         if recipe == "8da4w":
             ref = da4w(model)
             return Case(ref, edge_keeping_torchao_ops(ref, inputs), inputs)
-        ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic")
+        ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic", per_channel=recipe != "int8-per-tensor")
         return Case(ref, lowering.export(ref, inputs), inputs)
 
 
@@ -266,6 +278,26 @@ def test_static_int8_is_bit_exact_with_the_quantized_module(name):
     assert (got - want).abs().max().item() == 0.0
 
 
+def test_static_transposed_convolution_is_within_one_output_step():
+    got, want = run("up", "int8")
+    assert (got - want).abs().max().item() <= output_step(case("up", "int8").program) * 1.001
+    (graph, _), = payloads(lowered("up", "int8"))
+    vals = values_of(graph)
+    up = next(n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNConvTranspose2d")
+    assert vals[up.filterId][0] == DT.xnn_datatype_qcint8 and vals[up.filterId][2] == [4, 2, 2, 8]
+    assert vals[up.filterId][1].channelDim == 0 and vals[up.filterId][1].numScales == 4
+
+
+def test_static_per_tensor_weights_are_qint8_with_qint32_bias():
+    got, want = run("mlp", "int8-per-tensor")
+    assert (got - want).abs().max().item() <= output_step(case("mlp", "int8-per-tensor").program) * 1.001
+    (graph, _), = payloads(lowered("mlp", "int8-per-tensor"))
+    vals = values_of(graph)
+    for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
+        assert vals[fc.filterId][0] == DT.xnn_datatype_qint8 and vals[fc.biasId][0] == DT.xnn_datatype_qint32
+        assert vals[fc.filterId][1].zeroPoint == 0
+
+
 def test_static_mixed_graph_is_within_one_output_step():
     got, want = run("mixed", "int8")
     step = output_step(case("mixed", "int8").program)
@@ -340,7 +372,7 @@ def test_static_cnn_payload():
 # --------------------------------------------------------------------------- dynamic
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mixed", "encoder"])
 def test_dynamic_int8_matches_the_quantized_module(name):
     got, want = run(name, "int8-dynamic")
     assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
@@ -363,7 +395,7 @@ def test_dynamic_mlp_payload():
 # --------------------------------------------------------------------------- 8da4w
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mixed", "encoder"])
 def test_8da4w_matches_the_quantized_module(name):
     got, want = run(name, "8da4w")
     assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
