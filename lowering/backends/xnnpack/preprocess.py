@@ -31,6 +31,13 @@ What happens on the way, per node:
   inputs and outputs are NCHW):
 
       x(NCHW) -T-> conv -> relu -> maxpool -> conv -> add -> avgpool -T-> view -> FC
+
+- quantized programs: the plan of :mod:`.qplan` gives each node computing quantized
+  its qint8 output parameters (:meth:`GraphBuilder.define` and :meth:`GraphBuilder.output`
+  define its values with them); q/dq nodes become aliases or Converts
+  (:mod:`.ops.quantized`)::
+
+      x -Convert(qint8)-T-> Conv2d(qcint8, qcint32) -> MaxPool -> ... -> FC -Convert(fp32)->
 """
 
 from __future__ import annotations
