@@ -136,14 +136,15 @@ def pt2e(model, inputs, *, dynamic: bool, per_channel: bool = True):
     return convert_pt2e(prepared)
 
 
-def da4w(model, *, group_size=32, mapping=None):
+def da4w(model, *, group_size=32, mapping=None, weight_dtype=torch.int4):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.utils import unwrap_tensor_subclass
 
     extra = {} if mapping is None else {"weight_mapping_type": mapping}
+    granularity = PerAxis(0) if group_size is None else PerGroup(group_size)
     quantize_(model, Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=PerGroup(group_size), **extra))
+        weight_dtype=weight_dtype, weight_granularity=granularity, **extra))
     unwrap_tensor_subclass(model)
     return model
 
@@ -181,8 +182,8 @@ def case(name: str, recipe: str) -> Case:
     model, inputs = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if recipe == "8da4w":
-            ref = da4w(model)
+        if recipe in ("8da4w", "8da8w"):  # 8da8w: int8 per output channel, torchao's affine ops
+            ref = da4w(model) if recipe == "8da4w" else da4w(model, group_size=None, weight_dtype=torch.int8)
             return Case(ref, edge_keeping_torchao_ops(ref, inputs), inputs)
         ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic", per_channel=recipe != "int8-per-tensor")
         return Case(ref, lowering.export(ref, inputs), inputs)
@@ -422,6 +423,15 @@ def test_8da4w_payload_is_blockwise_int4_with_bf16_scales():
     expect = state["0.parametrizations.weight.original1"].to(torch.bfloat16).contiguous()
     assert scales == expect.view(torch.uint8).numpy().tobytes()
     assert vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
+
+
+def test_8da8w_per_channel_affine_weights_are_qcint8():
+    got, want = run("mlp", "8da8w")
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    (graph, _), = payloads(lowered("mlp", "8da8w"))
+    vals = values_of(graph)
+    for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
+        assert vals[fc.filterId][0] == DT.xnn_datatype_qcint8 and vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
 
 
 def test_asymmetric_4bit_weight_is_refused_naming_the_node():
