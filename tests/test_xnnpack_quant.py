@@ -109,7 +109,20 @@ class Up(torch.nn.Module):
         return self.up(torch.relu(self.c(x)))
 
 
-MODELS = {"up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+class PoolLinear(torch.nn.Module):
+    """maxpool -> permute -> linear: the linear's input comes from an NHWC-computed value."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 32, 3, padding=1)
+        self.fc = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(self.c(x), 2)
+        return self.fc(y.permute(0, 2, 3, 1).reshape(-1, 32))
+
+
+MODELS = {"pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -379,6 +392,18 @@ def test_dynamic_int8_matches_the_quantized_module(name):
     assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
 
 
+@pytest.mark.parametrize("recipe", ["int8-dynamic", "8da4w"])
+def test_layout_transposes_come_before_the_dynamic_convert(recipe):
+    """ExecuTorch 1.5.1 emits Convert(qdint8) -> StaticTranspose, which its runtime refuses at load."""
+    got, want = run("pool_linear", recipe)
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    for graph, _ in payloads(lowered("pool_linear", recipe)):
+        vals = values_of(graph)
+        for node in graph.xnodes:
+            if KIND[node.xnodeUnionType] in ("XNNStaticTranspose", "XNNStaticReshape"):
+                assert vals[node.xnodeUnion.inputId][0] != DT.xnn_datatype_qdint8
+
+
 def test_dynamic_mlp_payload():
     (graph, _), = payloads(lowered("mlp", "int8-dynamic"))
     vals = values_of(graph)
@@ -442,6 +467,27 @@ def test_asymmetric_4bit_weight_is_refused_naming_the_node():
         warnings.simplefilter("ignore")
         program = edge_keeping_torchao_ops(da4w(model, mapping=MappingType.ASYMMETRIC), inputs)
     with pytest.raises(LoweringError, match=r"node 'addmm.*asymmetric weight.*not 0"):
+        lowering.lower(program, partitioner=XnnpackPartitioner())
+
+
+def test_dynamic_activation_read_by_an_op_xnnpack_cannot_take_quantized_is_refused_naming_it():
+    """A linear over a permuted 4-D input decomposes to expand + bmm: its dynamically quantized input
+    has no XNNPACK lowering, and the program has no kernel for leftover dynamic q/dq ops."""
+
+    class Linear4d(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc(x.permute(0, 2, 3, 1))
+
+    torch.manual_seed(0)
+    model, inputs = Linear4d().eval(), (torch.randn(1, 32, 2, 4),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = lowering.export(pt2e(model, inputs, dynamic=True), inputs)
+    with pytest.raises(LoweringError, match=r"node 'expand' .*reads the dynamically quantized activation 'dequantize_per_tensor'"):
         lowering.lower(program, partitioner=XnnpackPartitioner())
 
 

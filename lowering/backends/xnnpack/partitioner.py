@@ -59,7 +59,7 @@ class XnnpackPartitioner(OpSupportPartitioner):
         self._ctx = Context(exported_program)
         self._ctx.qplan = plan_quantization(exported_program.graph, self._ctx)
         for node, reason in self._ctx.qplan.refusals.items():
-            raise PartitionError(f"node {node.name!r} ({node.target}): XNNPACK cannot take its quantized weight: {reason}")
+            raise PartitionError(f"node {node.name!r} ({node.target}): XNNPACK cannot lower it quantized: {reason}")
         try:
             result = super().partition(exported_program)
         finally:

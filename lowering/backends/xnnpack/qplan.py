@@ -76,7 +76,7 @@ def plan_quantization(graph: torch.fx.Graph, ctx) -> QuantPlan:
             continue
         if node.target in FREE_PARAMS or node.target in SAME_PARAMS:
             _plan_static(plan, node, ctx)
-    _drop_partial_dynamic_groups(plan)
+    _drop_partial_dynamic_groups(plan, [n for n in graph.nodes if _dynamic_group(n) is not None])
     return plan
 
 
@@ -158,10 +158,10 @@ def _plan_dynamic_conv(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
     return True
 
 
-def _drop_partial_dynamic_groups(plan: QuantPlan) -> None:
+def _drop_partial_dynamic_groups(plan: QuantPlan, dqs: list[torch.fx.Node]) -> None:
     """A dynamic group is lowered with its gemms: every reader of its dq (through reshapes) must
-    be a gemm planned dynamic, or nothing of the group is (it has no fp32 value to give)."""
-    dqs = {p for p in plan.dynamic_parts if is_op(p, DYNAMIC_DQ)}
+    be a gemm planned dynamic, or nothing of the group is (it has no fp32 value to give), and the
+    first other reader is refused (the program would keep q/dq ops it has no kernel for)."""
     for dq in dqs:
         readers, frontier = [], list(dq.users)
         while frontier:
@@ -172,8 +172,13 @@ def _drop_partial_dynamic_groups(plan: QuantPlan) -> None:
                 readers.append(user)
         if all(r in plan.dynamic for r in readers):
             continue
+        other = next(r for r in readers if r not in plan.dynamic)
         for r in readers:
             plan.dynamic.pop(r, None)
+        plan.refusals.setdefault(other, (
+            f"it reads the dynamically quantized activation {dq.name!r}: XNNPACK takes dynamic quantization only "
+            "into linears (addmm / mm of a quantized weight) and 2-D convolutions, and leftover dynamic q/dq "
+            "ops have no kernel in the program"))
         q = dq.args[0]
         scale = q.args[2] if is_op(q, "torchao::quantize_affine") else q.args[1]
         group = {dq, q, scale.args[0], *scale.args[0].users}
