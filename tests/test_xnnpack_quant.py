@@ -122,7 +122,19 @@ class PoolLinear(torch.nn.Module):
         return self.fc(y.permute(0, 2, 3, 1).reshape(-1, 32))
 
 
-MODELS = {"pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+class MulRelu(torch.nn.Module):
+    """Quantized mul + ReLU (fused), fp32 sub + ReLU between Converts, convolutions sharing weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.c = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(x) * self.b(x)) + torch.relu(self.a(x) - self.b(x)))
+
+
+MODELS = {"mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -310,6 +322,17 @@ def test_static_per_tensor_weights_are_qint8_with_qint32_bias():
     for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
         assert vals[fc.filterId][0] == DT.xnn_datatype_qint8 and vals[fc.biasId][0] == DT.xnn_datatype_qint32
         assert vals[fc.filterId][1].zeroPoint == 0
+
+
+def test_static_mul_relu_is_fused_and_bit_exact():
+    """(ExecuTorch 1.5.1's own lowering of this model fails to load: "Failed to create convolution node".)"""
+    got, want = run("mulrelu", "int8")
+    assert (got - want).abs().max().item() == 0.0
+    (graph, _), = payloads(lowered("mulrelu", "int8"))
+    vals = values_of(graph)
+    mul = next(n for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNMultiply")
+    assert vals[mul.xnodeUnion.outputId][0] == DT.xnn_datatype_qint8
+    assert (mul.outputMinMax.outputMin, mul.outputMinMax.outputMax) == (0.0, float("inf"))
 
 
 def test_static_mixed_graph_is_within_one_output_step():
