@@ -134,7 +134,12 @@ class MulRelu(torch.nn.Module):
         return self.c(torch.relu(self.a(x) * self.b(x)) + torch.relu(self.a(x) - self.b(x)))
 
 
-MODELS = {"mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+class K48(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+MODELS = {"k48": (K48, (4, 48)), "mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -207,8 +212,9 @@ def case(name: str, recipe: str) -> Case:
     model, inputs = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if recipe in ("8da4w", "8da8w"):  # 8da8w: int8 per output channel, torchao's affine ops
-            ref = da4w(model) if recipe == "8da4w" else da4w(model, group_size=None, weight_dtype=torch.int8)
+        if recipe.startswith("8da"):  # 8da8w: int8 per output channel; 8da4w-axis: int4 per output channel
+            ref = (da4w(model) if recipe == "8da4w" else da4w(model, group_size=None) if recipe == "8da4w-axis"
+                   else da4w(model, group_size=None, weight_dtype=torch.int8))
             return Case(ref, edge_keeping_torchao_ops(ref, inputs), inputs)
         ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic", per_channel=recipe != "int8-per-tensor")
         return Case(ref, lowering.export(ref, inputs), inputs)
@@ -480,6 +486,19 @@ def test_8da8w_per_channel_affine_weights_are_qcint8():
     vals = values_of(graph)
     for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
         assert vals[fc.filterId][0] == DT.xnn_datatype_qcint8 and vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
+
+
+def test_4bit_per_channel_weights_are_qcint4_or_one_block_per_row():
+    """Rows of 48 values are no block size (a multiple of 32): qcint4; rows of 32 are one block: qbint4."""
+    got, want = run("k48", "8da4w-axis")
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    (graph, named), = payloads(lowered("k48", "8da4w-axis"))
+    vals = values_of(graph)
+    fcs = [n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+    (t1, q1, d1, w1), (t2, q2, d2, _) = vals[fcs[0].filterId], vals[fcs[1].filterId]
+    assert (t1, d1, type(q1)) == (DT.xnn_datatype_qcint4, [32, 48], fbx.PerChannelQuantT)
+    assert len(named[key(graph, w1.constantBufferIdx)]) == 32 * 24
+    assert (t2, d2, type(q2), q2.groupSize) == (DT.xnn_datatype_qbint4, [10, 32], fbx.PerChannelGroupQuantT, 32)
 
 
 def test_asymmetric_4bit_weight_is_refused_naming_the_node():
