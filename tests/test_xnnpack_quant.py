@@ -97,7 +97,49 @@ class Encoder(torch.nn.Module):
         return self.layer(x)
 
 
-MODELS = {"mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+class Up(torch.nn.Module):
+    """A transposed convolution (per-channel weights on axis 1) after a conv + ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.up = torch.nn.ConvTranspose2d(8, 4, 2, stride=2)
+
+    def forward(self, x):
+        return self.up(torch.relu(self.c(x)))
+
+
+class PoolLinear(torch.nn.Module):
+    """maxpool -> permute -> linear: the linear's input comes from an NHWC-computed value."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = torch.nn.Conv2d(3, 32, 3, padding=1)
+        self.fc = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        y = torch.nn.functional.max_pool2d(self.c(x), 2)
+        return self.fc(y.permute(0, 2, 3, 1).reshape(-1, 32))
+
+
+class MulRelu(torch.nn.Module):
+    """Quantized mul + ReLU (fused), fp32 sub + ReLU between Converts, convolutions sharing weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.c = torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(x) * self.b(x)) + torch.relu(self.a(x) - self.b(x)))
+
+
+class K48(torch.nn.Sequential):
+    def __init__(self):
+        super().__init__(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+MODELS = {"k48": (K48, (4, 48)), "mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -110,12 +152,12 @@ def build(name: str):
 # --------------------------------------------------------------------------- quantization
 
 
-def pt2e(model, inputs, *, dynamic: bool):
+def pt2e(model, inputs, *, dynamic: bool, per_channel: bool = True):
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
         XNNPACKQuantizer, get_symmetric_quantization_config)
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True,
+    quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=per_channel,
                                                                               is_dynamic=dynamic))
     prepared = prepare_pt2e(torch.export.export(model, inputs).module(), quantizer)
     generator = torch.Generator().manual_seed(1)
@@ -124,14 +166,15 @@ def pt2e(model, inputs, *, dynamic: bool):
     return convert_pt2e(prepared)
 
 
-def da4w(model, *, group_size=32, mapping=None):
+def da4w(model, *, group_size=32, mapping=None, weight_dtype=torch.int4):
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.utils import unwrap_tensor_subclass
 
     extra = {} if mapping is None else {"weight_mapping_type": mapping}
+    granularity = PerAxis(0) if group_size is None else PerGroup(group_size)
     quantize_(model, Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=PerGroup(group_size), **extra))
+        weight_dtype=weight_dtype, weight_granularity=granularity, **extra))
     unwrap_tensor_subclass(model)
     return model
 
@@ -169,10 +212,11 @@ def case(name: str, recipe: str) -> Case:
     model, inputs = build(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if recipe == "8da4w":
-            ref = da4w(model)
+        if recipe.startswith("8da"):  # 8da8w: int8 per output channel; 8da4w-axis: int4 per output channel
+            ref = (da4w(model) if recipe == "8da4w" else da4w(model, group_size=None) if recipe == "8da4w-axis"
+                   else da4w(model, group_size=None, weight_dtype=torch.int8))
             return Case(ref, edge_keeping_torchao_ops(ref, inputs), inputs)
-        ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic")
+        ref = pt2e(model, inputs, dynamic=recipe == "int8-dynamic", per_channel=recipe != "int8-per-tensor")
         return Case(ref, lowering.export(ref, inputs), inputs)
 
 
@@ -266,6 +310,37 @@ def test_static_int8_is_bit_exact_with_the_quantized_module(name):
     assert (got - want).abs().max().item() == 0.0
 
 
+def test_static_transposed_convolution_is_within_one_output_step():
+    got, want = run("up", "int8")
+    assert (got - want).abs().max().item() <= output_step(case("up", "int8").program) * 1.001
+    (graph, _), = payloads(lowered("up", "int8"))
+    vals = values_of(graph)
+    up = next(n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNConvTranspose2d")
+    assert vals[up.filterId][0] == DT.xnn_datatype_qcint8 and vals[up.filterId][2] == [4, 2, 2, 8]
+    assert vals[up.filterId][1].channelDim == 0 and vals[up.filterId][1].numScales == 4
+
+
+def test_static_per_tensor_weights_are_qint8_with_qint32_bias():
+    got, want = run("mlp", "int8-per-tensor")
+    assert (got - want).abs().max().item() <= output_step(case("mlp", "int8-per-tensor").program) * 1.001
+    (graph, _), = payloads(lowered("mlp", "int8-per-tensor"))
+    vals = values_of(graph)
+    for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
+        assert vals[fc.filterId][0] == DT.xnn_datatype_qint8 and vals[fc.biasId][0] == DT.xnn_datatype_qint32
+        assert vals[fc.filterId][1].zeroPoint == 0
+
+
+def test_static_mul_relu_is_fused_and_bit_exact():
+    """(ExecuTorch 1.5.1's own lowering of this model fails to load: "Failed to create convolution node".)"""
+    got, want = run("mulrelu", "int8")
+    assert (got - want).abs().max().item() == 0.0
+    (graph, _), = payloads(lowered("mulrelu", "int8"))
+    vals = values_of(graph)
+    mul = next(n for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNMultiply")
+    assert vals[mul.xnodeUnion.outputId][0] == DT.xnn_datatype_qint8
+    assert (mul.outputMinMax.outputMin, mul.outputMinMax.outputMax) == (0.0, float("inf"))
+
+
 def test_static_mixed_graph_is_within_one_output_step():
     got, want = run("mixed", "int8")
     step = output_step(case("mixed", "int8").program)
@@ -340,10 +415,22 @@ def test_static_cnn_payload():
 # --------------------------------------------------------------------------- dynamic
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mixed", "encoder"])
 def test_dynamic_int8_matches_the_quantized_module(name):
     got, want = run(name, "int8-dynamic")
     assert (got - want).abs().max().item() <= 0.03 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("recipe", ["int8-dynamic", "8da4w"])
+def test_layout_transposes_come_before_the_dynamic_convert(recipe):
+    """ExecuTorch 1.5.1 emits Convert(qdint8) -> StaticTranspose, which its runtime refuses at load."""
+    got, want = run("pool_linear", recipe)
+    assert (got - want).abs().max().item() <= 0.02 * want.abs().max().item()
+    for graph, _ in payloads(lowered("pool_linear", recipe)):
+        vals = values_of(graph)
+        for node in graph.xnodes:
+            if KIND[node.xnodeUnionType] in ("XNNStaticTranspose", "XNNStaticReshape"):
+                assert vals[node.xnodeUnion.inputId][0] != DT.xnn_datatype_qdint8
 
 
 def test_dynamic_mlp_payload():
@@ -363,7 +450,7 @@ def test_dynamic_mlp_payload():
 # --------------------------------------------------------------------------- 8da4w
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mixed", "encoder"])
 def test_8da4w_matches_the_quantized_module(name):
     got, want = run(name, "8da4w")
     assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
@@ -392,6 +479,28 @@ def test_8da4w_payload_is_blockwise_int4_with_bf16_scales():
     assert vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
 
 
+def test_8da8w_per_channel_affine_weights_are_qcint8():
+    got, want = run("mlp", "8da8w")
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    (graph, _), = payloads(lowered("mlp", "8da8w"))
+    vals = values_of(graph)
+    for fc in (n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"):
+        assert vals[fc.filterId][0] == DT.xnn_datatype_qcint8 and vals[fc.input1Id][0] == DT.xnn_datatype_qdint8
+
+
+def test_4bit_per_channel_weights_are_qcint4_or_one_block_per_row():
+    """Rows of 48 values are no block size (a multiple of 32): qcint4; rows of 32 are one block: qbint4."""
+    got, want = run("k48", "8da4w-axis")
+    assert (got - want).abs().max().item() <= 0.01 * want.abs().max().item()
+    (graph, named), = payloads(lowered("k48", "8da4w-axis"))
+    vals = values_of(graph)
+    fcs = [n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+    (t1, q1, d1, w1), (t2, q2, d2, _) = vals[fcs[0].filterId], vals[fcs[1].filterId]
+    assert (t1, d1, type(q1)) == (DT.xnn_datatype_qcint4, [32, 48], fbx.PerChannelQuantT)
+    assert len(named[key(graph, w1.constantBufferIdx)]) == 32 * 24
+    assert (t2, d2, type(q2), q2.groupSize) == (DT.xnn_datatype_qbint4, [10, 32], fbx.PerChannelGroupQuantT, 32)
+
+
 def test_asymmetric_4bit_weight_is_refused_naming_the_node():
     from torchao.quantization.quant_primitives import MappingType
 
@@ -400,6 +509,27 @@ def test_asymmetric_4bit_weight_is_refused_naming_the_node():
         warnings.simplefilter("ignore")
         program = edge_keeping_torchao_ops(da4w(model, mapping=MappingType.ASYMMETRIC), inputs)
     with pytest.raises(LoweringError, match=r"node 'addmm.*asymmetric weight.*not 0"):
+        lowering.lower(program, partitioner=XnnpackPartitioner())
+
+
+def test_dynamic_activation_read_by_an_op_xnnpack_cannot_take_quantized_is_refused_naming_it():
+    """A linear over a permuted 4-D input decomposes to expand + bmm: its dynamically quantized input
+    has no XNNPACK lowering, and the program has no kernel for leftover dynamic q/dq ops."""
+
+    class Linear4d(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.fc(x.permute(0, 2, 3, 1))
+
+    torch.manual_seed(0)
+    model, inputs = Linear4d().eval(), (torch.randn(1, 32, 2, 4),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = lowering.export(pt2e(model, inputs, dynamic=True), inputs)
+    with pytest.raises(LoweringError, match=r"node 'expand' .*reads the dynamically quantized activation 'dequantize_per_tensor'"):
         lowering.lower(program, partitioner=XnnpackPartitioner())
 
 

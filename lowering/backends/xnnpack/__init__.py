@@ -1,4 +1,4 @@
-"""The ``xnnpack`` backend: fp32 XNNPACK delegates the stock ExecuTorch runtime executes.
+"""The ``xnnpack`` backend: fp32 and quantized XNNPACK delegates the stock ExecuTorch runtime executes.
 
 - :class:`XnnpackPartitioner` tags what XNNPACK takes (:mod:`.partitioner`);
 - :class:`XnnpackBackend` (id ``XnnpackBackend``, the id ExecuTorch's runtime
@@ -6,6 +6,9 @@
   and its weights into named data (:mod:`.preprocess`, :mod:`.payload`,
   schema ``xnngraph.fbs``), one lowering room per op family under :mod:`.ops`,
   whose table :data:`.ops.OPS` also decides what the partitioner takes;
+- quantized programs (int8 static, int8 dynamic, 8da4w): :mod:`.qplan` decides once
+  which nodes compute quantized, :mod:`.qparams` reads q/dq parameters and weights,
+  :mod:`.ops.quantized` lowers q/dq (aliases or Converts), weights and int32 biases;
 - :class:`.runtime.XnnpackRuntime` interprets payloads on torch ops for
   lowerflow's executor (entry point ``lowerflow.backend_runtimes``).
 

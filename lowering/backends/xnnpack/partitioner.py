@@ -9,6 +9,13 @@ program stores equal bytes once).  Mutated buffers stay in the top-level program
 A partition with more than 4096 inputs and outputs (the runtime's limit) is
 dropped.  A partition never returns one of its inputs unchanged: preprocess adds
 a Copy node where an output would alias an input.
+
+Quantized programs: the plan of :mod:`.qplan` (built once per program) says which
+groups compute quantized; q/dq ops are taken by their rules in :data:`.ops.OPS`
+(per-tensor q/dq always, dynamic parts with their gemm, weight dqs as static data).
+A quantized weight XNNPACK would compute wrong (non-zero weight zero points, group
+sizes not a multiple of 32, 8-bit groups, per-tensor weights under a dynamic
+activation) is refused with a :class:`PartitionError` naming the node.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ class XnnpackPartitioner(OpSupportPartitioner):
         self._ctx = Context(exported_program)
         self._ctx.qplan = plan_quantization(exported_program.graph, self._ctx)
         for node, reason in self._ctx.qplan.refusals.items():
-            raise PartitionError(f"node {node.name!r} ({node.target}): XNNPACK cannot take its quantized weight: {reason}")
+            raise PartitionError(f"node {node.name!r} ({node.target}): XNNPACK cannot lower it quantized: {reason}")
         try:
             result = super().partition(exported_program)
         finally:

@@ -55,6 +55,7 @@ DATATYPE_QINT8 = fbx.XNNDatatype.xnn_datatype_qint8
 DATATYPE_QINT32 = fbx.XNNDatatype.xnn_datatype_qint32
 DATATYPE_QCINT8 = fbx.XNNDatatype.xnn_datatype_qcint8
 DATATYPE_QCINT32 = fbx.XNNDatatype.xnn_datatype_qcint32
+DATATYPE_QCINT4 = fbx.XNNDatatype.xnn_datatype_qcint4
 DATATYPE_QDINT8 = fbx.XNNDatatype.xnn_datatype_qdint8
 DATATYPE_QBINT4 = fbx.XNNDatatype.xnn_datatype_qbint4
 

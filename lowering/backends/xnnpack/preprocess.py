@@ -31,6 +31,13 @@ What happens on the way, per node:
   inputs and outputs are NCHW):
 
       x(NCHW) -T-> conv -> relu -> maxpool -> conv -> add -> avgpool -T-> view -> FC
+
+- quantized programs: the plan of :mod:`.qplan` gives each node computing quantized
+  its qint8 output parameters (:meth:`GraphBuilder.define` and :meth:`GraphBuilder.output`
+  define its values with them); q/dq nodes become aliases or Converts
+  (:mod:`.ops.quantized`)::
+
+      x -Convert(qint8)-T-> Conv2d(qcint8, qcint32) -> MaxPool -> ... -> FC -Convert(fp32)->
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from . import payload as P
 from .generated import xnngraph_generated as fbx
 from .ops import PLANS, check_node, lower_getitem, rule_of
 from .ops.quantized import QUANT_TYPES, per_tensor_quant
-from .qparams import WEIGHT_DQ, is_op, weight_of
+from .qparams import WEIGHT_DQ, QuantWeightError, is_op, weight_of
 from .qplan import plan_quantization
 from .values import NCHW, NHWC, TO_NCHW, TO_NHWC, Context, Value, XnnpackPreprocessError, shape, val
 from .xnodes import min_max, node1x1, transpose
@@ -296,8 +303,7 @@ class GraphBuilder:
             if node in self.ctx.static_targets:
                 t = self.ctx.tensor(node)
             elif is_op(node, WEIGHT_DQ):
-                w = self.qplan.weights.get(node) or weight_of(node, self.static_tensor)
-                t = w.dequantized()
+                t = self._dequantized(node)
             else:
                 source = self.static_tensor(node.args[0])
                 if node.target is aten.permute_copy.default:
@@ -310,6 +316,14 @@ class GraphBuilder:
                     t = source
             self._static_cache[node] = t
         return self._static_cache[node]
+
+    def _dequantized(self, node: torch.fx.Node) -> torch.Tensor:
+        """The fp32 values of a quantized weight read by a node computing in fp32."""
+        try:
+            w = self.qplan.weights.get(node) or weight_of(node, self.static_tensor)
+        except QuantWeightError as e:
+            raise XnnpackPreprocessError(f"node {self._name()}: weight {node.name!r}: {e}") from None
+        return w.dequantized()
 
     def scalar(self, value: float) -> int:
         return self.constant(torch.tensor([float(value)]))

@@ -145,8 +145,8 @@ def _affine_weight(node: torch.fx.Node, tensor_of) -> QWeight:
     group = int(block[1])
     scales = tensor_of(scale).to(torch.float32).reshape(n, -1)
     bits = _bits(qmin, qmax)
-    if group == k and bits == 8:
-        return QWeight(data, scales.reshape(-1), "channel", 0, bits=8)
+    if group == k and (bits == 8 or k % 32 != 0):  # 4-bit per channel: qcint4 when K is no block size
+        return QWeight(data, scales.reshape(-1), "channel", 0, bits=bits)
     if bits != 4:
         raise QuantWeightError(f"8-bit weights quantized in groups of {group} (XNNPACK takes groups of 4-bit values only)")
     if group % 32 != 0:

@@ -76,6 +76,7 @@ def plan_quantization(graph: torch.fx.Graph, ctx) -> QuantPlan:
             continue
         if node.target in FREE_PARAMS or node.target in SAME_PARAMS:
             _plan_static(plan, node, ctx)
+    _drop_partial_dynamic_groups(plan, [n for n in graph.nodes if _dynamic_group(n) is not None])
     return plan
 
 
@@ -130,6 +131,9 @@ def _plan_dynamic(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
     if dq_w is None or not _bias_ok(node, ctx):
         return False
     w = _weight(plan, node, dq_w, ctx)
+    if w is not None and w.kind == "tensor":
+        plan.refusals[node] = (f"weight {dq_w.name!r}: per-tensor weight with a dynamically quantized activation "
+                               "(XNNPACK needs per-channel or per-group weights)")
     if w is None or w.kind == "tensor" or w.axis != 0:
         return False
     plan.dynamic[node] = group[0]
@@ -152,6 +156,40 @@ def _plan_dynamic_conv(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:
     plan.dynamic[node] = group[0]
     plan.dynamic_parts.update(group[1:])
     return True
+
+
+def _drop_partial_dynamic_groups(plan: QuantPlan, dqs: list[torch.fx.Node]) -> None:
+    """A dynamic group is lowered with its gemms: every reader of its dq (through reshapes) must
+    be a gemm planned dynamic, or nothing of the group is (it has no fp32 value to give), and the
+    first other reader is refused (the program would keep q/dq ops it has no kernel for)."""
+    for dq in dqs:
+        readers, frontier = [], list(dq.users)
+        while frontier:
+            user = frontier.pop()
+            if user in plan.dynamic_parts and user.target is aten.view_copy.default:
+                frontier.extend(user.users)
+            else:
+                readers.append(user)
+        if all(r in plan.dynamic for r in readers):
+            continue
+        other = next(r for r in readers if r not in plan.dynamic)
+        for r in readers:
+            plan.dynamic.pop(r, None)
+        plan.refusals.setdefault(other, (
+            f"it reads the dynamically quantized activation {dq.name!r}: XNNPACK takes dynamic quantization only "
+            "into linears (addmm / mm of a quantized weight) and 2-D convolutions, and leftover dynamic q/dq "
+            "ops have no kernel in the program"))
+        q = dq.args[0]
+        scale = q.args[2] if is_op(q, "torchao::quantize_affine") else q.args[1]
+        group = {dq, q, scale.args[0], *scale.args[0].users}
+        views = {v for v in plan.dynamic_parts if v.target is aten.view_copy.default and _reaches(v, dq)}
+        plan.dynamic_parts -= group | views
+
+
+def _reaches(node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    while node.target is aten.view_copy.default:
+        node = node.args[0]
+    return node is source
 
 
 def _dynamic_group(dq: torch.fx.Node) -> list[torch.fx.Node] | None:

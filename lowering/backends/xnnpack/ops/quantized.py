@@ -166,12 +166,14 @@ def weight_constant(b: GraphBuilder, w: QWeight, data: torch.Tensor, channel_dim
     if w.kind == "tensor":
         quant = per_tensor_quant(QParams(float(w.scales.reshape(-1)[0]), 0))
         return b.constant(data, datatype=P.DATATYPE_QINT8, quant=quant)
-    if w.kind == "channel" and w.bits == 8:
+    if w.kind == "channel":
         quant = fbx.PerChannelQuantT()
         quant.scale, quant.channelDim = [], channel_dim
         quant.scaleBufferIdx, quant.numScales = _scale_blob(b, w.scales.to(torch.float32)), w.scales.numel()
+        if w.bits == 4:  # a 4-bit row whose length is no multiple of 32 (blockwise needs one)
+            return b.constant(data, datatype=P.DATATYPE_QCINT4, quant=quant, data=pack_int4(data))
         return b.constant(data, datatype=P.DATATYPE_QCINT8, quant=quant)
-    # 4-bit: blockwise (a per-channel 4-bit weight is one block of K per row, as ExecuTorch emits it)
+    # 4-bit groups: blockwise (a per-channel 4-bit weight is one block of K per row, as ExecuTorch emits it)
     scales = w.scales.reshape(data.shape[0], -1)
     group = data.shape[1] // scales.shape[1]
     quant = fbx.PerChannelGroupQuantT()
