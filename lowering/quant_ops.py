@@ -9,6 +9,8 @@ from the store (in another process, or after a cache hit) deserializes it with
 
 from __future__ import annotations
 
+import functools
+
 #: Namespaces of the ops the quantize stage puts in a graph.
 QUANT_NAMESPACES = ("quantized_decomposed", "torchao")
 
@@ -18,14 +20,18 @@ def register_quantized_ops(graph_text: bytes | str | None = None) -> None:
     None: any) may call.  Cheap when done: Python caches the imports."""
     text = graph_text.decode("utf-8", "replace") if isinstance(graph_text, bytes) else graph_text
     if text is None or "quantized_decomposed." in text:
-        register_out_variants()  # and the functional quantized_decomposed.* they wrap
+        import torch.ao.quantization.fx._decomposed  # noqa: F401  (defines quantized_decomposed.*)
     if text is None or "torchao." in text:
         import torchao.quantization.quant_primitives  # noqa: F401  (defines torchao.*_affine)
 
 
 #: The out variants of the q/dq ops that ExecuTorch's quantized kernel library
-#: (``kernels/quantized/quantized.yaml`` of the stock runtime) implements, by its
+#: (``kernels/quantized/quantized.yaml`` of the stock runtime) implements, with its
 #: schemas: a portable program that keeps q/dq ops at the top level calls these.
+#: They are never defined in torch (ExecuTorch's own library defines them when it is
+#: loaded, and torch aborts the process on a schema defined twice): the memory plan
+#: pairs ops with them by :data:`OUT_VARIANTS`, emit reads :func:`out_schema`, and
+#: lowerflow's executor runs them by name (``lowering/runtime/kernels_quant.py``).
 OUT_SCHEMAS = {
     "quantize_per_tensor.out": "(Tensor input, float scale, int zero_point, int quant_min, int quant_max, "
                                "ScalarType dtype, *, Tensor(a!) out) -> Tensor(a!)",
@@ -41,58 +47,41 @@ OUT_SCHEMAS = {
     "dequantize_per_channel.out": "(Tensor input, Tensor scales, Tensor? zero_points, int axis, int quant_min, "
                                   "int quant_max, ScalarType dtype, *, ScalarType? out_dtype=None, "
                                   "Tensor(a!) out) -> Tensor(a!)",
+    "choose_qparams.Tensor_out": "(Tensor input, int quant_min, int quant_max, float eps, ScalarType dtype, *, "
+                                 "Tensor(a!) scale_out, Tensor(b!) zero_point_out) -> (Tensor(a!), Tensor(b!))",
 }
 
-_OUT_LIBRARY = None
+#: ``quantized_decomposed`` functional overload -> its out variant (a key of OUT_SCHEMAS).
+OUT_VARIANTS = {
+    "quantize_per_tensor.default": "quantize_per_tensor.out",
+    "quantize_per_tensor.tensor": "quantize_per_tensor.Tensor_out",
+    "dequantize_per_tensor.default": "dequantize_per_tensor.out",
+    "dequantize_per_tensor.tensor": "dequantize_per_tensor.Tensor_out",
+    "quantize_per_channel.default": "quantize_per_channel.out",
+    "dequantize_per_channel.default": "dequantize_per_channel.out",
+    "choose_qparams.tensor": "choose_qparams.Tensor_out",
+}
 
 
-def register_out_variants() -> None:
-    """Define the :data:`OUT_SCHEMAS` in ``torch.ops.quantized_decomposed`` (once per
-    process) with kernels that run the functional op and copy into ``out``: the memory
-    planner pairs each q/dq op with its out variant by schema, the emitter names it, and
-    lowerflow's executor runs it."""
-    global _OUT_LIBRARY
-    if _OUT_LIBRARY is not None:
-        return
+def out_variant_of(op) -> str | None:
+    """``quantized_decomposed.quantize_per_tensor.default`` ->
+    ``"quantized_decomposed::quantize_per_tensor.out"``; None when the stock runtime has none."""
+    schema = op._schema
+    if not schema.name.startswith("quantized_decomposed::"):
+        return None
+    key = f"{schema.name.partition('::')[2]}.{schema.overload_name or 'default'}"
+    out = OUT_VARIANTS.get(key)
+    return f"quantized_decomposed::{out}" if out else None
+
+
+@functools.lru_cache(maxsize=None)
+def out_schema(qualified: str):
+    """The ``torch._C.FunctionSchema`` of an out variant of :data:`OUT_SCHEMAS`
+    (``"quantized_decomposed::quantize_per_tensor.out"``), parsed, not registered; None
+    for any other name."""
     import torch
 
-    import torch.ao.quantization.fx._decomposed  # noqa: F401  (the functional ops)
-
-    _load_stock_quantized_kernels()
-
-    namespace = torch.ops.quantized_decomposed
-    library = torch.library.Library("quantized_decomposed", "FRAGMENT")
-    for name, schema in OUT_SCHEMAS.items():
-        op_name, overload = name.split(".")
-        defined = {schema.overload_name for schema in torch._C._jit_get_schemas_for_operator(f"quantized_decomposed::{op_name}")}
-        if overload in defined:
-            continue  # defined by ExecuTorch's own library (loaded above)
-        library.define(f"{op_name}.{overload}{schema}")
-        functional = getattr(getattr(namespace, op_name), "tensor" if overload == "Tensor_out" else "default")
-        library.impl(f"{op_name}.{overload}", _out_kernel(functional), "CompositeExplicitAutograd")
-    _OUT_LIBRARY = library
-
-
-def _out_kernel(functional):
-    def kernel(*args, out, **kwargs):
-        result = functional(*args, **kwargs)
-        out.copy_(result)
-        return out
-
-    return kernel
-
-
-def _load_stock_quantized_kernels() -> None:
-    """Where ExecuTorch is installed (the test oracle), load its quantized kernel library,
-    looked up by name: it defines these same schemas in torch (and its runtime's
-    kernels), and torch aborts the process when a schema is defined twice, so it must
-    come first and lowerflow then defines none of them."""
-    import importlib
-    import importlib.util
-
-    try:
-        if importlib.util.find_spec("executorch.kernels.quantized") is None:
-            return
-    except (ImportError, ValueError):
-        return
-    importlib.import_module("executorch.kernels.quantized")
+    namespace, _, name = qualified.partition("::")
+    if namespace != "quantized_decomposed" or name not in OUT_SCHEMAS:
+        return None
+    return torch._C.parse_schema(f"{qualified}{OUT_SCHEMAS[name]}")

@@ -317,6 +317,8 @@ def _executorch_runner():
 
         def missing_operators(self, operators: list[str]) -> list[str]:
             with _EXECUTORCH_LOCK, _native_output_to_log():
+                if any(op.startswith("quantized_decomposed::") for op in operators):
+                    _load_quantized_kernels()  # the stock runtime's quantized kernel library
                 registry = getattr(runtime_module.Runtime.get(), "operator_registry", None)
                 known = registry.operator_names if registry is not None else None
             if known is None:
@@ -339,6 +341,15 @@ def _executorch_runner():
                 return [b for b in backend_ids if not registry.is_available(b)]
 
     return Runner()
+
+
+def _load_quantized_kernels() -> None:
+    """Load ExecuTorch's quantized kernel library into its runtime (a program that keeps
+    q/dq ops at the top level needs it), as a user of the stock runtime links it in."""
+    try:
+        importlib.import_module("executorch.kernels.quantized")
+    except ImportError:  # an ExecuTorch without it: those operators are reported missing
+        pass
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from ..dynamic import SYM_OPS, DynamicShapeError, is_sym_op
 from ..errors import EmitError
 from ..pte import PteData, schema, serialize
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
+from ..quant_ops import out_schema
 from .control_flow import emit_control_flow
 from .evalues import (
     allocation_details,
@@ -232,14 +233,14 @@ class MethodEmitter:
         self.node_values[node] = outputs[index]
 
     def _emit_kernel_call(self, node: torch.fx.Node) -> None:
-        out_op, name, overload = self._out_variant(node)
+        out_schema, name, overload = self._out_variant(node)
         results = self.node_results(node)
         result_list = results if isinstance(results, list) else [results]
-        out_args = [a for a in out_op._schema.arguments if a.is_out]
+        out_args = [a for a in out_schema.arguments if a.is_out]
         args = self._functional_arguments(node)
         arg_ids: list[int] = []
         out_ids: list[int] = []
-        for argument in out_op._schema.arguments:
+        for argument in out_schema.arguments:
             if argument.is_out:
                 value = self._out_argument(argument, out_args, result_list)
                 out_ids.append(value)
@@ -296,11 +297,14 @@ class MethodEmitter:
             raise self.error("the memory plan gives no out variant for this node")
         name, _, overload = qualified.rpartition(".")
         namespace, _, op_name = name.partition("::")
+        parsed = out_schema(qualified)  # the stock quantized kernels: schemas of our own
+        if parsed is not None:
+            return parsed, name, overload
         try:
             op = getattr(getattr(getattr(torch.ops, namespace), op_name), overload)
         except (AttributeError, RuntimeError):
             raise self.error(f"out variant {qualified!r} is not a known operator") from None
-        return op, name, overload
+        return op._schema, name, overload
 
     def _functional_arguments(self, node: torch.fx.Node) -> dict[str, Any]:
         """The node's arguments by schema name (positional and keyword)."""

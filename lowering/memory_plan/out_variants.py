@@ -18,6 +18,7 @@ from torch._higher_order_ops.executorch_call_delegate import executorch_call_del
 from ..control_flow_graph import is_control_flow
 from ..dynamic import is_sym_op
 from ..errors import MemoryPlanError
+from ..quant_ops import out_variant_of
 
 
 def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
@@ -54,6 +55,8 @@ def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
 def out_variant_name(op: torch._ops.OpOverload) -> str | None:
     """``aten.add.Tensor`` -> ``"aten::add.out"``; None if no out overload matches."""
     schema = op._schema
+    if schema.name.startswith("quantized_decomposed::"):  # the stock runtime's quantized kernels
+        return out_variant_of(op)
     return _out_variant_table(schema.name).get(schema.overload_name or "default")
 
 

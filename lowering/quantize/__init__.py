@@ -21,6 +21,5 @@ from .stage import quantize
 
 __all__ = ["QuantRecipe", "QuantizeError", "RECIPE_NAMES", "parse_recipe", "quantize"]
 
-# A quantized program's q/dq ops (and their out variants, which memory plan and emit
-# name) exist once this package is imported.
+# A quantized program's q/dq ops exist in torch.ops once this package is imported.
 register_quantized_ops("quantized_decomposed.")
