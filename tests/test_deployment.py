@@ -57,7 +57,7 @@ ZOMBIE_WINDOW = 40
 
 
 #: The nightly deployment's parameters (deployments/prefect.yaml).
-NIGHTLY_PARAMETERS = {"manifest": "examples/fleet.yaml", "pool": POOL, "timeout_seconds": 43200, "crash_retries": 2}
+NIGHTLY_PARAMETERS = {"manifest": "examples/nightly-fleet.yaml", "pool": POOL, "timeout_seconds": 43200, "crash_retries": 2}
 
 
 @contextlib.contextmanager
@@ -101,7 +101,7 @@ def postgres_bindir() -> str | None:
     return str(found[-1].parent) if found else shutil.which("initdb") and str(Path(shutil.which("initdb")).parent)
 
 
-def _no_postgres_user() -> bool:
+def no_postgres_user() -> bool:
     """Root runs PostgreSQL as the `postgres` user (it refuses to run as root)."""
     import pwd
 
@@ -113,7 +113,7 @@ def _no_postgres_user() -> bool:
 
 pytestmark = [
     pytest.mark.skipif(postgres_bindir() is None, reason="PostgreSQL is not installed (CI installs it)"),
-    pytest.mark.skipif(_no_postgres_user(), reason="running as root and there is no `postgres` user to run PostgreSQL"),
+    pytest.mark.skipif(no_postgres_user(), reason="running as root and there is no `postgres` user to run PostgreSQL"),
 ]
 
 
@@ -202,15 +202,18 @@ def deployment() -> Iterator[Deployment]:
     pg_port, api_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}/api"
     env = subprocess_env(api, PREFECT_HOME=str(base / "prefect"), PREFECT_WORKER_QUERY_SECONDS="1")
-    server_env = {**env, "LOWERFLOW_HOME": str(base), "LOWERFLOW_PG_PORT": str(pg_port), "PORT": str(api_port),
-                  "HOST": "127.0.0.1", "PREFECT_SERVER_UI_ENABLED": "false",
+    # server.sh's later commands (status, psql, stop) get only LOWERFLOW_HOME: they act on
+    # what `start` started (its data directory and ports, remembered in server.env).
+    server_env = {**env, "LOWERFLOW_HOME": str(base), "PREFECT_SERVER_UI_ENABLED": "false",
                   "PREFECT": str(Path(sys.executable).with_name("prefect"))}  # this venv's, PATH or not
     server_env.pop("PREFECT_API_URL")
+    start_env = {**server_env, "LOWERFLOW_PGDATA": str(base / "pg"), "LOWERFLOW_PG_PORT": str(pg_port),
+                 "PORT": str(api_port), "HOST": "127.0.0.1"}
     with contextlib.ExitStack() as stack:
         notifications, webhook = stack.enter_context(receiver())
         stack.callback(shutil.rmtree, base, True)
-        stack.callback(kill_postmaster, base / "postgres")
-        server = stack.enter_context(spawned([str(SERVER_SH), "start"], server_env))
+        stack.callback(kill_postmaster, base / "pg")
+        server = stack.enter_context(spawned([str(SERVER_SH), "start"], start_env))
         # Runs before the server's group is killed: stops the server, then PostgreSQL.
         stack.callback(lambda: subprocess.run([str(SERVER_SH), "stop"], env=server_env, capture_output=True, timeout=120))
         wait_until(lambda: healthy(api), "healthy Prefect API", STARTUP, {"server.sh": server})
@@ -224,10 +227,13 @@ def deployment() -> Iterator[Deployment]:
         commands = {
             MODEL_WORKERS[0]: prefect("worker", "start", "--pool", POOL, "--work-queue", "models", "--limit", "1"),
             MODEL_WORKERS[1]: [sys.executable, "-m", "flows.cli", "worker", "--pool", POOL, "--verbose"],
-            "fleet": prefect("worker", "start", "--pool", POOL, "--work-queue", "fleet"),
+            # As the README: a lowerflow worker (polls every 0.5 s, stops cleanly at SIGTERM).
+            "fleet": [sys.executable, "-m", "flows.cli", "worker", "--pool", POOL, "--work-queue", "fleet"],
         }
         for name, command in commands.items():
-            workers[name] = stack.enter_context(spawned([*command, "--name", name], env))
+            (base / f"tmp-{name}").mkdir()  # each worker's temporary directory (the warm socket's)
+            workers[name] = stack.enter_context(spawned([*command, "--name", name],
+                                                        {**env, "TMPDIR": str(base / f"tmp-{name}")}))
         # Meanwhile (the workers take seconds to start): deploy, from the repository root.
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
@@ -255,6 +261,7 @@ def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment)
     assert not list(deployment.base.rglob("*.db")), "a SQLite database was created"
     status, out, err = cli([str(SERVER_SH), "status"], deployment.server_env)
     assert status == 0 and "postgres: running" in out and "prefect:  running" in out, out + err
+    assert f"PREFECT_API_URL={deployment.api}" in out and str(deployment.base / "pg") in out, out
 
     with deployment.client() as client:
         fleet = client.read_deployment_by_name("lower-fleet/nightly-fleet")
@@ -609,21 +616,31 @@ def fleet_run_id(proc) -> str:
 
 
 def test_fleet_timeout_fails_naming_the_model_still_out(deployment, store, tmp_path):
-    manifest, flag, pidfile = hanging_fleet(store, tmp_path, "stuck", ("mlp",))
+    """A fleet whose model hangs fails at its timeout, naming it; the next nightly, which
+    waited for the deployment's one slot, then runs."""
+    manifest, flag, _ = hanging_fleet(store, tmp_path, "stuck")
+    (tmp_path / "next").mkdir()
+    next_manifest = tmp_path / "next" / "fleet.json"
+    next_manifest.write_text(json.dumps(fleet_manifest(tmp_path / "next" / "store", ("mlp",))))
     try:
         with start_fleet(deployment, manifest, "timeout_seconds=15") as proc:
             fleet_id = wait_until(lambda: fleet_run_id(proc), "the fleet run's id", 60, {"fleet": proc})
-            run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r,
-                             "the fleet's end", FLEET_TIMEOUT, deployment.workers)
-            assert pidfile.exists(), "the model never hung"  # it was out when the fleet timed out
+            with start_fleet(deployment, next_manifest) as later:
+                later_id = wait_until(lambda: fleet_run_id(later), "the next fleet run's id", 60, {"fleet": later})
+                run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r,
+                                 "the fleet's end", FLEET_TIMEOUT, deployment.workers)
+                assert read_run(deployment, later_id).start_time is None or \
+                    read_run(deployment, later_id).start_time >= run.end_time  # it waited for the slot
+                following = wait_until(lambda: (r := read_run(deployment, later_id)).state.is_final() and r,
+                                       "the next fleet's end", FLEET_TIMEOUT, deployment.workers)
     finally:
         flag.unlink(missing_ok=True)
+    assert following.state.is_completed(), following.state
     assert run.state.is_failed(), run.state
-    assert "1 of 2 models failed: stuck (timed out waiting for stuck)" in run.state.message, run.state.message
+    assert "1 of 1 models failed: stuck (timed out waiting for stuck)" in run.state.message, run.state.message
     summary = json.loads((store / "outputs" / "fleet.json").read_text())
     assert summary["failed"] == ["stuck"] and summary["timed_out"] == ["stuck"], summary
     assert "timed out: the fleet waited 15 s" in summary["models"]["stuck"]["error"]
-    assert summary["models"]["mlp"]["targets"]["portable"]["ok"]
     # The model run was cancelled; it ends (its worker stops it) and frees its worker.
     [stuck] = [r for r in child_runs(deployment, fleet_id) if r.parameters["name"] == "stuck"]
     final = wait_until(lambda: (r := read_run(deployment, stuck.id)).state.is_final() and r,
@@ -677,7 +694,7 @@ def test_lost_worker_machine_the_fleet_resubmits_its_model(deployment, store, tm
     assert any(all(c for _, c in stages[:-1]) for stages in resumed.values()), resumed
     # The lost machine comes back.
     deployment.workers[lost] = deployment.stack.enter_context(
-        spawned([*deployment.commands[lost], "--name", lost], deployment.env))
+        spawned([*deployment.commands[lost], "--name", lost], {**deployment.env, "TMPDIR": str(deployment.base / f"tmp-{lost}")}))
 
 
 # Last in the module: by now the server's scheduler has had minutes to schedule the nightly.
@@ -703,3 +720,47 @@ def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
     for run in runs:
         start = run.expected_start_time.astimezone(datetime.timezone.utc)
         assert (start.hour, start.minute) == (2, 0) and run.parameters == NIGHTLY_PARAMETERS
+
+
+@pytest.mark.skipif(not os.environ.get("LOWERFLOW_MEASURE_NIGHTS"),
+                    reason="a measurement (~1 min): LOWERFLOW_MEASURE_NIGHTS=1 runs it")
+def test_demo_fleet_cold_and_warm_night(deployment, tmp_path):
+    """The demo fleet (examples/fleet.yaml, 12 .pte) through the nightly deployment, on a
+    fresh store (cold) and again (warm: every stage cached); prints both times."""
+    import yaml
+
+    fleet = yaml.safe_load((ROOT / "examples" / "fleet.yaml").read_text())
+    fleet["store"] = str(tmp_path / "store")
+    for entry in fleet["models"]:
+        entry["model"] = str(ROOT / "examples" / entry["model"])
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(yaml.safe_dump(fleet))
+    times = []
+    for night in ("cold", "warm"):
+        start = time.monotonic()
+        status, fleet_id, out = run_fleet(deployment, manifest)
+        times.append(time.monotonic() - start)
+        assert status == 0, out[-5000:]
+    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
+    stages = [r for m in summary["models"].values() for t in m["targets"].values() for r in t["stages"]]
+    ptes = list((tmp_path / "store" / "outputs").glob("*/*.pte"))
+    print(f"demo fleet through `prefect deployment run --watch`: cold {times[0]:.1f} s, warm {times[1]:.1f} s "
+          f"({sum(r['cached'] for r in stages)}/{len(stages)} stages cached), {len(ptes)} .pte")
+    assert len(ptes) == 12 and all(r["cached"] for r in stages)
+
+
+def test_sigterm_stops_a_lowerflow_worker_cleanly(deployment):
+    """SIGTERM (systemd's stop) ends ``lowerflow worker`` at once, its warm parent and
+    socket directory with it."""
+    worker = deployment.workers["fleet"]
+    tmp = deployment.base / "tmp-fleet"
+    assert [p.name for p in tmp.glob("lowerflow-warm-*/warm.sock")], list(tmp.iterdir())
+    start = time.monotonic()
+    os.kill(worker.pid, signal.SIGTERM)
+    status = worker.wait(timeout=30)
+    print(f"lowerflow worker stopped {time.monotonic() - start:.1f} s after SIGTERM (status {status})")
+    assert status == 0, "".join(output_of(worker))[-3000:]
+    assert not list(tmp.glob("lowerflow-warm-*")), list(tmp.iterdir())
+    with contextlib.suppress(ProcessLookupError):  # nothing of its group is left
+        os.killpg(worker.pid, 0)
+        pytest.fail("the worker's process group outlived it")
