@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from flows.warm_start import ENTRYPOINT_ENV, SOCKET_ENV
 
@@ -45,6 +46,10 @@ def local_entrypoint(deployment) -> tuple[str, str] | None:
     if not isinstance(directory, str) or "{{" in directory or not os.path.isdir(directory):
         return None  # templated ({{ ... }}) or not on this machine: let the engine run the step
     return directory, entrypoint
+
+
+#: Set when SIGTERM stopped the worker (its exit is then a clean one).
+TERMINATED = threading.Event()
 
 
 def warm_worker_class():
@@ -181,7 +186,16 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, na
                 await worker.start()
                 group.cancel_scope.cancel()
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except BaseException:
+        if not TERMINATED.is_set():
+            raise
+        # Prefect's teardown was cancelled with the worker (its runner would wait for the
+        # runs still going, as `prefect worker start` does for 25 s and more): they are
+        # left to end on their own, as at Ctrl-C.
+    if TERMINATED.is_set():
+        print(f"lowerflow worker {name or ''}: stopped (SIGTERM)".replace("  ", " "), file=sys.stderr)
 
 
 async def stop_on_sigterm(scope) -> None:
@@ -196,5 +210,6 @@ async def stop_on_sigterm(scope) -> None:
 
     with anyio.open_signal_receiver(signal.SIGTERM) as signals:
         async for _ in signals:
+            TERMINATED.set()
             scope.cancel()
             return
