@@ -8,6 +8,11 @@
 #   deployments/server.sh status        is each running? (exit status 0 only if both are)
 #   deployments/server.sh psql [ARGS]   psql on the Prefect database (as the cluster's superuser)
 #
+# `start` and `db` remember the data directory, the ports, HOST and the API URL in
+# $LOWERFLOW_HOME/server.env: every later command (stop, status, psql, the next start)
+# acts on that cluster and server without repeating them.  A variable set in the
+# environment wins over the remembered value (and is remembered at the next start).
+#
 # Why: Prefect's default SQLite database locks up ("database is locked") when many
 # workers and flow runs write at once; PostgreSQL does not.
 #
@@ -32,6 +37,16 @@
 set -euo pipefail
 
 LOWERFLOW_HOME=${LOWERFLOW_HOME:-$HOME/.lowerflow}
+STATE_FILE=$LOWERFLOW_HOME/server.env
+# What the last `start`/`db` used, for every variable not set in the environment.
+if [ -r "$STATE_FILE" ]; then
+  while IFS='=' read -r key value; do
+    case "$key" in
+      LOWERFLOW_PGDATA|LOWERFLOW_PG_PORT|LOWERFLOW_PG_USER|HOST|PORT|LOWERFLOW_API_URL)
+        [ -n "${!key+x}" ] || printf -v "$key" '%s' "$value" ;;
+    esac
+  done <"$STATE_FILE"
+fi
 PGDATA_DIR=${LOWERFLOW_PGDATA:-$LOWERFLOW_HOME/postgres}
 PG_PORT=${LOWERFLOW_PG_PORT:-5433}
 PG_DATABASE=prefect
@@ -118,6 +133,11 @@ init_cluster() {
   if ! id -u "$user" >/dev/null 2>&1; then
     die "PostgreSQL refuses to run as root and there is no user '$user' to run it as: create one, or set LOWERFLOW_PG_USER"
   fi
+  if [ -d "$PGDATA_DIR" ] && [ -n "$(ls -A "$PGDATA_DIR")" ]; then
+    die "$PGDATA_DIR is not empty and holds no PostgreSQL cluster (no PG_VERSION): move it away or set LOWERFLOW_PGDATA"
+  fi
+  # A first start that fails leaves no (empty or half-made) data directory behind.
+  [ -d "$PGDATA_DIR" ] || trap 'rm -rf -- "$PGDATA_DIR"' EXIT
   mkdir -p "$PGDATA_DIR"
   chmod 700 "$PGDATA_DIR"
   [ "$(id -u)" = 0 ] && chown "$user:" "$PGDATA_DIR"
@@ -125,14 +145,12 @@ init_cluster() {
     die "user '$user' (who runs PostgreSQL) cannot reach $PGDATA_DIR: a parent directory is private (e.g. /root).
   Put the cluster where '$user' can reach it, e.g.: LOWERFLOW_PGDATA=/var/lib/lowerflow/postgres $0 start"
   fi
-  if [ -n "$(ls -A "$PGDATA_DIR")" ]; then
-    die "$PGDATA_DIR is not empty and holds no PostgreSQL cluster (no PG_VERSION): move it away or set LOWERFLOW_PGDATA"
-  fi
   say "initializing a PostgreSQL cluster in $PGDATA_DIR (as $user)"
   as_pg "$BINDIR/initdb" -D "$PGDATA_DIR" -U "$user" --auth-local=peer --auth-host=scram-sha-256 \
     --encoding=UTF8 --locale=C >"$LOWERFLOW_HOME/initdb.log" 2>&1 \
     || { cat "$LOWERFLOW_HOME/initdb.log" >&2; die "initdb failed (log above)"; }
   as_pg sh -c "echo \"include_if_exists = 'lowerflow.conf'\" >>'$PGDATA_DIR/postgresql.conf'"
+  trap - EXIT
 }
 
 start_db() {
@@ -170,6 +188,17 @@ ALTER ROLE $PG_ROLE WITH LOGIN PASSWORD '$pw';
 SELECT 'CREATE DATABASE $PG_DATABASE OWNER $PG_ROLE' WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = '$PG_DATABASE') \gexec
 SQL
   DATABASE_URL="postgresql+asyncpg://$PG_ROLE:$pw@127.0.0.1:$(running_port)/$PG_DATABASE"
+  remember
+}
+
+# The settings of this start, for the commands after it (see the header).
+remember() {
+  local api
+  api=$(api_url)
+  (umask 077 && printf '%s\n' "LOWERFLOW_PGDATA=$PGDATA_DIR" "LOWERFLOW_PG_PORT=$(running_port)" \
+    "LOWERFLOW_PG_USER=$PG_USER" "HOST=$HOST" "PORT=$PORT" "LOWERFLOW_API_URL=$api" >"$STATE_FILE.tmp") \
+    && mv -f "$STATE_FILE.tmp" "$STATE_FILE"
+  LOWERFLOW_API_URL=$api
 }
 
 stop_db() {
@@ -206,6 +235,8 @@ server_pid() {
 
 api_url() {
   local host=$HOST
+  # A started server's URL is the one `start` printed (HOST=0.0.0.0 resolves to a name).
+  if [ -n "${LOWERFLOW_API_URL:-}" ] && [ "${1:-}" = remembered ]; then echo "$LOWERFLOW_API_URL"; return; fi
   case "$host" in 0.0.0.0|::|'') host=$(hostname -f 2>/dev/null || hostname) ;; esac
   [[ $host == *:* ]] && host="[$host]"
   echo "http://$host:$PORT/api"
@@ -226,7 +257,7 @@ cmd_start() {
   export PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE=${PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE:-200}
   export PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL=${PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL:-1}
   say "Prefect server on $HOST:$PORT, database postgresql://$PG_ROLE@127.0.0.1:$(running_port)/$PG_DATABASE"
-  echo "export PREFECT_API_URL=$(api_url)"
+  echo "export PREFECT_API_URL=$LOWERFLOW_API_URL"
   echo $$ >"$SERVER_PIDFILE"   # exec keeps the pid
   exec "$prefect" server start --host "$HOST" --port "$PORT" "$@"
 }
@@ -260,7 +291,7 @@ cmd_status() {
   fi
   pid=$(server_pid)
   if [ -n "$pid" ]; then
-    echo "prefect:  running (pid $pid), PREFECT_API_URL=$(api_url)"
+    echo "prefect:  running (pid $pid), PREFECT_API_URL=$(api_url remembered)"
   else
     echo "prefect:  not running"; ok=1
   fi

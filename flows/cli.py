@@ -135,6 +135,23 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--dry-run", action="store_true", help="only report what would be removed")
     gc.set_defaults(run=cmd_gc)
 
+    automations = sub.add_parser(
+        "automations", parents=[common], help="install the Prefect automations of unattended nights",
+        description="install: (re)create on the Prefect server of PREFECT_API_URL the automation that marks a "
+                    "flow run Crashed when its heartbeats stop (a lost worker machine; lower-fleet then resubmits "
+                    "the model), and, with --notify-url or --notify-block, one that notifies when a lower-fleet "
+                    "run fails.  ls: show them.  See flows/automations.py.")
+    automations.add_argument("action", choices=["install", "ls"], help="install (idempotent) or ls")
+    automations.add_argument("--zombie-window", type=float, default=90.0, metavar="S",
+                             help="seconds without a heartbeat before a run is Crashed (default: 90; runs send "
+                                  "one every 30 s, PREFECT_FLOWS_HEARTBEAT_FREQUENCY in deployments/prefect.yaml)")
+    automations.add_argument("--notify-url", metavar="URL",
+                             help="POST {\"subject\", \"body\"} (JSON) here when a fleet fails "
+                                  "(saved as the block custom-webhook/lowerflow-nightly)")
+    automations.add_argument("--notify-block", metavar="TYPE/NAME",
+                             help="or notify through a notification block you saved (e.g. slack-webhook/night-owl)")
+    automations.set_defaults(run=cmd_automations)
+
     ui = sub.add_parser("ui", parents=[common], help="serve the Prefect UI over the runs and reports made here",
                         description="Start a Prefect server on the database the CLI and the demo used "
                                     "(Prefect's ephemeral server's), with the UI's API URL set, and print "
@@ -385,6 +402,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
     say(f"worker on pool {args.pool} (queues {', '.join(queues)}, {args.limit} run(s) at once) at "
         f"{prefect_api_url()}; Ctrl-C stops it")
     run_worker(args.pool, queues, args.limit, name=args.name, threads=args.threads, preload=args.preload)
+    return EXIT_OK
+
+
+def cmd_automations(args: argparse.Namespace) -> int:
+    """``lowerflow automations install|ls`` (see :mod:`flows.automations`)."""
+    from flows import automations
+
+    if not prefect_api_url():
+        raise CLIError("automations live on a Prefect server: set PREFECT_API_URL "
+                       "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+    if args.action == "ls":
+        for line in automations.installed():
+            print(line)
+        return EXIT_OK
+    try:
+        created = automations.install(args.zombie_window, args.notify_url, args.notify_block)
+    except automations.AutomationError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
+    for name, automation_id in created.items():
+        print(f"installed automation '{name}' ({automation_id})")
+    if len(created) == 1:
+        say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
     return EXIT_OK
 
 

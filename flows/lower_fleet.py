@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
@@ -38,10 +38,14 @@ from .manifest import FleetManifest, ModelEntry, load_manifest
 
 
 class FleetFailed(RuntimeError):
-    """Some models failed; ``summary`` has every model's manifest."""
+    """Some models failed; ``summary`` has every model's manifest (and ``timed_out``:
+    the models still out when the fleet timed out)."""
 
     def __init__(self, summary: dict) -> None:
-        super().__init__(f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}")
+        message = f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}"
+        if summary.get("timed_out"):
+            message += f" (timed out waiting for {', '.join(summary['timed_out'])})"
+        super().__init__(message)
         self.summary = summary
 
 
@@ -69,12 +73,23 @@ def quantize_parameters(entry: ModelEntry) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
+#: Seconds a fleet on a pool waits for its model runs (``timeout_seconds``): less than a
+#: day, so a hung night has failed long before the next nightly (concurrency limit 1) is due.
+FLEET_TIMEOUT_SECONDS = 12 * 3600.0
+#: Times a model run that ended Crashed (its worker or machine lost) is submitted again.
+CRASH_RETRIES = 2
+
+
 @flow(name="lower-fleet")
-def lower_fleet(manifest: str | dict, pool: str | None = None) -> dict:
+def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: float | None = FLEET_TIMEOUT_SECONDS,
+                crash_retries: int = CRASH_RETRIES) -> dict:
     """Lower every model of ``manifest`` (a YAML/JSON path or dict); returns the fleet summary.
 
     ``pool``: lower each model as a flow run of deployment ``lower-model/<pool>`` on
     that work pool's workers (see the module docstring); None lowers them in this process.
+    On a pool, a model run that ends Crashed (a lost worker: see flows/automations.py) is
+    submitted again up to ``crash_retries`` times, resuming at its stage (cache hits), and
+    after ``timeout_seconds`` (None: no limit) the models still out are cancelled and fail.
     Raises :class:`FleetFailed` (after writing the summary) if any model failed.
     """
     fleet = load_manifest(manifest)
@@ -84,13 +99,16 @@ def lower_fleet(manifest: str | dict, pool: str | None = None) -> dict:
     if pool is None:
         outcomes = lower_in_process(members)
     else:
-        outcomes = lower_on_pool(members, pool, store)
+        outcomes = lower_on_pool(members, pool, store, timeout_seconds, crash_retries)
     summary: dict[str, Any] = {"store": store.url, "models": {}, "failed": []}
     for entry in fleet.models:
         ok, summary["models"][entry.name] = outcomes[entry.name]
         if not ok:
             summary["failed"].append(entry.name)
         logger.info("%s: %s", entry.name, "ok" if ok else "FAILED")
+    timed_out = [e.name for e in fleet.models if outcomes[e.name][1].get("timed_out")]
+    if timed_out:
+        summary["timed_out"] = timed_out
     summary["ok"] = not summary["failed"]
     store.put_json("fleet.json", summary)
     _publish_report(summary)
@@ -184,18 +202,17 @@ def ensure_model_deployment(pool: str) -> str:
     root = Path(__file__).resolve().parent.parent
     lower_model.from_source(source=str(root), entrypoint="flows/lower_model.py:lower_model").to_deployment(
         name=pool, work_pool_name=pool, work_queue_name="models",
-        job_variables={"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}},
+        job_variables={"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}},
         description="One model of a lowerflow fleet (created by `lowerflow fleet --pool`).",
     ).apply(work_pool_name=pool)  # .deploy() would print tables and advice on the CLI's stdout
     return name
 
 
-def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore) -> dict[str, tuple[bool, dict]]:
+def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore,
+                  timeout_seconds: float | None = None, crash_retries: int = 0) -> dict[str, tuple[bool, dict]]:
     """Each model as a flow run of ``lower-model/<pool>``: submit all, wait for all,
     read their manifests.  Models whose run of this fleet run already completed (a
     retried fleet run) are not submitted again."""
-    from prefect.deployments import run_deployment
-
     logger = get_run_logger()
     deployment = model_deployment(pool)
     done = completed_members(members)
@@ -205,14 +222,22 @@ def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore) -> 
         if name in done:
             logger.info("%s: completed in an earlier try of this fleet run (%s)", name, done[name])
             continue
-        runs[name] = run_deployment(deployment, parameters=members[name], timeout=0, flow_run_name=name,
-                                    tags=["lowerflow", "fleet-member"]).id
+        runs[name] = submit_member(deployment, name, members[name])
     logger.info("submitted %d model runs to %s (%d done before), longest first (%d with a run time from an "
                 "earlier run)", len(runs), deployment, len(done), len(known))
-    final = wait_for_runs(runs, members, store)
+    final = wait_for_runs(runs, members, store, timeout_seconds=timeout_seconds, crash_retries=crash_retries,
+                          resubmit=lambda name: submit_member(deployment, name, members[name]))
     outcomes = {name: (True, _read_manifest(store, name, run_id)) for name, run_id in done.items()}
     outcomes.update(final)
     return {name: outcomes[name] for name in members}
+
+
+def submit_member(deployment: str, name: str, params: dict):
+    """Submit one model's run of ``deployment`` (a child of this fleet run); its id."""
+    from prefect.deployments import run_deployment
+
+    return run_deployment(deployment, parameters=params, timeout=0, flow_run_name=name,
+                          tags=["lowerflow", "fleet-member"]).id
 
 
 #: How many earlier completed runs per model :func:`longest_first` reads at most.
@@ -283,17 +308,26 @@ def completed_members(members: dict[str, dict]) -> dict[str, str]:
     return done
 
 
-def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: ArtifactStore) -> dict[str, tuple[bool, dict]]:
+def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: ArtifactStore, *,
+                  timeout_seconds: float | None = None, crash_retries: int = 0,
+                  resubmit: Callable[[str], Any] | None = None) -> dict[str, tuple[bool, dict]]:
     """Poll the submitted runs until each is final; name → (ok, manifest), logging each
     model's targets as ``"<name>/<target> ok|FAILED ..."`` when it finishes (what the
-    CLI's progress lines listen to)."""
+    CLI's progress lines listen to).
+
+    A run that ends Crashed without a manifest of its own (its worker died; Prefect's
+    zombie automation or the worker marked it) is submitted again with ``resubmit(name)``,
+    at most ``crash_retries`` times per model.  After ``timeout_seconds`` the runs still
+    out are cancelled (:func:`cancel_runs`) and their models fail, marked ``timed_out``."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType
 
     logger = get_run_logger()
     pending = {run_id: name for name, run_id in runs.items()}
+    crashes = {name: 0 for name in runs}
     outcomes: dict[str, tuple[bool, dict]] = {}
     last_log = time.monotonic()
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     # Only the runs that ended: most polls find none, and an empty answer is the
     # cheapest one the server gives (it polls four times a second for the whole fleet).
     ended = FlowRunFilterState(type=FlowRunFilterStateType(any_=FINAL_STATE_TYPES))
@@ -304,15 +338,60 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                 if run.state is None or not run.state.is_final() or run.id not in pending:
                     continue
                 name = pending.pop(run.id)
+                if run.state.is_crashed() and resubmit is not None and crashes[name] < crash_retries \
+                        and _read_manifest(store, name, str(run.id)) is None:
+                    crashes[name] += 1
+                    new = resubmit(name)
+                    pending[new] = name
+                    logger.warning("%s: model run %s ended Crashed (%s); submitted again as %s (%d of %d)", name,
+                                   run.id, one_line(run.state.message or ""), new, crashes[name], crash_retries)
+                    continue
                 outcomes[name] = _finished(run, members[name], store)
                 for target, result in outcomes[name][1]["targets"].items():
                     logger.info("%s/%s %s", name, target, "ok" if result.get("ok") else f"FAILED {result.get('error')}")
+            if pending and deadline is not None and time.monotonic() > deadline:
+                outcomes.update(timed_out(client, pending, members, timeout_seconds))
+                break
             if pending:
                 if time.monotonic() - last_log > WAITING_LOG_SECONDS:
                     last_log = time.monotonic()
                     logger.info("waiting for %d model runs: %s", len(pending), ", ".join(sorted(pending.values())))
                 time.sleep(POLL_SECONDS)
     return outcomes
+
+
+def timed_out(client, pending: dict[Any, str], members: dict[str, dict], seconds: float) -> dict[str, tuple[bool, dict]]:
+    """The outcomes of the runs still out when the fleet timed out: cancelled, failed."""
+    logger = get_run_logger()
+    logger.error("timed out after %g s waiting for %d model runs: %s", seconds, len(pending),
+                 ", ".join(sorted(pending.values())))
+    states = cancel_runs(client, list(pending))
+    outcomes = {}
+    for run_id, name in pending.items():
+        manifest = failed_manifest(members[name], f"timed out: the fleet waited {seconds:g} s and flow run "
+                                                  f"{run_id} was still {states.get(run_id, 'out')}; cancelled")
+        outcomes[name] = (False, {**manifest, "timed_out": True})
+        logger.info("%s/%s FAILED timed out", name, ",".join(members[name]["targets"]))
+    return outcomes
+
+
+def cancel_runs(client, run_ids: list) -> dict[Any, str]:
+    """Cancel flow runs: Cancelling for a running one (its worker stops it), Cancelled for
+    one no worker took yet.  Returns each run's state name before; never raises."""
+    from prefect.states import Cancelled, Cancelling
+
+    before = {}
+    for run_id in run_ids:
+        try:
+            state = client.read_flow_run(run_id).state
+            before[run_id] = state.name if state else "?"
+            running = state is not None and (state.is_running() or state.is_pending())
+            client.set_flow_run_state(run_id, (Cancelling if running else Cancelled)(message="the fleet timed out"),
+                                      force=True)
+        except Exception as exc:  # the fleet still fails, naming the model
+            get_run_logger().warning("could not cancel flow run %s: %s: %s", run_id, type(exc).__name__,
+                                     one_line(str(exc)))
+    return before
 
 
 def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:

@@ -127,6 +127,7 @@ def _validate(doc: Any, base: Path, origin: str = "manifest") -> FleetManifest:
     store = doc.get("store")
     if store is not None and (not isinstance(store, str) or not store):
         raise ManifestError(f"manifest 'store' must be a URL string, got {store!r}")
+    _no_placeholder(doc, origin)
     if store is not None and "://" not in store and not os.path.isabs(store):
         store = str((base / store).resolve())
     locks = _locks(doc.get("locks"), origin)
@@ -143,6 +144,16 @@ def _validate(doc: Any, base: Path, origin: str = "manifest") -> FleetManifest:
             raise ManifestError(f"models[{i}] ({entry.name!r}): name already used by models[{seen[entry.name]}]")
         seen[entry.name] = i
     return FleetManifest(store, tuple(entries), locks)
+
+
+def _no_placeholder(doc: Mapping[str, Any], origin: str) -> None:
+    """An example's ``store``/``locks`` still reads ``s3://<your-bucket>/...``: say so."""
+    for key in ("store", "locks"):
+        found = re.search(r"<[^<>]+>", doc[key]) if isinstance(doc.get(key), str) else None
+        if found:
+            raise ManifestError(f"{origin}: '{key}' {doc[key]!r} still has the placeholder {found.group()}: "
+                                f"set it to your {'object store URL' if key == 'store' else 'Redis URL'} "
+                                "(one every worker machine reaches)")
 
 
 def _locks(value: Any, origin: str) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from flows.warm_start import ENTRYPOINT_ENV, SOCKET_ENV
 
@@ -45,6 +46,10 @@ def local_entrypoint(deployment) -> tuple[str, str] | None:
     if not isinstance(directory, str) or "{{" in directory or not os.path.isdir(directory):
         return None  # templated ({{ ... }}) or not on this machine: let the engine run the step
     return directory, entrypoint
+
+
+#: Set when SIGTERM stopped the worker (its exit is then a clean one).
+TERMINATED = threading.Event()
 
 
 def warm_worker_class():
@@ -127,10 +132,14 @@ def run_worker(pool: str, work_queues: list[str], limit: int | None, query_secon
     ``preload``: more modules for the warm parent to import once (a fleet's model zoo,
     e.g. ``transformers.models.bert.modeling_bert``: 0.3-1 s a run otherwise)."""
     import shutil
+    import signal
     import subprocess
     import tempfile
     import time
 
+    # SIGTERM before the worker polls (while the warm parent starts) ends it through the
+    # cleanup below, too; once it polls, stop_on_sigterm takes over.
+    signal.signal(signal.SIGTERM, _terminated)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # read when the warm parent imports torch
     directory = tempfile.mkdtemp(prefix="lowerflow-warm-")
     path = os.path.join(directory, "warm.sock")
@@ -155,6 +164,10 @@ def run_worker(pool: str, work_queues: list[str], limit: int | None, query_secon
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, name: str | None) -> None:
     import anyio
     from prefect.context import refresh_global_settings_context
@@ -168,6 +181,35 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, na
     async def main() -> None:
         async with worker_class(work_pool_name=pool, work_queues=work_queues or None, limit=limit,
                                 name=name) as worker:
-            await worker.start()
+            async with anyio.create_task_group() as group:
+                group.start_soon(stop_on_sigterm, group.cancel_scope)
+                await worker.start()
+                group.cancel_scope.cancel()
 
-    anyio.run(main)
+    try:
+        anyio.run(main)
+    except BaseException:
+        if not TERMINATED.is_set():
+            raise
+        # Prefect's teardown was cancelled with the worker (its runner would wait for the
+        # runs still going, as `prefect worker start` does for 25 s and more): they are
+        # left to end on their own, as at Ctrl-C.
+    if TERMINATED.is_set():
+        print(f"lowerflow worker {name or ''}: stopped (SIGTERM)".replace("  ", " "), file=sys.stderr)
+
+
+async def stop_on_sigterm(scope) -> None:
+    """Cancel ``scope`` (the worker's) at SIGTERM (systemd's stop, ``kill``): the worker
+    stops polling and exits through its own teardown and :func:`run_worker`'s cleanup
+    (the warm parent and its socket), instead of dying where it stands (Python's
+    default) and leaving the socket behind.  A flow run still running is left to end on
+    its own, as at Ctrl-C."""
+    import signal
+
+    import anyio
+
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            TERMINATED.set()
+            scope.cancel()
+            return

@@ -8,7 +8,13 @@
 * a fleet run (``prefect deployment run 'lower-fleet/nightly-fleet' --watch``) fanned
   out to one ``lower-model`` run per model, on both model workers;
 * a fleet with a model whose verify fails, then ``prefect flow-run retry``: only that
-  model runs again, and it resumes at verify (every stage before it is a cache hit).
+  model runs again, and it resumes at verify (every stage before it is a cache hit);
+  the failed fleet is notified (``lowerflow automations install --notify-url``) to a
+  real HTTP server of the test;
+* a model worker's whole process group killed mid-run (a lost machine): Prefect's
+  zombie automation marks the run Crashed, the fleet submits it again to the other
+  worker, it resumes at its stage and the fleet completes;
+* a fleet that times out: it fails naming the model still out.
 
 Everything shares one module-scoped setup (~25 s).  Every process is killed with its
 process group, and the database stopped, in a ``finally``.
@@ -17,6 +23,7 @@ process group, and the database stopped, in a ``finally``.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import re
@@ -44,6 +51,42 @@ MODEL_WORKERS = ("models-1", "models-2")
 STARTUP = 180
 #: Seconds one fleet run (or retry) may take.
 FLEET_TIMEOUT = 300
+#: The zombie automation's window here: heartbeats come every 30 s (the minimum), and a
+#: lost run is Crashed 10-40 s after its last one (90 s, the default, in production).
+ZOMBIE_WINDOW = 40
+
+
+#: The nightly deployment's parameters (deployments/prefect.yaml).
+NIGHTLY_PARAMETERS = {"manifest": "examples/nightly-fleet.yaml", "pool": POOL, "timeout_seconds": 43200, "crash_retries": 2}
+
+
+@contextlib.contextmanager
+def receiver() -> Iterator[tuple[list[dict], str]]:
+    """A real HTTP server on a free loopback port collecting the JSON bodies POSTed to it:
+    (the bodies so far, its URL).  The notification webhook of the fleet."""
+    import http.server
+    import threading
+
+    received: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            received.append(json.loads(body or b"null"))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield received, f"http://127.0.0.1:{server.server_address[1]}/lowerflow-hook"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def postgres_bindir() -> str | None:
@@ -58,7 +101,7 @@ def postgres_bindir() -> str | None:
     return str(found[-1].parent) if found else shutil.which("initdb") and str(Path(shutil.which("initdb")).parent)
 
 
-def _no_postgres_user() -> bool:
+def no_postgres_user() -> bool:
     """Root runs PostgreSQL as the `postgres` user (it refuses to run as root)."""
     import pwd
 
@@ -70,7 +113,7 @@ def _no_postgres_user() -> bool:
 
 pytestmark = [
     pytest.mark.skipif(postgres_bindir() is None, reason="PostgreSQL is not installed (CI installs it)"),
-    pytest.mark.skipif(_no_postgres_user(), reason="running as root and there is no `postgres` user to run PostgreSQL"),
+    pytest.mark.skipif(no_postgres_user(), reason="running as root and there is no `postgres` user to run PostgreSQL"),
 ]
 
 
@@ -99,6 +142,9 @@ class Deployment:
     server: subprocess.Popen     # server.sh start
     workers: dict[str, subprocess.Popen]
     base: Path
+    stack: contextlib.ExitStack
+    notifications: list[dict]    # what the notification webhook received (JSON bodies)
+    commands: dict[str, list[str]]  # how each worker was started
 
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
@@ -156,14 +202,18 @@ def deployment() -> Iterator[Deployment]:
     pg_port, api_port = free_port(), free_port()
     api = f"http://127.0.0.1:{api_port}/api"
     env = subprocess_env(api, PREFECT_HOME=str(base / "prefect"), PREFECT_WORKER_QUERY_SECONDS="1")
-    server_env = {**env, "LOWERFLOW_HOME": str(base), "LOWERFLOW_PG_PORT": str(pg_port), "PORT": str(api_port),
-                  "HOST": "127.0.0.1", "PREFECT_SERVER_UI_ENABLED": "false",
+    # server.sh's later commands (status, psql, stop) get only LOWERFLOW_HOME: they act on
+    # what `start` started (its data directory and ports, remembered in server.env).
+    server_env = {**env, "LOWERFLOW_HOME": str(base), "PREFECT_SERVER_UI_ENABLED": "false",
                   "PREFECT": str(Path(sys.executable).with_name("prefect"))}  # this venv's, PATH or not
     server_env.pop("PREFECT_API_URL")
+    start_env = {**server_env, "LOWERFLOW_PGDATA": str(base / "pg"), "LOWERFLOW_PG_PORT": str(pg_port),
+                 "PORT": str(api_port), "HOST": "127.0.0.1"}
     with contextlib.ExitStack() as stack:
+        notifications, webhook = stack.enter_context(receiver())
         stack.callback(shutil.rmtree, base, True)
-        stack.callback(kill_postmaster, base / "postgres")
-        server = stack.enter_context(spawned([str(SERVER_SH), "start"], server_env))
+        stack.callback(kill_postmaster, base / "pg")
+        server = stack.enter_context(spawned([str(SERVER_SH), "start"], start_env))
         # Runs before the server's group is killed: stops the server, then PostgreSQL.
         stack.callback(lambda: subprocess.run([str(SERVER_SH), "stop"], env=server_env, capture_output=True, timeout=120))
         wait_until(lambda: healthy(api), "healthy Prefect API", STARTUP, {"server.sh": server})
@@ -177,14 +227,21 @@ def deployment() -> Iterator[Deployment]:
         commands = {
             MODEL_WORKERS[0]: prefect("worker", "start", "--pool", POOL, "--work-queue", "models", "--limit", "1"),
             MODEL_WORKERS[1]: [sys.executable, "-m", "flows.cli", "worker", "--pool", POOL, "--verbose"],
-            "fleet": prefect("worker", "start", "--pool", POOL, "--work-queue", "fleet"),
+            # As the README: a lowerflow worker (polls every 0.5 s, stops cleanly at SIGTERM).
+            "fleet": [sys.executable, "-m", "flows.cli", "worker", "--pool", POOL, "--work-queue", "fleet"],
         }
         for name, command in commands.items():
-            workers[name] = stack.enter_context(spawned([*command, "--name", name], env))
+            (base / f"tmp-{name}").mkdir()  # each worker's temporary directory (the warm socket's)
+            workers[name] = stack.enter_context(spawned([*command, "--name", name],
+                                                        {**env, "TMPDIR": str(base / f"tmp-{name}")}))
         # Meanwhile (the workers take seconds to start): deploy, from the repository root.
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
-        deployed = Deployment(api, env, server_env, server, workers, base)
+        deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands)
+        # As the README says: the zombie-run automation, and failure notifications to a webhook.
+        status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "install",
+                                "--zombie-window", str(ZOMBIE_WINDOW), "--notify-url", webhook], env)
+        assert status == 0 and out.count("installed automation") == 2, out + err
 
         def online():
             with deployed.client() as client:
@@ -204,12 +261,13 @@ def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment)
     assert not list(deployment.base.rglob("*.db")), "a SQLite database was created"
     status, out, err = cli([str(SERVER_SH), "status"], deployment.server_env)
     assert status == 0 and "postgres: running" in out and "prefect:  running" in out, out + err
+    assert f"PREFECT_API_URL={deployment.api}" in out and str(deployment.base / "pg") in out, out
 
     with deployment.client() as client:
         fleet = client.read_deployment_by_name("lower-fleet/nightly-fleet")
         model = client.read_deployment_by_name(f"lower-model/{POOL}")
     assert (fleet.work_pool_name, fleet.work_queue_name) == (POOL, "fleet")
-    assert fleet.parameters == {"manifest": "examples/fleet.yaml", "pool": POOL}
+    assert fleet.parameters == NIGHTLY_PARAMETERS
     assert fleet.global_concurrency_limit.limit == 1
     assert fleet.concurrency_options.collision_strategy == ConcurrencyLimitStrategy.ENQUEUE
     [schedule] = fleet.schedules
@@ -217,7 +275,8 @@ def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment)
     assert (model.work_pool_name, model.work_queue_name, model.schedules) == (POOL, "models", [])
     assert (fleet.entrypoint, model.entrypoint) == ("flows/lower_fleet.py:lower_fleet", "flows/lower_model.py:lower_model")
     for d in (fleet, model):
-        assert d.job_variables == {"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}}
+        assert d.job_variables == {"env": {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                                           "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}
         assert d.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
 
 
@@ -464,6 +523,12 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
     first_children = child_runs(deployment, fleet_id)
     assert sorted(r.parameters["name"] for r in first_children) == ["mlp", "sensor"]
 
+    # The failed night was notified: the automation POSTed to the webhook (the test's server).
+    notified = wait_until(lambda: [n for n in deployment.notifications if fleet_id in n["body"]],
+                          "notification of the failed fleet", 60, {"server.sh": deployment.server})
+    assert "ended Failed" in notified[0]["body"] and "1 of 2 models failed: sensor" in notified[0]["body"], notified
+    assert notified[0]["subject"].startswith("lowerflow: nightly fleet"), notified
+
     # The sensor is back; retry the fleet run (the same flow run, scheduled again).
     flag.unlink()
     status, out, err = cli(prefect("flow-run", "retry", fleet_id), deployment.env)
@@ -493,10 +558,148 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
         assert (store / "outputs" / "sensor" / f"{t}.pte").read_bytes()[4:8] == b"ET12"
 
 
+HANG = textwrap.dedent(
+    '''
+    """A model whose eager forward (verify's) writes its process id to {pidfile}, then
+    waits while {flag} exists: a run that hangs mid-lowering, after export and the
+    targets' earlier stages."""
+    import os
+    import time
+
+    import torch
+
+
+    class Hang(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            if not torch.compiler.is_exporting() and os.path.exists({flag!r}):
+                with open({pidfile!r}, "w") as f:
+                    f.write(str(os.getpid()))
+                while os.path.exists({flag!r}):
+                    time.sleep(0.1)
+            return torch.relu(self.linear(x))
+
+
+    def {name}():
+        torch.manual_seed(0)
+        return Hang(), (torch.randn(2, 8),)
+    '''
+)
+
+
+def hanging_fleet(store: Path, directory: Path, name: str, others: tuple[str, ...] = ()) -> tuple[Path, Path, Path]:
+    """A fleet manifest with ``others`` and a model ``name`` that hangs in verify until its
+    flag file is removed: (manifest, flag, pid file)."""
+    flag, pidfile = directory / f"{name}.hang", directory / f"{name}.pid"
+    flag.write_text("")
+    (directory / f"{name}.py").write_text(HANG.format(flag=str(flag), pidfile=str(pidfile), name=name))
+    fleet = fleet_manifest(store, others)
+    fleet["models"].append({"name": name, "model": f"{directory / name}.py:{name}"})
+    manifest = directory / "fleet.json"
+    manifest.write_text(json.dumps(fleet))
+    return manifest, flag, pidfile
+
+
+def start_fleet(deployment: Deployment, manifest: Path, *params: str):
+    """``prefect deployment run 'lower-fleet/nightly-fleet' --watch`` in the background."""
+    args = prefect("deployment", "run", "lower-fleet/nightly-fleet", "--param", f"manifest={manifest}",
+                   "--param", f"pool={POOL}", *[a for p in params for a in ("--param", p)], "--watch")
+    return spawned(args, deployment.env)
+
+
+def fleet_run_id(proc) -> str:
+    match = re.search(r"UUID: ([0-9a-f-]{36})", output_of(proc)[0])
+    return match.group(1) if match else ""
+
+
+def test_fleet_timeout_fails_naming_the_model_still_out(deployment, store, tmp_path):
+    """A fleet whose model hangs fails at its timeout, naming it; the next nightly, which
+    waited for the deployment's one slot, then runs."""
+    manifest, flag, _ = hanging_fleet(store, tmp_path, "stuck")
+    (tmp_path / "next").mkdir()
+    next_manifest = tmp_path / "next" / "fleet.json"
+    next_manifest.write_text(json.dumps(fleet_manifest(tmp_path / "next" / "store", ("mlp",))))
+    try:
+        with start_fleet(deployment, manifest, "timeout_seconds=15") as proc:
+            fleet_id = wait_until(lambda: fleet_run_id(proc), "the fleet run's id", 60, {"fleet": proc})
+            with start_fleet(deployment, next_manifest) as later:
+                later_id = wait_until(lambda: fleet_run_id(later), "the next fleet run's id", 60, {"fleet": later})
+                run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r,
+                                 "the fleet's end", FLEET_TIMEOUT, deployment.workers)
+                assert read_run(deployment, later_id).start_time is None or \
+                    read_run(deployment, later_id).start_time >= run.end_time  # it waited for the slot
+                following = wait_until(lambda: (r := read_run(deployment, later_id)).state.is_final() and r,
+                                       "the next fleet's end", FLEET_TIMEOUT, deployment.workers)
+    finally:
+        flag.unlink(missing_ok=True)
+    assert following.state.is_completed(), following.state
+    assert run.state.is_failed(), run.state
+    assert "1 of 1 models failed: stuck (timed out waiting for stuck)" in run.state.message, run.state.message
+    summary = json.loads((store / "outputs" / "fleet.json").read_text())
+    assert summary["failed"] == ["stuck"] and summary["timed_out"] == ["stuck"], summary
+    assert "timed out: the fleet waited 15 s" in summary["models"]["stuck"]["error"]
+    # The model run was cancelled; it ends (its worker stops it) and frees its worker.
+    [stuck] = [r for r in child_runs(deployment, fleet_id) if r.parameters["name"] == "stuck"]
+    final = wait_until(lambda: (r := read_run(deployment, stuck.id)).state.is_final() and r,
+                       "the timed-out model run's end", 60, deployment.workers)
+    assert final.state.is_cancelled(), final.state
+
+
+def test_lost_worker_machine_the_fleet_resubmits_its_model(deployment, store, tmp_path):
+    """SIGKILL of a model worker's whole process group, its flow run included (a lost
+    machine): the zombie automation marks the run Crashed, the fleet submits the model
+    again, the other worker lowers it from where it was (cache hits), the fleet completes."""
+    manifest, flag, pidfile = hanging_fleet(store, tmp_path, "doomed", ("mlp",))
+    try:
+        with start_fleet(deployment, manifest) as proc:
+            fleet_id = wait_until(lambda: fleet_run_id(proc), "the fleet run's id", 60, {"fleet": proc})
+            wait_until(lambda: pidfile.exists() and pidfile.read_text(), "the doomed model hanging in verify",
+                       FLEET_TIMEOUT, {"fleet": proc})
+            pid = int(pidfile.read_text())
+            [hung] = [r for r in child_runs(deployment, fleet_id) if r.parameters["name"] == "doomed"]
+            [lost] = ran_by(deployment, hung.id)
+            # The machine is lost: its worker's process group, and the run's (a plain Prefect
+            # worker starts each run in a session of its own; lowerflow worker's are in its group).
+            for group in {deployment.workers[lost].pid, os.getpgid(pid)}:
+                os.killpg(group, signal.SIGKILL)
+            killed, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+            flag.unlink()
+            deployment.workers[lost].wait(timeout=30)
+            survivors = {n: p for n, p in deployment.workers.items() if n != lost}
+            run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r,
+                             "the fleet's end after the lost worker", FLEET_TIMEOUT, survivors)
+            recovered = time.monotonic() - killed
+    finally:
+        flag.unlink(missing_ok=True)
+    assert run.state.is_completed(), run.state
+    assert recovered < ZOMBIE_WINDOW + 60, recovered
+    doomed = [r for r in child_runs(deployment, fleet_id) if r.parameters["name"] == "doomed"]
+    assert [r.state.type.value for r in doomed] == ["CRASHED", "COMPLETED"], [(r.name, r.state) for r in doomed]
+    assert "no heartbeat" in doomed[0].state.message, doomed[0].state.message
+    print(f"worker {lost} killed; the fleet completed {recovered:.1f} s later (zombie window {ZOMBIE_WINDOW} s): "
+          f"Crashed after {(doomed[0].state.timestamp - killed_at).total_seconds():.1f} s, the new run started "
+          f"{(doomed[1].start_time - killed_at).total_seconds():.1f} s and ended "
+          f"{(doomed[1].end_time - killed_at).total_seconds():.1f} s after the kill")
+    assert ran_by(deployment, doomed[1].id) == [next(iter(survivors))]
+    summary = json.loads((store / "outputs" / "fleet.json").read_text())
+    assert summary["ok"] is True and summary["models"]["doomed"]["flow_run"] == str(doomed[1].id)
+    # It resumed at its stage: export, and the stages of the target that hung before its
+    # verify, were cache hits; every verify ran again.
+    resumed = stages_of(store, "doomed")
+    for t, stages in resumed.items():
+        assert stages[0] == ("export", True) and stages[-1] == ("verify", False), (t, stages)
+    assert any(all(c for _, c in stages[:-1]) for stages in resumed.values()), resumed
+    # The lost machine comes back.
+    deployment.workers[lost] = deployment.stack.enter_context(
+        spawned([*deployment.commands[lost], "--name", lost], {**deployment.env, "TMPDIR": str(deployment.base / f"tmp-{lost}")}))
+
+
 # Last in the module: by now the server's scheduler has had minutes to schedule the nightly.
 # (Prefect 3.8.8's scheduler creates no run with SQLAlchemy >= 2.1: pinned in pyproject.toml.)
 def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
-    import datetime
 
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName, FlowRunFilter, \
         FlowRunFilterState, FlowRunFilterStateType
@@ -516,4 +719,48 @@ def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
     assert runs, "the scheduler created no run of lower-fleet/nightly-fleet"
     for run in runs:
         start = run.expected_start_time.astimezone(datetime.timezone.utc)
-        assert (start.hour, start.minute) == (2, 0) and run.parameters == {"manifest": "examples/fleet.yaml", "pool": POOL}
+        assert (start.hour, start.minute) == (2, 0) and run.parameters == NIGHTLY_PARAMETERS
+
+
+@pytest.mark.skipif(not os.environ.get("LOWERFLOW_MEASURE_NIGHTS"),
+                    reason="a measurement (~1 min): LOWERFLOW_MEASURE_NIGHTS=1 runs it")
+def test_demo_fleet_cold_and_warm_night(deployment, tmp_path):
+    """The demo fleet (examples/fleet.yaml, 12 .pte) through the nightly deployment, on a
+    fresh store (cold) and again (warm: every stage cached); prints both times."""
+    import yaml
+
+    fleet = yaml.safe_load((ROOT / "examples" / "fleet.yaml").read_text())
+    fleet["store"] = str(tmp_path / "store")
+    for entry in fleet["models"]:
+        entry["model"] = str(ROOT / "examples" / entry["model"])
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(yaml.safe_dump(fleet))
+    times = []
+    for night in ("cold", "warm"):
+        start = time.monotonic()
+        status, fleet_id, out = run_fleet(deployment, manifest)
+        times.append(time.monotonic() - start)
+        assert status == 0, out[-5000:]
+    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
+    stages = [r for m in summary["models"].values() for t in m["targets"].values() for r in t["stages"]]
+    ptes = list((tmp_path / "store" / "outputs").glob("*/*.pte"))
+    print(f"demo fleet through `prefect deployment run --watch`: cold {times[0]:.1f} s, warm {times[1]:.1f} s "
+          f"({sum(r['cached'] for r in stages)}/{len(stages)} stages cached), {len(ptes)} .pte")
+    assert len(ptes) == 12 and all(r["cached"] for r in stages)
+
+
+def test_sigterm_stops_a_lowerflow_worker_cleanly(deployment):
+    """SIGTERM (systemd's stop) ends ``lowerflow worker`` at once, its warm parent and
+    socket directory with it."""
+    worker = deployment.workers["fleet"]
+    tmp = deployment.base / "tmp-fleet"
+    assert [p.name for p in tmp.glob("lowerflow-warm-*/warm.sock")], list(tmp.iterdir())
+    start = time.monotonic()
+    os.kill(worker.pid, signal.SIGTERM)
+    status = worker.wait(timeout=30)
+    print(f"lowerflow worker stopped {time.monotonic() - start:.1f} s after SIGTERM (status {status})")
+    assert status == 0, "".join(output_of(worker))[-3000:]
+    assert not list(tmp.glob("lowerflow-warm-*")), list(tmp.iterdir())
+    with contextlib.suppress(ProcessLookupError):  # nothing of its group is left
+        os.killpg(worker.pid, 0)
+        pytest.fail("the worker's process group outlived it")

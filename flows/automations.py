@@ -1,0 +1,162 @@
+"""The Prefect automations an unattended night needs (``lowerflow automations install``).
+
+    worker machine lost ──► its flow run sends no heartbeat ──► "crash zombie flow runs"
+        (PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30,                    marks it Crashed after
+         deployments/prefect.yaml sets it for every run)          ZOMBIE_WINDOW seconds
+                                                                  │
+    lower-fleet sees the model run Crashed ◄──────────────────────┘
+        └─► resubmits it (crash_retries, flows/lower_fleet.py); it resumes at its stage
+
+    lower-fleet run ends Failed / Crashed / TimedOut ──► "fleet failed" automation
+        └─► SendNotification through a notification block (a webhook made here from
+            --notify-url, or any block the user saved: Slack, e-mail, ...)
+
+Both automations are Prefect's own (the server's triggers and actions services run
+them); this room only builds them.  :func:`install` is idempotent: an automation of
+the same name is replaced, so re-running it after an upgrade changes nothing else.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+#: Names of the automations :func:`install` creates (and replaces).
+ZOMBIE_AUTOMATION = "lowerflow: crash zombie flow runs"
+FAILED_FLEET_AUTOMATION = "lowerflow: fleet failed"
+#: The webhook block :func:`install` saves for ``--notify-url``.
+WEBHOOK_BLOCK = "lowerflow-nightly"
+#: Seconds between two heartbeats of a flow run (Prefect's minimum; the deployments set it).
+HEARTBEAT_SECONDS = 30
+#: Seconds without a heartbeat after which a running flow run is marked Crashed:
+#: three heartbeats (Prefect's recommendation), so a slow event never crashes a live run.
+ZOMBIE_WINDOW = 90
+#: The flow whose failures notify.
+FLEET_FLOW = "lower-fleet"
+#: Terminal states of a flow run that mean "the night failed".
+FAILED_STATES = ("Failed", "Crashed", "TimedOut")
+
+NOTIFICATION_SUBJECT = "lowerflow: nightly fleet {{ flow_run.name }} {{ flow_run.state.name }}"
+NOTIFICATION_BODY = (
+    "lowerflow fleet run {{ flow_run.name }} ({{ flow_run.id }}) of deployment "
+    "{{ deployment.name }} ended {{ flow_run.state.name }}: {{ flow_run.state.message }}\n"
+    "manifest: {{ flow_run.parameters.manifest }}\n"
+    "{{ flow_run|ui_url }}"
+)
+
+
+class AutomationError(ValueError):
+    """What is wrong with the options of ``lowerflow automations install``, in one line."""
+
+
+def zombie_automation(window: float = ZOMBIE_WINDOW):
+    """Prefect's zombie-flow-run automation: a flow run that sent a heartbeat and then,
+    for ``window`` seconds, neither another heartbeat nor a final state, is Crashed."""
+    from prefect.automations import AutomationCore
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    if window <= HEARTBEAT_SECONDS:
+        raise AutomationError(f"--zombie-window {window:g}: must be more than the heartbeat interval "
+                              f"({HEARTBEAT_SECONDS} s), or every live run would be crashed")
+    return AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description=f"Marks a flow run Crashed when it sent no heartbeat for {window:g} s (its machine or "
+                    f"worker died); lower-fleet then resubmits a crashed model run.  Installed by lowerflow.",
+        trigger=EventTrigger(
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+                    "prefect.flow-run.Cancelled", "prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive, threshold=1, within=timedelta(seconds=window),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {window:g} s: its worker or machine was lost")],
+    )
+
+
+def failed_fleet_automation(block_document_id):
+    """A notification through block ``block_document_id`` whenever a ``lower-fleet`` run
+    ends Failed (a model failed, or the fleet timed out), Crashed or TimedOut."""
+    from prefect.automations import AutomationCore
+    from prefect.events.actions import SendNotification
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    return AutomationCore(
+        name=FAILED_FLEET_AUTOMATION,
+        description="Notifies when a lower-fleet run fails (a model failed or was lost, or the fleet "
+                    "timed out).  Installed by lowerflow.",
+        trigger=EventTrigger(
+            expect={f"prefect.flow-run.{state}" for state in FAILED_STATES},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.role": "flow",
+                                                 "prefect.resource.name": FLEET_FLOW}),
+            posture=Posture.Reactive, threshold=1, within=timedelta(0),
+        ),
+        actions=[SendNotification(block_document_id=block_document_id, subject=NOTIFICATION_SUBJECT,
+                                  body=NOTIFICATION_BODY)],
+    )
+
+
+def notification_block_id(client, notify_url: str | None, notify_block: str | None):
+    """The id of the block to notify through: a webhook POSTing ``{"subject", "body"}``
+    as JSON to ``notify_url`` (saved as ``custom-webhook/lowerflow-nightly``), or the
+    saved block ``notify_block`` (``<block type slug>/<name>``, e.g. ``slack-webhook/night``)."""
+    from prefect.exceptions import ObjectNotFound
+
+    if notify_url:
+        from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+        if not notify_url.startswith(("http://", "https://")):
+            raise AutomationError(f"--notify-url {notify_url!r}: not an http(s) URL")
+        block = CustomWebhookNotificationBlock(
+            name="lowerflow", url=notify_url, method="POST",
+            json_data={"subject": "{{subject}}", "body": "{{body}}"})
+        return block.save(WEBHOOK_BLOCK, overwrite=True)
+    slug, _, name = (notify_block or "").partition("/")
+    if not slug or not name:
+        raise AutomationError(f"--notify-block {notify_block!r}: give it as <block type slug>/<name>, "
+                              "e.g. slack-webhook/night-owl (`prefect block ls` lists them)")
+    try:
+        return client.read_block_document_by_name(name=name, block_type_slug=slug).id
+    except ObjectNotFound:
+        raise AutomationError(f"--notify-block {notify_block}: no such block on the Prefect server "
+                              "(`prefect block ls` lists them)") from None
+
+
+def install(zombie_window: float = ZOMBIE_WINDOW, notify_url: str | None = None,
+            notify_block: str | None = None) -> dict[str, Any]:
+    """Create (or replace) the automations on the server of ``PREFECT_API_URL``: the
+    zombie one always, the failed-fleet notification when a URL or block is given.
+    Returns ``{automation name: id}``."""
+    from prefect.client.orchestration import get_client
+
+    automations = [zombie_automation(zombie_window)]
+    with get_client(sync_client=True) as client:
+        if notify_url or notify_block:
+            if notify_url and notify_block:
+                raise AutomationError("give --notify-url or --notify-block, not both")
+            automations.append(failed_fleet_automation(notification_block_id(client, notify_url, notify_block)))
+        created = {}
+        for automation in automations:
+            for old in client.read_automations_by_name(automation.name):
+                client.delete_automation(old.id)
+            created[automation.name] = client.create_automation(automation)
+    return created
+
+
+def installed() -> list[str]:
+    """Lines describing lowerflow's automations on the server (``lowerflow automations ls``)."""
+    from prefect.client.orchestration import get_client
+
+    lines = []
+    with get_client(sync_client=True) as client:
+        for name in (ZOMBIE_AUTOMATION, FAILED_FLEET_AUTOMATION):
+            found = client.read_automations_by_name(name)
+            lines.append(f"{name}: " + (", ".join(f"{'enabled' if a.enabled else 'disabled'} ({a.id})" for a in found)
+                                        or "not installed"))
+    return lines
