@@ -55,7 +55,7 @@ from . import payload as P
 from .generated import xnngraph_generated as fbx
 from .ops import PLANS, check_node, lower_getitem, rule_of
 from .ops.quantized import QUANT_TYPES, per_tensor_quant
-from .qparams import WEIGHT_DQ, QuantWeightError, is_op, weight_of
+from .qparams import WEIGHT_DQ, QuantWeightError, dequantized_constant, is_op, weight_of
 from .qplan import plan_quantization
 from .values import NCHW, NHWC, TO_NCHW, TO_NHWC, Context, Value, XnnpackPreprocessError, shape, val
 from .xnodes import min_max, node1x1, transpose
@@ -319,6 +319,10 @@ class GraphBuilder:
 
     def _dequantized(self, node: torch.fx.Node) -> torch.Tensor:
         """The fp32 values of a quantized weight read by a node computing in fp32."""
+        if node not in self.qplan.weights:
+            constant = dequantized_constant(node, self.static_tensor)
+            if constant is not None:
+                return constant
         try:
             w = self.qplan.weights.get(node) or weight_of(node, self.static_tensor)
         except QuantWeightError as e:

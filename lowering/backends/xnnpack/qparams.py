@@ -107,6 +107,21 @@ class QWeight:
         return w * self.scales.repeat_interleave(self.group_size, dim=1)
 
 
+def dequantized_constant(node: torch.fx.Node, tensor_of) -> torch.Tensor | None:
+    """The fp32 values of a per-tensor / per-channel dq of static data read by an op computing
+    in fp32 (any zero point: it is not a weight XNNPACK reads quantized); None for other dqs."""
+    if is_op(node, qd.dequantize_per_tensor.default):
+        _, scale, zp = node.args[:3]
+        return (tensor_of(node.args[0]).to(torch.float32) - float(zp)) * float(scale)
+    if is_op(node, qd.dequantize_per_channel.default):
+        data, scales, zps, axis = tensor_of(node.args[0]), tensor_of(node.args[1]), node.args[2], int(node.args[3])
+        shape = [1] * data.dim()
+        shape[axis % data.dim()] = -1
+        zero = tensor_of(zps).to(torch.float32).reshape(shape) if zps is not None else 0.0
+        return (data.to(torch.float32) - zero) * scales.to(torch.float32).reshape(shape)
+    return None
+
+
 def weight_of(node: torch.fx.Node, tensor_of) -> QWeight:
     """The :class:`QWeight` of a weight dq node; ``tensor_of(arg)`` gives a static operand's tensor.
 
