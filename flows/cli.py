@@ -185,69 +185,23 @@ def parse_spec(text: str):
 
 def parse_dynamic_shapes(text: str | None, spec) -> Any:
     """``--dynamic-shapes JSON`` validated and canonical; a bad one is exit status 2."""
-    if text is None:
-        return None
-    import json
+    from flows.manifest import ManifestError, dynamic_shapes_option
 
-    from flows.manifest import ManifestError, canonical_dynamic_shapes
-
-    if spec.kind == "pt2":
-        raise CLIError("--dynamic-shapes is only for a factory; a .pt2 program carries its own", EXIT_USAGE)
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CLIError(f"--dynamic-shapes: not JSON: {exc}", EXIT_USAGE) from None
-    try:
-        return canonical_dynamic_shapes(doc, "--dynamic-shapes")
+        return dynamic_shapes_option(text, spec)
     except ManifestError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
 def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, Any]:
     """``--quantize`` / ``--calibration`` / ``--min-sqnr`` / ``--max-error`` as lower_model
-    parameters, validated as a manifest's are (exit status 2 when bad)."""
-    import json
+    parameters (:func:`flows.quantized.quantize_options`); bad ones are exit status 2."""
+    from flows.quantized import quantize_options
 
-    from flows.manifest import ManifestError, recipes_by_target
-    from tasks.calibration import CalibrationError, check_calibration_source
-
-    out: dict[str, Any] = {}
-    if args.quantize is not None:
-        text = args.quantize.strip()
-        try:
-            value = json.loads(text) if text.startswith(("{", '"')) else text
-        except json.JSONDecodeError as exc:
-            raise CLIError(f"--quantize: not JSON: {exc}", EXIT_USAGE) from None
-        try:
-            out["quantize"] = recipes_by_target(value, targets, "--quantize")
-        except ManifestError as exc:
-            raise CLIError(str(exc), EXIT_USAGE) from None
-    if args.calibration is not None:
-        try:
-            out["calibration"] = check_calibration_source(args.calibration, "--calibration")
-        except CalibrationError as exc:
-            raise CLIError(str(exc), EXIT_USAGE) from None
-    for key in ("min_sqnr", "max_error"):
-        if getattr(args, key) is not None:
-            out[key] = getattr(args, key)
-    if not out.get("quantize") and len(out) > ("quantize" in out):
-        raise CLIError("--calibration, --min-sqnr and --max-error need --quantize", EXIT_USAGE)
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def quantize_line(entry: dict) -> str:
-    """``quantize int8: SQNR 38.5 dB, max error 1.07% against fp32 eager`` of a target's record."""
-    from lowering.quantize import parse_recipe
-
-    recipe = parse_recipe(entry["quantize"]["recipe"])
-    checks = [c for c in ((entry.get("verify") or {}).get("checks") or []) if c.get("accuracy")]
-    if not checks:
-        return f"quantize {recipe}: not verified"
-    accuracy = checks[0]["accuracy"]
-    sqnr = "inf" if accuracy.get("sqnr_db") is None else f"{accuracy['sqnr_db']:.1f}"
-    error = accuracy.get("max_error")
-    return (f"quantize {recipe}: SQNR {sqnr} dB, max error "
-            f"{'n/a' if error is None else f'{100 * error:.2f}%'} against fp32 eager")
+    try:
+        return quantize_options(args.quantize, args.calibration, args.min_sqnr, args.max_error, targets)
+    except ValueError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
 
 
 def check_targets(targets: Sequence[str]) -> None:
@@ -296,6 +250,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
             size = write_pte(entry["pte"], manifest.get("store"), path)
             say(f"{target}: wrote {path} ({size:,} bytes)")
             if entry.get("quantize"):
+                from flows.quantized import quantize_line
+
                 say(f"{target}: {quantize_line(entry)}")
         else:
             failed.append(f"{target}: {entry.get('error') or 'failed'}")

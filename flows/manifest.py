@@ -300,6 +300,19 @@ def _threshold(where: str, key: str, value: Any) -> float | None:
     return float(value)
 
 
+def dynamic_shapes_option(text: str | None, spec: ModelSpec) -> Any:
+    """The CLI's ``--dynamic-shapes JSON`` for ``spec``, validated and canonical (None: not given)."""
+    if text is None:
+        return None
+    if spec.kind == "pt2":
+        raise ManifestError("--dynamic-shapes is only for a factory; a .pt2 program carries its own")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"--dynamic-shapes: not JSON: {exc}") from None
+    return canonical_dynamic_shapes(doc, "--dynamic-shapes")
+
+
 def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
     """A ``dynamic_shapes`` document validated and in canonical JSON form (string dim
     indices, every dim's name, min and max), so equal specs give equal cache keys."""
