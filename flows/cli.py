@@ -457,8 +457,8 @@ def load_fleet(path: str):
 class FleetProgress(logging.Handler):
     """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
 
-    It listens to the log records ``"<name>/<target> ok"`` or ``"<name>/<target> FAILED
-    <error>"`` that ``flows.lower_model`` writes when a model's targets are done, for
+    It listens to the log records ``"<name>/<target> ok …"`` or ``"<name>/<target> FAILED
+    <error> …"`` that ``flows.lower_model`` writes when a model's targets are done, for
     the models and targets of the manifest only.  They come from Prefect's run loggers
     (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
     INFO whatever the console shows.
@@ -483,7 +483,8 @@ class FleetProgress(logging.Handler):
             return
         head, _, outcome = message.partition(" ")
         name, _, target = head.rpartition("/")
-        if outcome != "ok" and not outcome.startswith("FAILED"):
+        outcome = outcome.split(" ", 1)[0]  # "ok 0.84 s: 2 ran (…), …" (flows.run_logs.target_line)
+        if outcome not in ("ok", "FAILED"):
             return
         remaining = self.pending.get(name)
         if remaining is None or target not in remaining:
