@@ -409,7 +409,7 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     rows = fleet_rows(fleet_summary, compact=True)
     models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
-    status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(failed) or '?'}"
+    status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(_md_text(n) for n in failed) or '?'}"
     columns = [c for c in FLEET_COLUMNS if c != "error"]
     body = []
     for r in rows:
@@ -475,10 +475,11 @@ def _md_link(text: Any, url: str) -> str:
     Prefect's V1 UI (3.8.8) shows a backslash escape inside a link's text literally
     (``[buffer\\_mutation](…)`` reads ``buffer\\_mutation``), where its V2 UI and text
     outside links render it.  A text that needs no escape is the link's text; one that
-    does is shown escaped, followed by the link: ``x.\\_y\\_ ([report](…))``.
+    does is shown escaped, followed by the link: ``x.\\_y\\_ [↗](…)`` (an arrow: the
+    fleet table must stay narrow).
     """
     escaped = _md_text(text)
-    return f"[{escaped}]({url})" if escaped == str(text) else f"{escaped} ([report]({url}))"
+    return f"[{escaped}]({url})" if escaped == str(text) else f"{escaped} [↗]({url})"
 
 
 # --------------------------------------------------------------------------- publishing
