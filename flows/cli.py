@@ -483,8 +483,7 @@ class FleetProgress(logging.Handler):
             return
         head, _, outcome = message.partition(" ")
         name, _, target = head.rpartition("/")
-        outcome = outcome.split(" ", 1)[0]  # "ok 0.84 s: 2 ran (…), …" (flows.run_logs.target_line)
-        if outcome not in ("ok", "FAILED"):
+        if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
             return
         remaining = self.pending.get(name)
         if remaining is None or target not in remaining:

@@ -38,7 +38,8 @@ from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
-from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, labelled, quantize_versions
+from tasks.run_names import labelled
+from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
 from . import heartbeats, run_logs
 from .quantized import NO_QUANTIZATION, QuantSettings

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
-import dataclasses
 import inspect
 import threading
 import time
@@ -63,6 +61,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence
 
 from .cache import CacheConfig, iter_refs, stage_task
 from .model_spec import live_model
+from .run_names import task_run_name
 from .store import ArtifactRef, ArtifactStore
 
 #: Bump a stage's version when its code changes what it produces.
@@ -638,63 +637,6 @@ class StageTasks:
         run.__qualname__ = run.__name__
         return stage_task(stage, STAGE_VERSIONS[stage], config=self.config, ignore=ignore,
                           task_run_name=task_run_name(stage))(run)
-
-
-# --------------------------------------------------------------------------- task run names
-
-
-@dataclasses.dataclass(frozen=True)
-class RunLabel:
-    """What a stage task run is of: the model, its method, the target, the partition.
-
-    ``str()``: ``cnn/xnnpack``, ``cnn/xnnpack#2`` (partition 2), ``cnn`` (export),
-    ``lm.decode/portable`` (method ``decode`` of a model of several methods).
-    """
-
-    model: str | None = None
-    method: str | None = None
-    target: str | None = None
-    partition: int | None = None
-
-    def __str__(self) -> str:
-        text = (self.model or "") + (f".{self.method}" if self.method else "")
-        if self.target:
-            text += f"/{self.target}"
-        if self.partition is not None:
-            text += f"#{self.partition}"
-        return text
-
-
-_RUN_LABEL: contextvars.ContextVar[RunLabel] = contextvars.ContextVar("lowerflow_run_label", default=RunLabel())
-
-
-@contextlib.contextmanager
-def labelled(**parts: Any) -> Iterator[None]:
-    """The stage task runs started inside are of ``parts`` (fields of :class:`RunLabel`,
-    added to the enclosing label): the DAG says ``labelled(model="cnn")`` around export,
-    ``labelled(target="xnnpack")`` around a target's stages, and so on."""
-    token = _RUN_LABEL.set(dataclasses.replace(_RUN_LABEL.get(), **parts))
-    try:
-        yield
-    finally:
-        _RUN_LABEL.reset(token)
-
-
-def current_label() -> RunLabel:
-    return _RUN_LABEL.get()
-
-
-def task_run_name(stage: str) -> Callable[[], str]:
-    """The name of a stage's task runs (Prefect's ``task_run_name``): ``emit[cnn/xnnpack]``,
-    ``preprocess[cnn/xnnpack#2]``, ``export[cnn]``; the bare stage outside any label.
-    Prefect calls it in the thread (and context) that runs the task."""
-
-    def name() -> str:
-        label = str(_RUN_LABEL.get())
-        return f"{stage}[{label}]" if label else stage
-
-    name.__qualname__ = name.__name__ = f"{stage}_run_name"
-    return name
 
 
 #: The stages (each one's body is ``run_<stage>``) and the inputs each one's cache key ignores.

@@ -209,7 +209,7 @@ def test_target_line_counts_stages_run_and_cached():
 
 
 def test_task_run_names_follow_the_label():
-    from tasks.stages import labelled, task_run_name
+    from tasks.run_names import labelled, task_run_name
 
     name = task_run_name("preprocess")
     assert name() == "preprocess"
