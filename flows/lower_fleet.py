@@ -110,19 +110,25 @@ def lower_in_process(members: dict[str, dict]) -> dict[str, tuple[bool, dict]]:
     (:func:`create_member_runs`), then run concurrently."""
     runs = create_member_runs(members)
     with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_MODELS, thread_name_prefix="lowerflow-model") as threads:
-        futures = {
-            name: threads.submit(contextvars.copy_context().run, lower_member, params, runs.get(name))
-            for name, params in members.items()
-        }
+        futures = {}
+        for name, params in members.items():
+            context = contextvars.copy_context()
+            context.run(_MEMBER_RUN.set, runs.get(name))
+            futures[name] = threads.submit(context.run, lower_member, params)
         return {name: _outcome(future, members[name]) for name, future in futures.items()}
 
 
-def lower_member(params: dict, flow_run: Any = None) -> dict:
-    """One model of the fleet, in this process: its ``lower-model`` subflow run (made by
-    :func:`create_member_runs`; None: Prefect makes it).  Raises what the flow raised."""
+#: The (flow, flow run) :func:`create_member_runs` made for the model of this thread.
+_MEMBER_RUN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("lowerflow_member_run", default=None)
+
+
+def lower_member(params: dict) -> dict:
+    """One model of the fleet, in this process: its ``lower-model`` subflow run (the one
+    :func:`create_member_runs` made, else Prefect makes one).  Raises what the flow raised."""
     from prefect.flow_engine import run_flow
 
-    return run_flow(member_flow(params["name"]), flow_run=flow_run, parameters=params)
+    flow, flow_run = _MEMBER_RUN.get() or (member_flow(params["name"]), None)
+    return run_flow(flow, flow_run=flow_run, parameters=params)
 
 
 def member_flow(name: str) -> Flow:
@@ -144,8 +150,8 @@ def member_flow(name: str) -> Flow:
 
 
 def create_member_runs(members: dict[str, dict]) -> dict[str, Any]:
-    """name → the model's subflow run (named after the model, Pending), made one after
-    the other before any model runs; empty outside a flow run.
+    """name → (the model's flow, its subflow run: named after the model, Pending), made
+    one after the other before any model runs; empty outside a flow run.
 
     Made as Prefect makes a subflow's run — a task run of the parent standing for it
     (``lower-model[<name>]``), then the flow run under it — but not from the models'
@@ -173,7 +179,7 @@ def create_member_runs(members: dict[str, dict]) -> dict[str, Any]:
             task_run = _retried(lambda: client.create_task_run(
                 task=tracker, flow_run_id=context.flow_run.id, dynamic_key="0", name=f"{flow.name}[{name}]",
                 extra_tags=tags, state=Pending()))
-            runs[name] = _retried(lambda: client.create_flow_run(
+            runs[name] = flow, _retried(lambda: client.create_flow_run(
                 flow=flow, name=name, parameters=flow.serialize_parameters(params), state=Pending(),
                 parent_task_run_id=task_run.id, tags=tags))
     return runs
