@@ -452,8 +452,8 @@ def load_fleet(path: str):
 class FleetProgress(logging.Handler):
     """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
 
-    It listens to the log records ``"<name>/<target> ok"`` or ``"<name>/<target> FAILED
-    <error>"`` that ``flows.lower_model`` writes when a model's targets are done, for
+    It listens to the log records ``"<name>/<target> ok …"`` or ``"<name>/<target> FAILED
+    <error> …"`` that ``flows.lower_model`` writes when a model's targets are done, for
     the models and targets of the manifest only.  They come from Prefect's run loggers
     (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
     INFO whatever the console shows.
@@ -478,7 +478,7 @@ class FleetProgress(logging.Handler):
             return
         head, _, outcome = message.partition(" ")
         name, _, target = head.rpartition("/")
-        if outcome != "ok" and not outcome.startswith("FAILED"):
+        if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
             return
         remaining = self.pending.get(name)
         if remaining is None or target not in remaining:

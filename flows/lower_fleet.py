@@ -7,12 +7,13 @@
 
 Two ways to run the models' DAGs:
 
-* **In process** (``pool=None``, the embedded default): each model's DAG runs on
-  a thread of its own with a copy of the flow's context, so its stage tasks are
-  top-level tasks of the fleet run.  (Inside a wrapping task they would be nested
-  transactions: their results would commit, and their locks be released, only
-  when the wrapper succeeded — a failed model would lose its finished stages and
-  leave their locks held.)
+* **In process** (``pool=None``, the embedded default): each model is a
+  ``lower-model`` subflow run named after the model, on a thread of its own with a
+  copy of the fleet run's context, so the fleet run shows one child per model and
+  each model run shows its stages (task runs named ``emit[cnn/xnnpack]``).  Not
+  inside a wrapping task: there the stage tasks would be nested transactions whose
+  results commit, and locks are released, only when the wrapper succeeded — a
+  failed model would lose its finished stages and leave their locks held.
 * **On a work pool** (``pool="P"``): each model is a ``lower-model`` flow run of
   the deployment ``lower-model/P``, submitted with ``run_deployment`` and run by
   whichever worker of the pool picks it up; the fleet run waits for them and
@@ -25,15 +26,16 @@ Two ways to run the models' DAGs:
 from __future__ import annotations
 
 import contextvars
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
 
 from tasks.store import ArtifactStore
 
-from .lower_model import ModelLoweringFailed, one_line, plan_model, run_model
+from .lower_model import ModelLoweringFailed, lower_model, one_line, plan_model
 from .manifest import FleetManifest, ModelEntry, load_manifest
 
 
@@ -120,19 +122,102 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
 # --------------------------------------------------------------------------- in process
 
 
-def lower_member(params: dict) -> dict:
-    """One model of the fleet, in this process (see the module docstring for why not a task)."""
-    return run_model(**params)
-
-
 def lower_in_process(members: dict[str, dict]) -> dict[str, tuple[bool, dict]]:
-    """Each model's DAG on a thread of this process: name → (ok, model manifest)."""
+    """Each model as a ``lower-model`` subflow run named after it, on a thread of this
+    process: name → (ok, model manifest).  The runs are made first, one at a time
+    (:func:`create_member_runs`), then run concurrently."""
+    runs = create_member_runs(members)
     with ThreadPoolExecutor(max_workers=MAX_CONCURRENT_MODELS, thread_name_prefix="lowerflow-model") as threads:
-        futures = {
-            name: threads.submit(contextvars.copy_context().run, lower_member, params)
-            for name, params in members.items()
-        }
+        futures = {}
+        for name, params in members.items():
+            context = contextvars.copy_context()
+            context.run(_MEMBER_RUN.set, runs.get(name))
+            futures[name] = threads.submit(context.run, lower_member, params)
         return {name: _outcome(future, members[name]) for name, future in futures.items()}
+
+
+#: The (flow, flow run) :func:`create_member_runs` made for the model of this thread.
+_MEMBER_RUN: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("lowerflow_member_run", default=None)
+
+
+def lower_member(params: dict) -> dict:
+    """One model of the fleet, in this process: its ``lower-model`` subflow run (the one
+    :func:`create_member_runs` made, else Prefect makes one).  Raises what the flow raised."""
+    from prefect.flow_engine import run_flow
+
+    flow, flow_run = _MEMBER_RUN.get() or (member_flow(params["name"]), None)
+    return run_flow(flow, flow_run=flow_run, parameters=params)
+
+
+def member_flow(name: str) -> Flow:
+    """The ``lower-model`` flow as model ``name``'s subflow.
+
+    A subflow run hangs off a task run of the parent made for it (what the UI shows
+    as the parent's child), keyed by the flow's function and a per-run call counter.
+    A function of each model's own (``lower_model_<name>``) keys it by the model, so
+    a model is the same child of the fleet run in every try of it, whatever order
+    the models' threads start in.
+    """
+
+    @functools.wraps(lower_model.fn)
+    def member(*args: Any, **kwargs: Any) -> dict:
+        return lower_model.fn(*args, **kwargs)
+
+    member.__qualname__ = member.__name__ = f"lower_model_{name}"
+    return Flow(fn=member, name=lower_model.name, version=lower_model.version, description=lower_model.description)
+
+
+def create_member_runs(members: dict[str, dict]) -> dict[str, Any]:
+    """name → (the model's flow, its subflow run: named after the model, Pending), made
+    one after the other before any model runs; empty outside a flow run.
+
+    Made as Prefect makes a subflow's run — a task run of the parent standing for it
+    (``lower-model[<name>]``), then the flow run under it — but not from the models'
+    threads: on Prefect's SQLite database a task run created while another write is
+    under way fails with 503 ("database is locked"), which Prefect's client retries
+    after 2 s, then 4 s.  Measured on the demo fleet, subflows created from the
+    threads made a warm run 6-7 s instead of 1 s.  Here each call is retried after
+    50 ms, 100 ms, … instead (:func:`_retried`).
+    """
+    from prefect import Task
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext, TagsContext
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+    from prefect.states import Pending
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return {}
+    tags = TagsContext.get().current_tags
+    runs = {}
+    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
+        for name, params in members.items():
+            flow = member_flow(name)
+            tracker = Task(name=flow.name, fn=flow.fn, version=flow.version)
+            task_run = _retried(lambda: client.create_task_run(
+                task=tracker, flow_run_id=context.flow_run.id, dynamic_key="0", name=f"{flow.name}[{name}]",
+                extra_tags=tags, state=Pending()))
+            runs[name] = flow, _retried(lambda: client.create_flow_run(
+                flow=flow, name=name, parameters=flow.serialize_parameters(params), state=Pending(),
+                parent_task_run_id=task_run.id, tags=tags))
+    return runs
+
+
+#: Seconds before the retries of an API call the server answered 503 (its database was busy).
+RETRY_503_SECONDS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2)
+
+
+def _retried(call):
+    """``call()``, again after each of :data:`RETRY_503_SECONDS` while the server answers 503."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    for delay in (*RETRY_503_SECONDS, None):
+        try:
+            return call()
+        except PrefectHTTPStatusError as exc:
+            if delay is None or exc.response.status_code != 503:
+                raise
+            time.sleep(delay)
 
 
 def _outcome(future, params: dict) -> tuple[bool, dict]:

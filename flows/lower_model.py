@@ -38,12 +38,14 @@ from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
+from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
-from . import heartbeats
+from . import heartbeats, run_logs
 from .quantized import NO_QUANTIZATION, QuantSettings
 
 heartbeats.install()
+run_logs.install()  # no per-task-run "Finished in state Completed()" lines
 
 #: The stages after export, per kind of target (preprocess repeats per partition).
 PORTABLE_STAGES = ("memory_plan", "emit", "verify")
@@ -302,20 +304,21 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         manifest["calibration"] = calibration
     if loaded.methods:
         manifest["methods"] = list(loaded.methods)
-        with holding(loaded):
+        with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify)
-    with holding(loaded):
+    with holding(loaded), labelled(model=name):
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options=export_options(version, dynamic_shapes))
         except Exception as exc:
             return _all_failed(manifest, targets, export_records, exc)
         for target in targets:
-            manifest["targets"][target] = lower_target(
-                run, publish, name, model, fingerprint, exported["program"], target,
-                options.get(target, {}), list(export_records), verify,
-                quantized=quantize_step(quant, target, calibration),
-            )
+            with labelled(target=target):
+                manifest["targets"][target] = lower_target(
+                    run, publish, name, model, fingerprint, exported["program"], target,
+                    options.get(target, {}), list(export_records), verify,
+                    quantized=quantize_step(quant, target, calibration),
+                )
     return manifest
 
 
@@ -395,10 +398,11 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
         return _all_failed(manifest, targets, records, exc, methods=True)
     fingerprints = {method: sub.fingerprint.digest for method, sub in loaded.methods.items()}
     for target in targets:
-        manifest["targets"][target] = lower_target_methods(
-            run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records), verify,
-            shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
-        )
+        with labelled(target=target):
+            manifest["targets"][target] = lower_target_methods(
+                run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
+                verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
+            )
     return manifest
 
 
@@ -455,12 +459,14 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
 
 
 def for_method(run: Run, method: str) -> Run:
-    """``run`` whose stage records say which method they are of (``"method": name``)."""
+    """``run`` whose stage records say which method they are of (``"method": name``),
+    as do its task runs' names (``emit[lm.decode/portable]``)."""
 
     def run_method(stage: str, records: list[dict], **inputs: Any) -> Any:
         start = len(records)
         try:
-            return run(stage, records, **inputs)
+            with labelled(method=method):
+                return run(stage, records, **inputs)
         finally:
             for record in records[start:]:
                 record["method"] = method
@@ -501,12 +507,13 @@ def delegate(run: Run, name, program, target, options, records):
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
     built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
-    for part in built["partitions"]:
-        done = run(
-            "preprocess", records,
-            program=part["program"], backend_id=part["backend_id"],
-            compile_specs=part["compile_specs"], label=f"{name}/{part['tag']}",
-        )
+    for index, part in enumerate(built["partitions"]):
+        with labelled(partition=index):  # its task run: preprocess[cnn/xnnpack#0]
+            done = run(
+                "preprocess", records,
+                program=part["program"], backend_id=part["backend_id"],
+                compile_specs=part["compile_specs"], label=f"{name}/{part['tag']}",
+            )
         partitions.append({**part, **done})
     adjusted = run("adjust", records, tagged=tagged["tagged"], plan=plan, partitions=partitions)
     summary = {
@@ -588,6 +595,8 @@ def _flow_run_id() -> str | None:
 
 
 def _log(manifest: dict) -> None:
+    """A line per target (:func:`flows.run_logs.target_line`: outcome, stages run and
+    cached, seconds); each stage's own line at DEBUG."""
     logger = get_run_logger()
     name = manifest["name"]
     if manifest.get("changed"):
@@ -595,8 +604,8 @@ def _log(manifest: dict) -> None:
     for target, result in manifest["targets"].items():
         for r in result["stages"]:
             state = "cached" if r["cached"] else r["state"].lower()
-            logger.info("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
-        logger.info("%s/%s %s", name, target, "ok" if result["ok"] else f"FAILED {result['error']}")
+            logger.debug("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
+        logger.info("%s", run_logs.target_line(name, target, result))
 
 
 def _publish_report(manifest: dict, store) -> None:

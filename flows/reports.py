@@ -118,7 +118,15 @@ def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: 
 
 
 def _md_cell(value: Any) -> str:
-    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    """A table cell's text: ``\\``, ``|`` and a ``_`` that could start or end emphasis
+    escaped, one line.  (Markdown the cell means, like ``**total**``, stays.)"""
+    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    return _EMPHASIS_UNDERSCORE.sub(r"\\_", text)
+
+
+#: An underscore not between two letters or digits: only those can open or close
+#: emphasis (CommonMark and GFM), so ``buffer_mutation`` needs no escape.
+_EMPHASIS_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 # --------------------------------------------------------------------------- model report
@@ -233,7 +241,7 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     picture, ``note`` a line under it (where the full-size PNG is, or why no picture).
     """
     status = "ok" if entry.get("ok") else "FAILED"
-    lines = [f"## {target} — {status}", ""]
+    lines = [f"## {_md_text(target)} — {status}", ""]
     if entry.get("error"):
         lines += [f"**error:** `{first_line(entry['error'], 400)}`", ""]
     pte = entry.get("pte")
@@ -304,7 +312,7 @@ def model_report_markdown(
     name = model_manifest.get("name") or "?"
     targets = model_manifest.get("targets") or {}
     spec = model_manifest.get("model")
-    lines = [f"# lowerflow: {name}", ""]
+    lines = [f"# lowerflow: {_md_text(name)}", ""]
     if spec:
         lines += [f"model `{spec}`", ""]
     if not targets:
@@ -317,14 +325,16 @@ def model_report_markdown(
 # --------------------------------------------------------------------------- fleet report
 
 
-def fleet_rows(fleet_summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+def fleet_rows(fleet_summary: Mapping[str, Any], *, compact: bool = False) -> list[dict[str, Any]]:
     """One row per model x target (keys :data:`FLEET_COLUMNS`, display strings).
 
     A failed model without a manifest (it failed before any target ran) gets one
-    row with target ``—``.
+    row with target ``—``.  ``compact``: the fleet artifact's cells, short enough for
+    the table to fit the V1 UI's content area at 1400 px (whole percentages, the
+    verify runtimes as :data:`RUNTIME_ABBREVIATIONS`).
     """
     return [
-        _target_row(name, target, entry) if entry is not None else _missing_row(name, error)
+        _target_row(name, target, entry, compact) if entry is not None else _missing_row(name, error)
         for name, target, entry, error in _fleet_entries(fleet_summary)
     ]
 
@@ -348,7 +358,7 @@ def _fleet_entries(fleet_summary: Mapping[str, Any]):
             yield name, "—", None, "failed before producing a manifest"
 
 
-def _target_row(name: str, target: str, entry: Mapping[str, Any]) -> dict[str, Any]:
+def _target_row(name: str, target: str, entry: Mapping[str, Any], compact: bool = False) -> dict[str, Any]:
     stages = entry.get("stages") or []
     plan = entry.get("memory_plan") or {}
     pte = entry.get("pte") or {}
@@ -360,8 +370,8 @@ def _target_row(name: str, target: str, entry: Mapping[str, Any]) -> dict[str, A
         "arena bytes": format_bytes(arena_bytes(plan)),
         "cached": f"{count_cached(stages)}/{len(stages)}",
         "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
-        "delegated": delegation_cell(entry.get("delegation")),
-        "verify": verify_cell(entry.get("verify")),
+        "delegated": delegation_cell(entry.get("delegation"), digits=0 if compact else 1),
+        "verify": verify_cell(entry.get("verify"), short=compact),
         "error": first_line(entry.get("error"), 100),
     }
 
@@ -371,20 +381,26 @@ def _missing_row(name: str, error: str) -> dict[str, Any]:
             "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "error": first_line(error, 100)}
 
 
-def delegation_cell(delegation: Mapping[str, Any] | None) -> str:
-    """``"15/20 (75.0%)"`` delegated nodes of all nodes; ``"—"`` without delegation (portable)."""
+def delegation_cell(delegation: Mapping[str, Any] | None, digits: int = 1) -> str:
+    """``"15/20 (75.0%)"`` delegated nodes of all nodes (``digits`` after the point);
+    ``"—"`` without delegation (portable)."""
     if not delegation:
         return "—"
     done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
-    return f"{done}/{total}" + (f" ({100.0 * done / total:.1f}%)" if total else "")
+    return f"{done}/{total}" + (f" ({100.0 * done / total:.{digits}f}%)" if total else "")
 
 
-def verify_cell(verify: Mapping[str, Any] | None) -> str:
+#: The verify runtimes as the fleet artifact's table names them (its legend spells them out).
+RUNTIME_ABBREVIATIONS = {"lowerflow": "lf", "executorch": "et"}
+
+
+def verify_cell(verify: Mapping[str, Any] | None, short: bool = False) -> str:
     """The verify result in a word, with the runtimes it rests on.
 
     ``"ok (lowerflow, executorch)"``: the runtimes that matched eager (skipped
     ones are not named); ``"FAILED (executorch)"``: the ones that did not;
     ``"skipped"``: no runtime ran; ``"—"``: not verified (or failed before).
+    ``short``: the runtimes as :data:`RUNTIME_ABBREVIATIONS` (``"ok (lf, et)"``).
     """
     if not verify:
         return "—"
@@ -393,6 +409,8 @@ def verify_cell(verify: Mapping[str, Any] | None) -> str:
     if ok is None:
         return "skipped"
     named = list(dict.fromkeys(str(c.get("runtime", "?")) for c in checks if c.get("ok") is bool(ok)))
+    if short:
+        named = [RUNTIME_ABBREVIATIONS.get(n, n) for n in named]
     return ("ok" if ok else "FAILED") + (f" ({', '.join(named)})" if named else "")
 
 
@@ -412,19 +430,22 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     A model whose report was published (its manifest's ``"report"``, see
     :func:`publish_model_report`) links to its artifact (:func:`model_report_link`).
     Errors are listed under the table, not in a column: a long first line would
-    widen the table past the Prefect UI's content area (the V1 UI then cuts it).
+    widen the table past the Prefect UI's content area (the V1 UI then cuts it; its
+    cells do not wrap).  For the same reason the cells are :func:`fleet_rows`'s
+    compact ones: the demo fleet's table is 818 px wide in the V1 UI's 830 px at a
+    1400 px window (948 px with the full runtime names and one decimal).
     """
-    rows = fleet_rows(fleet_summary)
+    rows = fleet_rows(fleet_summary, compact=True)
     models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
-    status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(failed) or '?'}"
+    status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(_md_text(n) for n in failed) or '?'}"
     columns = [c for c in FLEET_COLUMNS if c != "error"]
     body = []
     for r in rows:
         cells = [_md_cell(r[c]) for c in columns]
         link = model_report_link((models.get(r["model"]) or {}).get("report"))
         if link:
-            cells[0] = f"[{_md_text(r['model'])}]({link})"
+            cells[0] = _md_link(r["model"], link)
         body.append("| " + " | ".join(cells) + " |")
     rule = "|" + "|".join("---:" if FLEET_COLUMNS.index(c) in _FLEET_RIGHT else "---" for c in columns) + "|"
     lines = [
@@ -435,12 +456,18 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
         "| " + " | ".join(columns) + " |",
         rule,
         *body,
+        "",
+        f"verify: the runtimes whose outputs matched eager — {FLEET_RUNTIME_LEGEND}",
     ]
     errors = fleet_errors(fleet_summary)
     if errors:
         lines += ["", "**errors**", ""]
         lines += [f"- {_md_text(model)} / {_md_text(target)}: {_md_text(error)}" for model, target, error in errors]
     return "\n".join(lines) + "\n"
+
+
+#: The legend of :data:`RUNTIME_ABBREVIATIONS` under the fleet artifact's table.
+FLEET_RUNTIME_LEGEND = "lf: lowerflow's own runtime, et: ExecuTorch's runtime"
 
 
 def model_report_link(report: Mapping[str, Any] | None) -> str | None:
@@ -464,8 +491,24 @@ def model_report_link(report: Mapping[str, Any] | None) -> str | None:
 
 
 def _md_text(text: Any) -> str:
-    """``text`` as literal markdown text on one line (ASCII punctuation backslash-escaped)."""
-    return re.sub(r"([\\`*_{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
+    """``text`` as literal markdown text on one line: markdown's ASCII punctuation
+    backslash-escaped, ``_`` only where it could open or close emphasis (``buffer_mutation``
+    stays as it is: both Prefect UIs render it so, and a link's text must not need escapes)."""
+    escaped = re.sub(r"([\\`*{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
+    return _EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
+
+
+def _md_link(text: Any, url: str) -> str:
+    """A link to ``url`` showing ``text``.
+
+    Prefect's V1 UI (3.8.8) shows a backslash escape inside a link's text literally
+    (``[buffer\\_mutation](…)`` reads ``buffer\\_mutation``), where its V2 UI and text
+    outside links render it.  A text that needs no escape is the link's text; one that
+    does is shown escaped, followed by the link: ``x.\\_y\\_ [↗](…)`` (an arrow: the
+    fleet table must stay narrow).
+    """
+    escaped = _md_text(text)
+    return f"[{escaped}]({url})" if escaped == str(text) else f"{escaped} [↗]({url})"
 
 
 # --------------------------------------------------------------------------- publishing

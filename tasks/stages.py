@@ -61,6 +61,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE
 from .model_spec import live_model
+from .run_names import task_run_name
 from .store import ArtifactRef, ArtifactStore
 
 #: Bump a stage's version when its code changes what it produces.
@@ -557,7 +558,8 @@ class StageTasks:
         run.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
         run.__name__ = f"{stage}_stage"
         run.__qualname__ = run.__name__
-        return stage_task(stage, STAGE_VERSIONS[stage], config=self.config, ignore=ignore)(run)
+        return stage_task(stage, STAGE_VERSIONS[stage], config=self.config, ignore=ignore,
+                          task_run_name=task_run_name(stage))(run)
 
 
 #: The stages (each one's body is ``run_<stage>``) and the inputs each one's cache key ignores.

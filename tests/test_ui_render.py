@@ -5,9 +5,13 @@ real ``lowerflow fleet`` run against it, then headless Debian Chromium, driven
 over the DevTools protocol (``websockets``, which Prefect already depends on),
 opens the fleet artifact in both UIs Prefect 3.8.8 serves (V1 at ``/``, V2 at
 ``/v2/``), follows the link of a model's row, and checks that every image of
-the model artifact loaded (``naturalWidth`` > 0) and the fleet table shows the
-delegation and verify cells of ``outputs/fleet.json``.  Screenshots of each page
-are written to ``$LOWERFLOW_UI_SCREENSHOTS`` (default: the test's tmp dir).
+the model artifact loaded (``naturalWidth`` > 0), the fleet table shows the
+delegation and verify cells of ``outputs/fleet.json`` and fits the page, and
+names with underscores read as they are (no markdown escapes showing).  Then the
+run view: the fleet run's page lists a child run per model, named after it, and
+a model run's page lists its stage task runs as ``stage[model/target]``.
+Screenshots of each page are written to ``$LOWERFLOW_UI_SCREENSHOTS`` (default:
+the test's tmp dir).
 
 Skipped when ``chromium`` is not installed (``.ci/run`` installs it).
 """
@@ -41,6 +45,9 @@ pytestmark = pytest.mark.skipif(
 
 #: Window of the headless browser: tall enough for a model artifact with two targets.
 WINDOW = (1400, 2400)
+#: The fleet's models: names with underscores (``_`` inside a word needs no markdown
+#: escape; the ones around ``odd`` do, which V1 shows literally in a link's text).
+MLP, BROKEN = "tiny_mlp", "broken._odd_"
 
 
 def free_port() -> int:
@@ -105,8 +112,8 @@ sys.exit(flows.cli.main(sys.argv[2:]))
 def fleet_run(tmp_path_factory):
     """``prefect server start`` on 127.0.0.1 (own PREFECT_HOME, free port) and a real
     ``lowerflow fleet`` run against it: mlp (portable, reference) and a model whose
-    factory raises.  Yields ``(server URL, fleet summary from the store, fleet
-    artifact id)``; stops the server afterwards."""
+    factory raises (named :data:`MLP` and :data:`BROKEN`).  Yields ``(server URL,
+    fleet summary from the store, fleet artifact id)``; stops the server afterwards."""
     home = tmp_path_factory.mktemp("prefect-server-home")
     work = tmp_path_factory.mktemp("fleet")
     port = free_port()
@@ -127,9 +134,9 @@ def fleet_run(tmp_path_factory):
             store: {work / 'store'}
             defaults: {{targets: [portable, reference]}}
             models:
-              - name: mlp
+              - name: {MLP}
                 model: {REPO}/examples/models.py:mlp
-              - name: broken
+              - name: "{BROKEN}"
                 model: broken.py:broken
                 targets: [portable]
             """
@@ -139,7 +146,7 @@ def fleet_run(tmp_path_factory):
                              cwd=REPO, env=client_env, capture_output=True, text=True, timeout=300)
         wait_healthy(url, server, log_path, timeout=5)
         assert run.returncode == 1, run.stderr[-3000:]  # `broken` failed, on purpose
-        assert "1 of 2 models failed: broken" in run.stderr
+        assert f"1 of 2 models failed: {BROKEN}" in run.stderr
         summary = json.loads((work / "store" / "outputs" / "fleet.json").read_text())
         body = {"artifacts": {"key": {"any_": ["lowerflow-fleet"]}}, "sort": "CREATED_DESC", "limit": 1}
         request = urllib.request.Request(f"{url}/api/artifacts/filter", data=json.dumps(body).encode(),
@@ -266,13 +273,24 @@ def screenshots(tmp_path_factory) -> Path:
     return path
 
 
+#: The fleet table's width and its container's, in CSS pixels.
+TABLE_FITS_JS = """(() => { const t = document.querySelector('table'); if (!t) return null;
+    return [t.getBoundingClientRect().right, t.parentElement.getBoundingClientRect().right]; })()"""
+
+
+def shown_name(name: str) -> str:
+    """How the fleet table's model cell reads: the name, with `` ↗`` (the link) after it
+    when the link is not on the name (a name needing markdown escapes, see reports._md_link)."""
+    return name if name == MLP else f"{name} ↗"
+
+
 @pytest.mark.parametrize("ui", ["v1", "v2"])
 def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run, screenshots):
     from flows.report_pictures import png_size
     from flows.reports import fleet_rows
 
     prefect_server, summary, fleet_id = fleet_run
-    mlp = summary["models"]["mlp"]
+    mlp = summary["models"][MLP]
     model_id = mlp["report"]["artifact_id"]
     base = prefect_server + ("/v2" if ui == "v2" else "")
 
@@ -282,21 +300,29 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
         href = f"../artifact/{model_id}"
         link = browser.wait_for(link_js(href), f"link {href} in the fleet artifact")
         assert link == f"{base}/artifacts/artifact/{model_id}"
-        expected = sorted([r[c] for c in ("model", "target", "ok", "delegated", "verify")] for r in fleet_rows(summary))
+        expected = sorted([shown_name(r["model"])] + [r[c] for c in ("target", "ok", "delegated", "verify")]
+                          for r in fleet_rows(summary, compact=True))
         # The rows are read in the same evaluation that finds them all: the UI may re-render
         # the table between two evaluations (seen under load in V2).
+        names = json.dumps([shown_name(MLP), shown_name(BROKEN)])
         rows = browser.wait_for(
-            f"(() => {{ const rows = {TABLE_JS}.filter(r => r && (r[0] === 'mlp' || r[0] === 'broken'));"
+            f"(() => {{ const rows = {TABLE_JS}.filter(r => r && {names}.includes(r[0]));"
             f" return rows.length >= {len(expected)} ? rows : null; }})()", "the fleet table")
         shown = sorted([r[0], r[1], r[2], r[7], r[8]] for r in rows)
         assert shown == expected
         # The reference target delegated something; both of mlp's targets were verified.
         cells = {(r[0], r[1]): r[3:] for r in expected}
-        assert cells[("mlp", "portable")][0] == "—" and cells[("mlp", "reference")][0].split("/")[0] not in ("0", "—")
-        assert all(cells[("mlp", t)][1].startswith("ok (lowerflow") for t in ("portable", "reference"))
+        assert cells[(MLP, "portable")][0] == "—" and cells[(MLP, "reference")][0].split("/")[0] not in ("0", "—")
+        assert all(cells[(MLP, t)][1].startswith("ok (lf") for t in ("portable", "reference"))
         # broken's error, listed whole under the table (its last words are past the CLI's 100 characters).
         # (Polled: V2 may re-render the artifact between two evaluations under load.)
         browser.wait_for("document.body.innerText.includes('RuntimeError: no model today')", "broken's whole error")
+        # Names read as they are: no markdown escape shows (V1 showed `buffer\_mutation` in a link).
+        text = browser.eval("document.body.innerText")
+        assert "\\" not in text and f"{BROKEN} / portable:" in text and f"FAILED: {BROKEN}" in text
+        # The table fits its container (V1's cells do not wrap: a wider table is cut at the right).
+        right, container = browser.eval(TABLE_FITS_JS)
+        assert right <= container + 1, f"the fleet table ends at {right:.0f} px, its container at {container:.0f} px"
         assert browser.eval(f"{IMAGES_JS}.filter(i => !(i.complete && i.width > 0))") == []
         browser.screenshot(screenshots / f"{ui}-fleet.png")
 
@@ -307,6 +333,8 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
             f" return p.length === 2 && i.every(x => x.complete) ? i : null; }})()",
             "both memory-plan pictures, loaded",
         )
+        # The heading names the model as it is (polled: V2 may re-render the artifact meanwhile).
+        browser.wait_for(f"document.body.innerText.includes({json.dumps('lowerflow: ' + MLP)})", "the model's heading")
         shot = browser.screenshot(screenshots / f"{ui}-model-mlp.png")
     assert [i for i in pictures if i["width"] == 0] == [], "broken <img> on the model artifact page"
     plans = [i for i in pictures if i["alt"].startswith("memory plan of")]
@@ -315,3 +343,64 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
     assert all((i["width"], i["height"]) == (800, 450) for i in plans)
     assert png_size(shot.read_bytes()) == WINDOW
     print(f"screenshots of the {ui} UI: {screenshots}")
+
+
+# --------------------------------------------------------------------------- the run view
+
+
+def api(server: str, path: str, body: dict | None = None):
+    """GET (or POST ``body`` to) the Prefect API at ``server``; the decoded JSON."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"{server}/api{path}", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        return json.load(r)
+
+
+@pytest.mark.parametrize("ui", ["v1", "v2"])
+def test_fleet_run_shows_a_child_run_per_model_and_named_stage_tasks(ui, fleet_run, screenshots):
+    prefect_server, summary, _ = fleet_run
+    model_run = api(prefect_server, f"/flow_runs/{summary['models'][MLP]['flow_run']}")
+    fleet_run_id = api(prefect_server, f"/task_runs/{model_run['parent_task_run_id']}")["flow_run_id"]
+    children = api(prefect_server, "/flow_runs/filter",
+                   {"flow_runs": {"parent_flow_run_id": {"any_": [fleet_run_id]}}})
+    assert sorted(c["name"] for c in children) == sorted([MLP, BROKEN])
+    stage_names = sorted(t["name"] for t in api(prefect_server, "/task_runs/filter",
+                                                 {"flow_runs": {"id": {"any_": [model_run["id"]]}}}))
+    assert "emit[tiny_mlp/portable]" in stage_names and "preprocess[tiny_mlp/reference#0]" in stage_names
+    assert all(n.endswith(("]")) and f"[{MLP}" in n for n in stage_names), stage_names
+    base = prefect_server + ("/v2" if ui == "v2" else "")
+
+    with Browser() as browser:
+        # The fleet run's page, tab "Subflow Runs": a link to each model's run, named after it.
+        browser.open(f"{base}/runs/flow-run/{fleet_run_id}")
+        browser.wait_for(click_tab_js("Subflow Runs"), "the fleet run's Subflow Runs tab")
+        links = browser.wait_for(
+            f"(() => {{ const l = {RUN_LINKS_JS}.filter(a => a.href.includes('/runs/flow-run/') && !a.href.includes({json.dumps(fleet_run_id)}));"
+            f" return l.length >= 2 ? l : null; }})()", "links to the fleet run's child runs")
+        by_id = {c["id"]: c["name"] for c in children}
+        shown = {by_id[a["href"].rstrip("/").split("/")[-1]]: a["text"] for a in links
+                 if a["href"].rstrip("/").split("/")[-1] in by_id}
+        assert sorted(shown) == sorted([MLP, BROKEN]) and all(name in text for name, text in shown.items()), links
+        browser.screenshot(screenshots / f"{ui}-fleet-run.png")
+        # A model run's page, tab "Task Runs": its stage task runs, named stage[model/target].
+        browser.open(f"{base}/runs/flow-run/{model_run['id']}")
+        browser.wait_for(click_tab_js("Task Runs"), "the model run's Task Runs tab")
+        tasks = browser.wait_for(
+            f"(() => {{ const l = {RUN_LINKS_JS}.filter(a => a.href.includes('/runs/task-run/'));"
+            f" return l.length >= {len(stage_names)} ? l : null; }})()", "links to the model run's task runs")
+        assert sorted({a["text"] for a in tasks if a["text"] in stage_names}) == stage_names
+        browser.screenshot(screenshots / f"{ui}-model-run.png")
+
+
+#: The page's links: their resolved URL and text.
+RUN_LINKS_JS = "[...document.querySelectorAll('a')].map(a => ({href: a.href, text: a.innerText.trim()}))"
+
+
+def click_tab_js(label: str) -> str:
+    """Click the innermost element reading exactly ``label`` (a tab); true once clicked.
+    (Pointer and mouse events too: V2's tabs switch on pointerdown.)"""
+    events = "['pointerdown', 'mousedown', 'pointerup', 'mouseup']"
+    return (f"(() => {{ const e = [...document.querySelectorAll('body *')].filter(e => e.innerText && "
+            f"e.innerText.trim() === {json.dumps(label)}).pop(); if (!e) return false; "
+            f"for (const t of {events}) e.dispatchEvent(new PointerEvent(t, {{bubbles: true, button: 0, isPrimary: true}}));"
+            f" e.click(); return true; }})()")

@@ -1,0 +1,107 @@
+"""What lowerflow's runs log (the console and the Prefect UI's log tab): a line per
+model and target, not a line per stage task run.
+
+Prefect's task engine logs ``Finished in state Completed()`` (``Cached(type=COMPLETED)``
+for a cache hit) at INFO for every task run: 115 lines for the demo fleet, none of
+them saying which model or target.  :func:`install` demotes those records of
+lowerflow's stage tasks to DEBUG (shown when ``PREFECT_LOGGING_LEVEL=DEBUG``);
+a failed stage's record (ERROR) and every other task's pass untouched::
+
+    before (INFO, per task run)                 after (INFO, per model and target)
+    Finished in state Completed()               cnn/xnnpack ok 0.84 s: 2 ran (emit 0.10 s,
+    Finished in state Cached(type=COMPLETED)        verify 0.52 s), 7 cached (export, partition, …)
+    … ×115
+
+:func:`target_line` is that line; ``flows.lower_model`` logs it when a model's
+targets are done (the CLI's fleet progress listens for it, ``flows/cli.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Mapping
+
+from tasks.stages import STAGE_VERSIONS
+
+#: The logger Prefect's task engine writes each task run's records to.
+TASK_RUN_LOGGER = "prefect.task_runs"
+#: The start of the record demoted for a stage task that did not fail.
+FINISHED = "Finished in state "
+
+
+class StageFinishedToDebug(logging.Filter):
+    """Demotes ``Finished in state …`` INFO records of lowerflow's stage tasks to DEBUG
+    (dropped unless the logger is enabled for DEBUG).  On a logger, so it applies
+    before any handler: the console's and the API's (the UI's log tab)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.INFO or getattr(record, "task_name", None) not in STAGE_VERSIONS:
+            return True
+        if not isinstance(record.msg, str) or not record.msg.startswith(FINISHED):
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+def install() -> None:
+    """Put the filter on Prefect's task-run logger (once; Prefect's logging setup keeps it)."""
+    logger = logging.getLogger(TASK_RUN_LOGGER)
+    if not any(isinstance(f, StageFinishedToDebug) for f in logger.filters):
+        logger.addFilter(StageFinishedToDebug())
+
+
+def target_line(name: str, target: str, result: Mapping[str, Any]) -> str:
+    """One target's outcome, stages and time on one line::
+
+        cnn/xnnpack ok 0.84 s: 2 ran (emit 0.10 s, verify 0.52 s), 7 cached (export, partition, …)
+        cnn/portable FAILED emit: ValueError: … | 0.21 s: 1 ran (emit 0.20 s), 2 cached (export, memory_plan)
+
+    Starts ``"<name>/<target> ok"`` or ``"<name>/<target> FAILED"`` (what the CLI's
+    fleet progress reads).  Stages repeated in a row (a preprocess per partition)
+    are counted: ``preprocess×3``.
+    """
+    records = list(result.get("stages") or [])
+    seconds = sum(float(r.get("seconds") or 0.0) for r in records)
+    ran = [r for r in records if not r.get("cached")]
+    cached = [r for r in records if r.get("cached")]
+    parts = []
+    if ran:
+        parts.append(f"{len(ran)} ran ({', '.join(_ran(ran))})")
+    if cached:
+        parts.append(f"{len(cached)} cached ({', '.join(_grouped(cached))})")
+    stages = ", ".join(parts) or "no stages"
+    if result.get("ok"):
+        return f"{name}/{target} ok {seconds:.2f} s: {stages}"
+    return f"{name}/{target} FAILED {result.get('error')} | {seconds:.2f} s: {stages}"
+
+
+def _label(record: Mapping[str, Any]) -> str:
+    return str(record.get("stage")) + (f"[{record['method']}]" if record.get("method") else "")
+
+
+def _grouped(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Stage labels, a run of the same one as ``label×n``."""
+    out: list[tuple[str, int]] = []
+    for record in records:
+        label = _label(record)
+        if out and out[-1][0] == label:
+            out[-1] = (label, out[-1][1] + 1)
+        else:
+            out.append((label, 1))
+    return [label if n == 1 else f"{label}×{n}" for label, n in out]
+
+
+def _ran(records: list[Mapping[str, Any]]) -> list[str]:
+    """Stages that ran with their seconds (a repeated one: its total), and how they ended
+    when not Completed (``emit Failed 0.20 s``)."""
+    out: list[list] = []
+    for record in records:
+        label, state = _label(record), str(record.get("state") or "")
+        seconds = float(record.get("seconds") or 0.0)
+        if out and out[-1][0] == label and out[-1][1] == state:
+            out[-1][2] += seconds
+            out[-1][3] += 1
+        else:
+            out.append([label, state, seconds, 1])
+    return [f"{label}{'×' + str(n) if n > 1 else ''}{'' if state in ('Completed', '') else ' ' + state} {s:.2f} s"
+            for label, state, s, n in out]
