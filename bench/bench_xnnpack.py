@@ -40,7 +40,9 @@ from lowering.targets import partitioner_for  # noqa: E402
 
 
 def _all_models() -> dict:
-    models = dict(MODELS)
+    from examples.models import gru
+
+    models = {**MODELS, "gru": gru}  # a GRU beside the fleet's LSTM (recurrent nets, issue 20)
     try:
         from examples import hf_models
     except ImportError:

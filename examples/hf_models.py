@@ -12,6 +12,8 @@ ones in :mod:`examples.models`, so a fleet or the CLI names them by spec, e.g.
 * :func:`bert` — a small BERT encoder (embeddings, attention with a mask, GELU MLP).
 * :func:`gpt2` — a small GPT-2 decoder with its LM head (causal attention, tied
   embedding), ``use_cache=False`` so the output is a plain tensor.
+* :func:`gemma` — a small Gemma decoder (RMS norm, rotary positions, grouped-query
+  attention, gated GELU MLP), no KV cache.
 
 ``transformers`` is a test extra; importing this module without it fails with
 an ImportError that says so.
@@ -94,6 +96,18 @@ def gpt2():
     return _GPT2Logits(model).eval(), (torch.randint(0, 128, (1, 16)),)
 
 
+def gemma():
+    """A two-layer Gemma decoder (hidden 64, 4 heads, 1 KV head, vocabulary 128), no KV cache."""
+    _seeded()
+    config = transformers.GemmaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=32,
+        use_cache=False, attn_implementation="eager", bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )
+    model = transformers.GemmaForCausalLM(config).eval()
+    return _GPT2Logits(model).eval(), (torch.randint(0, 128, (1, 16)),)
+
+
 class _GPT2Logits(nn.Module):
     """GPT-2's logits for ``input_ids`` (no cache, no past)."""
 
@@ -120,4 +134,5 @@ MODELS = {
     "resnet": resnet,
     "bert": bert,
     "gpt2": gpt2,
+    "gemma": gemma,
 }

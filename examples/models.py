@@ -84,6 +84,24 @@ def lstm():
     return LSTMModel().eval(), (torch.randn(2, 10, 32),)
 
 
+class GRUModel(nn.Module):
+    """A two-layer GRU and a linear head, like :class:`LSTMModel` (not in the demo fleet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gru = nn.GRU(32, 64, num_layers=2, batch_first=True)
+        self.fc = nn.Linear(64, 8)
+
+    def forward(self, x):
+        y, _ = self.gru(x)
+        return self.fc(y)
+
+
+def gru():
+    _seeded()
+    return GRUModel().eval(), (torch.randn(2, 10, 32),)
+
+
 class BufferMutation(nn.Module):
     """A linear layer and a running-sum buffer updated in place on every call."""
 

@@ -332,7 +332,7 @@ def test_partitioner_reasons_name_the_constraint():
     ctx = Context(ep)
     reasons = {n.target: check_node(n, ctx) for n in ep.graph.nodes if n.op == "call_function"}
     assert "last" in reasons[torch.ops.aten._softmax.default]
-    assert "tanh" in reasons[torch.ops.aten.gelu.default]
+    assert reasons[torch.ops.aten.gelu.default] is None  # tanh GELU: its formula (test_gelu_tanh_...)
 
 
 def test_preprocess_error_names_the_node():
@@ -616,3 +616,84 @@ def test_activation_matmul_is_a_dynamic_fully_connected():
     expected = list(model(*inputs))
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, "mm executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, "mm ours")
+
+
+# --------------------------------------------------------------------------- recurrent nets
+
+
+def _outside_ops(pte: bytes) -> Counter:
+    plan = deserialize(pte).program.executionPlan[0]
+    return Counter(plan.operators[ins.instrArgs.opIndex].name.decode() for c in plan.chains for ins in c.instructions
+                   if ins.instrArgsType == lowering.pte.schema.InstructionArguments.KernelCall)
+
+
+@pytest.mark.parametrize("name, steps, gates", [("lstm", 10, 4), ("gru", 10, 3)])
+def test_recurrent_gate_splits_stay_outside(name, steps, gates):
+    """Each cell step's gate split is one portable kernel call, not one XNNPACK slice per gate
+    (ExecuTorch's cut; one delegate of 80-120 tiny slices ran 1.1-1.25x slower than it)."""
+    from examples import models
+
+    pytest.importorskip("executorch")
+    model, inputs = getattr(models, name)()
+    with torch.no_grad():
+        expected = [model(*inputs)]
+    result = _lower(model, inputs)
+    _, payloads = _payloads(result.pte)
+    splits_per_step = 1 if name == "lstm" else 2  # a GRU splits the input's gates and the state's
+    layers = 2
+    assert _outside_ops(result.pte)["aten::split_with_sizes_copy"] == layers * steps * splits_per_step
+    kinds = sum((_node_kinds(p) for p in payloads), Counter())
+    assert kinds["XNNSigmoid"] == layers * steps * (3 if name == "lstm" else 2)  # the gates stay delegated
+    assert kinds["XNNStaticSlice"] <= 2 * layers + steps * layers + 4  # no slice per gate: time steps and states
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"{name} executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"{name} ours")
+
+
+def test_only_gate_splits_are_left_out():
+    """A split whose pieces go to views (attention's q/k/v) or to a non-gate op stays in XNNPACK."""
+    from lowering.backends.xnnpack.recurrent import is_gate_split
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.fc(x).split(8, dim=-1)  # pieces to reshapes and a matmul: not gates
+            a, b = self.fc(x).chunk(2, dim=-1)  # one piece to a sigmoid, one to a relu: not gates
+            c, d = self.fc(x).chunk(2, dim=-1)  # both pieces to sigmoid / tanh through an add: gates
+            return q.reshape(2, 2, 4) @ k.reshape(2, 4, 2), v, torch.sigmoid(a) * torch.relu(b), \
+                torch.sigmoid(c + 1) * torch.tanh(d)
+
+    ep = lowering.export(M().eval(), (torch.randn(2, 8),))
+    splits = [n for n in ep.graph.nodes if n.target in (torch.ops.aten.split_with_sizes_copy.default,
+                                                       torch.ops.aten.split_copy.Tensor)]
+    assert [is_gate_split(n) for n in splits] == [False, False, True]
+    result = _lower(M().eval(), (torch.randn(2, 8),))
+    assert _outside_ops(result.pte)["aten::split_with_sizes_copy"] + _outside_ops(result.pte)["aten::split_copy"] == 1
+
+
+def test_gelu_tanh_is_its_formula_inside_the_delegate():
+    """A tanh-approximate GELU (Gemma's MLP) is delegated as x * sigmoid(x * (a + b x^2)), not
+    left to the portable kernel (which cut Gemma's delegates and ran it 1.12x slower than ExecuTorch)."""
+    pytest.importorskip("executorch")
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x), approximate="tanh") * 3.0)
+
+    torch.manual_seed(0)
+    model, inputs = M().eval(), (torch.randn(4, 16) * 3,)
+    with torch.no_grad():
+        expected = [model(*inputs)]
+    result = _lower(model, inputs)
+    _, (payload,) = _payloads(result.pte)
+    assert _kernel_calls(result.pte) == 0
+    kinds = _node_kinds(payload)
+    assert "XNNGelu" not in kinds and kinds["XNNSigmoid"] == 1 and kinds["XNNSquare"] == 1, kinds
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "gelu tanh executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "gelu tanh ours")

@@ -8,7 +8,8 @@ shared by two partitions are duplicated (each payload owns its weights; the
 program stores equal bytes once).  Mutated buffers stay in the top-level program.
 A partition with more than 4096 inputs and outputs (the runtime's limit) is
 dropped.  A partition never returns one of its inputs unchanged: preprocess adds
-a Copy node where an output would alias an input.
+a Copy node where an output would alias an input.  A recurrent cell's gate
+split (:mod:`.recurrent`) stays outside: it runs faster as one portable kernel.
 
 Quantized programs: the plan of :mod:`.qplan` (built once per program) says which
 groups compute quantized; q/dq ops are taken by their rules in :data:`.ops.OPS`
@@ -32,6 +33,7 @@ from ...partition import TAG, OpSupportPartitioner, PartitionResult
 from . import payload as P
 from .ops import check_node, rule_of
 from .qplan import plan_quantization
+from .recurrent import is_gate_split
 from .values import Context
 
 BACKEND_ID = "XnnpackBackend"
@@ -79,7 +81,11 @@ class XnnpackPartitioner(OpSupportPartitioner):
             source, index = node.args
             if not isinstance(source, torch.fx.Node) or check_node(source, ctx) is not None:
                 return "getitem of an unsupported node"
+            if is_gate_split(source):
+                return "getitem of a recurrent gate split"
             return None
+        if is_gate_split(node):
+            return "a recurrent cell's gate split runs faster outside (see .recurrent)"
         reason = check_node(node, ctx)
         if reason:
             return reason

@@ -5,14 +5,19 @@ convolution), so they add no transposes.  A relu / hardtanh / clamp after a
 node that can take an ``output_min_max`` (FC, convolution, add, subtract,
 multiply) with no other user becomes that node's clamp.  ``where(gt(x, 0), x,
 w * x)`` with a static per-channel ``w`` (a decomposed PReLU) is one PReLU node.
+A tanh-approximate GELU (XNNPACK's Gelu is exact) is its formula in six nodes::
+
+    gelu(x, approximate="tanh")  ->  x * sigmoid(x * (a + b * x^2))    a = 2 sqrt(2/pi), b = 0.044715 a
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import payload as P
 from ..generated import xnngraph_generated as fbx
 from ..values import NCHW, NHWC, Context, XnnpackPreprocessError, shape, val
 from ..xnodes import min_max, node1x1, node2x1
@@ -106,9 +111,7 @@ UNARY = {
 
 
 def check_unary(node, ctx):
-    if node.target is aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
-        return "tanh-approximate GELU (XNNPACK's Gelu is exact)"
-    return None
+    return None  # a tanh-approximate GELU is lowered as its formula (_lower_gelu_tanh)
 
 
 def lower_unary(b: GraphBuilder, node: torch.fx.Node) -> None:
@@ -116,7 +119,29 @@ def lower_unary(b: GraphBuilder, node: torch.fx.Node) -> None:
     layout = b.layout(source)
     x = b.get(source, layout)
     out = b.output(node, layout)
+    if node.target is aten.gelu.default and node.kwargs.get("approximate", "none") == "tanh":
+        _lower_gelu_tanh(b, x, out)
+        return
     b.add_node(UNARY[node.target], node1x1(x, out))
+
+
+#: 0.5 (1 + tanh(z)) = sigmoid(2z): gelu_tanh(x) = x * sigmoid(x * (_GELU_A + _GELU_B * x^2)).
+_GELU_A = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_B = _GELU_A * 0.044715
+
+
+def _lower_gelu_tanh(b: GraphBuilder, x: int, out: int) -> None:
+    """The tanh-approximate GELU (XNNPACK's Gelu node is the exact one), as six nodes:
+    Square, Multiply, Add, Multiply, Sigmoid, Multiply.  Left to the portable kernel it
+    costs more than the six nodes (its scalar tanh) and cuts the delegate in two."""
+    dims = b.dims[x]
+    square, scaled, inner, arg, gate = (b.define(dims, datatype=P.DATATYPE_FP32) for _ in range(5))
+    b.add_node(fbx.NodeUnion.XNNSquare, node1x1(x, square))
+    b.add_node(fbx.NodeUnion.XNNMultiply, node2x1(square, b.scalar(_GELU_B), scaled))
+    b.add_node(fbx.NodeUnion.XNNAdd, node2x1(scaled, b.scalar(_GELU_A), inner))
+    b.add_node(fbx.NodeUnion.XNNMultiply, node2x1(inner, x, arg))
+    b.add_node(fbx.NodeUnion.XNNSigmoid, node1x1(arg, gate))
+    b.add_node(fbx.NodeUnion.XNNMultiply, node2x1(x, gate, out))
 
 
 _POWERS = {2: "square", 3: "cube", 0.5: "sqrt", -0.5: "rsqrt"}
