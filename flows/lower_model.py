@@ -318,6 +318,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     run, publish, name, model, fingerprint, exported["program"], target,
                     options.get(target, {}), list(export_records), verify,
                     quantized=quantize_step(quant, target, calibration),
+                    load_options=export_options(version, dynamic_shapes),
                 )
     return manifest
 
@@ -332,7 +333,7 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 
 
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify,
-                 quantized: dict | None = None) -> dict:
+                 quantized: dict | None = None, load_options: dict | None = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
@@ -347,7 +348,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             calibration = quantized["calibration"] or {}
             done = run("quantize", records, program=program, recipe=quantized["recipe"],
                        calibration=calibration.get("digest"), versions=quantize_versions(),
-                       source=calibration.get("source"), model=model, fingerprint=fingerprint)
+                       source=calibration.get("source"), model=model, fingerprint=fingerprint,
+                       options=load_options)
             program = reference = done["program"]
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
@@ -362,7 +364,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         if verify:
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         **accuracy)
+                         options=load_options, **accuracy)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -402,12 +404,13 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             manifest["targets"][target] = lower_target_methods(
                 run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
                 verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
+                version=version,
             )
     return manifest
 
 
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
-                         shared: str | None = None, stateful: bool = False) -> dict:
+                         shared: str | None = None, stateful: bool = False, version: str | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -442,11 +445,13 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         if verify:
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
-                    "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method)
+                    "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
+                    options={"version": version})
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(
-                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared)
+                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
+                    options={"version": version})
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")

@@ -205,3 +205,30 @@ def test_verify_checks_a_dynamic_model_at_each_dims_min_and_max_as_the_flow_does
     code, out, errors = cli("verify", narrow, "--model", spec, "--dynamic-shapes",
                             '{"x": {"0": {"name": "batch", "min": 2, "max": 8}}}')
     assert code == 0 and not errors and "(batch=8)" in out, (out, errors)
+
+
+# --------------------------------------------------------------------------- 9a: stages that reload the model
+
+
+def test_verify_and_quantize_reload_a_model_with_its_export_options(tmp_path, fresh_stages):
+    """A verify (or quantize) stage run where the flow's loaded model is not held (a retry in
+    another process) loads the model again with the options it was exported with: the
+    manifest's ``version`` and ``dynamic_shapes`` are part of its fingerprint."""
+    from flows.lower_model import export_options, lower_model
+    from tasks.model_spec import ModelSpec, ModelSpecError, live_model
+    from tasks.store import ArtifactRef, ArtifactStore
+
+    spec = f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:mlp"
+    store = tmp_path / "store"
+    manifest = lower_model(model=spec, targets=["portable"], store=str(store), version="7")
+    options = export_options("7")
+    fingerprint = manifest["fingerprint"]["digest"]
+    key = ModelSpec.parse(spec).key_text
+    # Nothing holds the model now: live_model loads it again.
+    assert live_model(key, fingerprint, options).fingerprint.digest == fingerprint
+    with pytest.raises(ModelSpecError, match="changed while it was being lowered"):
+        live_model(key, fingerprint)  # without the options: another fingerprint
+    pte = manifest["targets"]["portable"]["pte"]
+    ref = ArtifactRef(pte["uri"], pte["sha256"], pte["size"], "pte")
+    report = fresh_stages.run_verify(ArtifactStore(str(store)), ref, key, fingerprint, options=options)
+    assert report["ok"] is True, report
