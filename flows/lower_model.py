@@ -28,6 +28,8 @@ the cache (a dry run).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -307,17 +309,23 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify)
     with holding(loaded), labelled(model=name):
+        dry = DryRun.of(quant, targets) if publish is None else None
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options=export_options(version, dynamic_shapes))
         except Exception as exc:
-            return _all_failed(manifest, targets, export_records, exc)
+            if dry is not None and isinstance(exc, WouldRun):
+                dry = dry.with_control_flow(lambda: exported_control_flow(loaded))
+            return _all_failed(manifest, targets, export_records, exc, dry=dry)
+        if dry is not None:
+            dry = dry.with_control_flow(lambda: stored_control_flow(run, exported["program"]))
         for target in targets:
             with labelled(target=target):
                 manifest["targets"][target] = lower_target(
                     run, publish, name, model, fingerprint, exported["program"], target,
                     options.get(target, {}), list(export_records), verify,
                     quantized=quantize_step(quant, target, calibration),
+                    load_options=export_options(version, dynamic_shapes), dry=dry,
                 )
     return manifest
 
@@ -332,7 +340,8 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 
 
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify,
-                 quantized: dict | None = None) -> dict:
+                 quantized: dict | None = None, load_options: dict | None = None,
+                 dry: "DryRun | None" = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
@@ -347,7 +356,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             calibration = quantized["calibration"] or {}
             done = run("quantize", records, program=program, recipe=quantized["recipe"],
                        calibration=calibration.get("digest"), versions=quantize_versions(),
-                       source=calibration.get("source"), model=model, fingerprint=fingerprint)
+                       source=calibration.get("source"), model=model, fingerprint=fingerprint,
+                       options=load_options)
             program = reference = done["program"]
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
@@ -362,7 +372,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         if verify:
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         **accuracy)
+                         options=load_options, **accuracy)
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -370,7 +380,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["pte"] = publish(name, target, emitted["pte"])
         result["ok"] = True
     except Exception as exc:
-        result.update(_failed(records, exc, target), pte=result["pte"])
+        result.update(_failed(records, exc, target, dry=dry), pte=result["pte"])
     return result
 
 
@@ -402,12 +412,13 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             manifest["targets"][target] = lower_target_methods(
                 run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
                 verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
+                version=version,
             )
     return manifest
 
 
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
-                         shared: str | None = None, stateful: bool = False) -> dict:
+                         shared: str | None = None, stateful: bool = False, version: str | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -442,11 +453,13 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         if verify:
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
-                    "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method)
+                    "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
+                    options={"version": version})
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(
-                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared)
+                    "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
+                    options={"version": version})
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
@@ -538,20 +551,79 @@ def delegate_control_flow(run: Run, program, tagged, target, options, records, s
     return inner["program"], summary
 
 
-def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException, methods: bool = False) -> dict:
+def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException, methods: bool = False,
+                dry: "DryRun | None" = None) -> dict:
     """Every target failed (or, in a dry run, would run) at the same early stage."""
     for target in targets:
-        manifest["targets"][target] = _failed(list(records), exc, target, methods)
+        manifest["targets"][target] = _failed(list(records), exc, target, methods, dry)
     return manifest
 
 
-def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False) -> dict:
+@dataclasses.dataclass(frozen=True)
+class DryRun:
+    """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
+    quantize, and whether the program has cond / map (stage ``lower_control_flow``)."""
+
+    quantized: frozenset = frozenset()
+    #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
+    #: stages to list (reading the program costs time a fully cached plan need not spend).
+    control_flow: Any = None
+
+    @classmethod
+    def of(cls, quant: QuantSettings, targets) -> "DryRun":
+        return cls(frozenset(t for t in targets if quant.recipe(t) is not None))
+
+    def with_control_flow(self, probe) -> "DryRun":
+        return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
+
+    def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
+        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where they run."""
+        if target in self.quantized:
+            stages = ("quantize", *stages)
+        if "adjust" in stages and self.control_flow is not None and self.control_flow():
+            at = stages.index("adjust") + 1
+            stages = (*stages[:at], "lower_control_flow", *stages[at:])
+        return stages
+
+
+def stored_control_flow(run: Run, program) -> bool:
+    """Whether the cached exported program ``program`` (a ref) has cond / map nodes."""
+    from lowering.control_flow_graph import control_flow_nodes
+    from tasks.stages import get_program
+
+    store = getattr(run, "store", None)
+    if store is None:
+        return False
+    try:
+        return bool(control_flow_nodes(get_program(store, program).graph))
+    except Exception:  # an unreadable program: the real run will say so
+        return False
+
+
+def exported_control_flow(loaded) -> bool:
+    """Whether the model, exported now in memory (a dry run whose export is not cached),
+    has cond / map nodes; False when it cannot be exported (the run will say why)."""
+    from lowering.control_flow_graph import control_flow_nodes
+    from lowering.export import export
+
+    if loaded.module is None:
+        return False
+    try:
+        program = export(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)
+    except Exception:
+        return False
+    return bool(control_flow_nodes(program.graph))
+
+
+def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False,
+            dry: DryRun | None = None) -> dict:
     if isinstance(exc, WouldRun):  # dry run: the rest of the DAG would run
         done = {r["stage"] for r in records}
         if methods:
             rest = METHODS_PORTABLE_STAGES if target == PORTABLE else METHODS_DELEGATE_STAGES
         else:
             rest = PORTABLE_STAGES if target == PORTABLE else DELEGATE_STAGES
+        rest = (dry or DryRun()).rest(target, rest)
         records.extend(
             {"stage": s, "cached": False, "state": "WouldRun", "seconds": 0.0, "bytes": None}
             for s in rest if s not in done

@@ -181,7 +181,7 @@ def remember(batches: Batches) -> str:
     return digest
 
 
-def calibration_batches(digest: str, source: str, model: str, fingerprint: str) -> Batches:
+def calibration_batches(digest: str, source: str, model: str, fingerprint: str, options: dict | None = None) -> Batches:
     """The batches whose digest is ``digest``: kept in this process, else read again from
     ``source`` (:data:`FROM_FACTORY`: the model's factory, found by ``model`` and its
     ``fingerprint``).  Data whose digest changed is a CalibrationError."""
@@ -190,7 +190,7 @@ def calibration_batches(digest: str, source: str, model: str, fingerprint: str) 
     if batches is not None:
         return batches
     if source == FROM_FACTORY:
-        loaded = live_model(model, fingerprint)
+        loaded = live_model(model, fingerprint, options)
         if loaded.calibration is None:
             raise CalibrationError(f"model spec {model!r}: the factory no longer returns calibration data")
         batches = as_batches(loaded.calibration, f"model spec {model!r}")

@@ -192,7 +192,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
 
 def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
                  versions: dict, source: str | None = None, model: str | None = None,
-                 fingerprint: str | None = None) -> dict:
+                 fingerprint: str | None = None, options: dict | None = None) -> dict:
     """Quantize the exported ``program`` with ``recipe`` (its mapping form).
 
     Keyed on the program's digest, the recipe, ``calibration`` (the digest of the
@@ -206,7 +206,7 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     from .calibration import calibration_batches
 
     _begin("quantize")
-    batches = calibration_batches(calibration, source, model, fingerprint) if calibration else None
+    batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
     quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
@@ -494,14 +494,15 @@ def run_emit_methods(store: ArtifactStore, methods: dict) -> dict:
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
-               max_error: float | None = None) -> dict:
+               max_error: float | None = None, options: dict | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
     quantized program, run in torch), and its error against fp32 eager is reported and
-    held to ``min_sqnr`` / ``max_error`` (lowering.verify)."""
+    held to ``min_sqnr`` / ``max_error`` (lowering.verify).  ``options``: what the model was
+    loaded with (its ``version`` and ``dynamic_shapes``), to load it again in another process."""
     _begin("verify")
-    loaded = live_model(model, fingerprint)
+    loaded = live_model(model, fingerprint, options)
     if loaded.module is None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
     quantized = {}
@@ -511,12 +512,13 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
                       dynamic_shapes=loaded.dynamic_shapes, **quantized).to_dict()
 
 
-def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str) -> dict:
+def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str,
+                        options: dict | None = None) -> dict:
     """The check of state shared across methods: every method in program order, twice,
     on one loaded program against the eager modules (sharing their state) run the
     same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's."""
     _begin("verify_sequence")
-    loaded = live_model(model, fingerprint)
+    loaded = live_model(model, fingerprint, options)
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
     return verify_call_sequence(store.get_bytes(pte), methods).to_dict()
 
@@ -564,9 +566,12 @@ class StageTasks:
 
 #: The stages (each one's body is ``run_<stage>``) and the inputs each one's cache key ignores.
 STAGE_IGNORES: dict[str, tuple[str, ...]] = {
-    "export": (), "quantize": ("source", "model", "fingerprint"), "partition": (), "create_submodule": (), "build_programs": (), "preprocess": ("label",),
-    "adjust": (), "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (), "verify": (),
-    "verify_sequence": (),
+    # ``model`` (a resolved path) only finds the model again: its fingerprint is what decides
+    # the output, so a checkout elsewhere (another machine) shares the keys.
+    "export": ("model",), "quantize": ("source", "model", "fingerprint", "options"), "partition": (),
+    "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
+    "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
+    "verify": ("model", "options"), "verify_sequence": ("model", "options"),
 }
 
 

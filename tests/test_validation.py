@@ -205,3 +205,61 @@ def test_verify_checks_a_dynamic_model_at_each_dims_min_and_max_as_the_flow_does
     code, out, errors = cli("verify", narrow, "--model", spec, "--dynamic-shapes",
                             '{"x": {"0": {"name": "batch", "min": 2, "max": 8}}}')
     assert code == 0 and not errors and "(batch=8)" in out, (out, errors)
+
+
+# --------------------------------------------------------------------------- 9a: stages that reload the model
+
+
+def test_verify_and_quantize_reload_a_model_with_its_export_options(tmp_path, fresh_stages):
+    """A verify (or quantize) stage run where the flow's loaded model is not held (a retry in
+    another process) loads the model again with the options it was exported with: the
+    manifest's ``version`` and ``dynamic_shapes`` are part of its fingerprint."""
+    from flows.lower_model import export_options, lower_model
+    from tasks.model_spec import ModelSpec, ModelSpecError, live_model
+    from tasks.store import ArtifactRef, ArtifactStore
+
+    spec = f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:mlp"
+    store = tmp_path / "store"
+    manifest = lower_model(model=spec, targets=["portable"], store=str(store), version="7")
+    options = export_options("7")
+    fingerprint = manifest["fingerprint"]["digest"]
+    key = ModelSpec.parse(spec).key_text
+    # Nothing holds the model now: live_model loads it again.
+    assert live_model(key, fingerprint, options).fingerprint.digest == fingerprint
+    with pytest.raises(ModelSpecError, match="changed while it was being lowered"):
+        live_model(key, fingerprint)  # without the options: another fingerprint
+    pte = manifest["targets"]["portable"]["pte"]
+    ref = ArtifactRef(pte["uri"], pte["sha256"], pte["size"], "pte")
+    report = fresh_stages.run_verify(ArtifactStore(str(store)), ref, key, fingerprint, options=options)
+    assert report["ok"] is True, report
+
+
+# --------------------------------------------------------------------------- 9b: what a plan lists
+
+
+def test_plan_lists_lower_control_flow_and_quantize_before_anything_is_cached(tmp_path, fresh_stages):
+    """A dry run lists every stage the run will execute: lower_control_flow for a cond model
+    (known from the exported program: exported in memory when export is not cached, read
+    from the store when it is) and quantize for a quantized target."""
+    from flows.lower_model import lower_model, plan_model
+
+    models = Path(__file__).resolve().parent.parent / "examples" / "models.py"
+    store = str(tmp_path / "store")
+
+    def stages(manifest, target):
+        return [r["stage"] for r in manifest["targets"][target]["stages"]]
+
+    cold = plan_model(f"{models}:cond_linear", ["reference"], store)
+    assert "lower_control_flow" in stages(cold, "reference"), stages(cold, "reference")
+    run = lower_model(model=f"{models}:cond_linear", targets=["reference"], store=store)
+    ran = stages(run, "reference")
+    assert "lower_control_flow" in ran
+    # Export cached, the rest not (another target): listed from the stored program.
+    warm_export = plan_model(f"{models}:cond_linear", ["xnnpack"], store)
+    assert warm_export["targets"]["xnnpack"]["stages"][0]["cached"]
+    assert "lower_control_flow" in stages(warm_export, "xnnpack"), stages(warm_export, "xnnpack")
+    # An fp32 model without control flow lists neither.
+    plain = plan_model(f"{models}:mlp", ["reference"], store)
+    assert "lower_control_flow" not in stages(plain, "reference")
+    quantized = plan_model(f"{models}:mlp", ["xnnpack"], store, quantize="int8-dynamic")
+    assert stages(quantized, "xnnpack")[:2] == ["export", "quantize"], stages(quantized, "xnnpack")
