@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_xnnpack's latency measure
 
 from lowering.lower import lower  # noqa: E402
 from lowering.targets import partitioner_for  # noqa: E402
@@ -170,23 +171,11 @@ def lower_lowerflow(model, inputs, recipe: str, batches) -> tuple[float, bytes]:
 
 
 def latencies(ptes: list[bytes], inputs, calls: int) -> list[float]:
-    """Median µs per call of each program on ExecuTorch's runtime, calls interleaved."""
-    from executorch.runtime import Runtime
+    """Median µs per call of each program on ExecuTorch's runtime, calls interleaved
+    (bench_xnnpack's measure)."""
+    from bench_xnnpack import latencies as latencies_ms
 
-    runtime = Runtime.get()
-    programs = [runtime.load_program(p) for p in ptes]  # kept alive: a Method needs its Program
-    methods = [p.load_method("forward") for p in programs]
-    args = list(inputs)
-    for _ in range(20):
-        for m in methods:
-            m.execute(args)
-    times: list[list[float]] = [[] for _ in methods]
-    for _ in range(calls):
-        for m, t in zip(methods, times):
-            start = time.perf_counter()
-            m.execute(args)
-            t.append(time.perf_counter() - start)
-    return [statistics.median(t) * 1e6 for t in times]
+    return [ms * 1e3 for ms in latencies_ms(ptes, inputs, calls)]
 
 
 def error(pte: bytes, expected: list[torch.Tensor], inputs) -> float:

@@ -89,7 +89,8 @@ def latencies(ptes: list[bytes], inputs, calls: int) -> list[float]:
     from executorch.runtime import Runtime
 
     runtime = Runtime.get()
-    methods = [runtime.load_program(p).load_method("forward") for p in ptes]
+    programs = [runtime.load_program(p) for p in ptes]  # kept alive: a Method needs its Program
+    methods = [p.load_method("forward") for p in programs]
     args = list(inputs)
     for _ in range(20):
         for m in methods:
