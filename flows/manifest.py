@@ -13,7 +13,8 @@
         dynamic_shapes:                      # optional: dynamic dims, by forward argument
           x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
         quantize: int8                       # optional: a recipe (int8, int8-dynamic, 8da4w, or
-                                             #   {recipe: 8da4w, group_size: 64, keep_fp32: [lm_head]})
+                                             #   {recipe: 8da4w, group_size: 64, keep_fp32: [lm_head],
+                                             #    quantize_mha: false})
                                              #   for every target, or per target: {xnnpack: int8, portable: null}
         calibration: data.py:batches         # optional: int8's calibration data (a function spec or a
                                              #   safetensors URL; default: the factory's "calibration")

@@ -133,6 +133,15 @@ def test_executorch_deserializer_reads_operators_and_plan(programs):
     assert len(method.inputs) == 1 and len(method.outputs) == 1
 
 
+def test_chain_inputs_and_outputs_are_empty_as_executorch_writes_them(programs):
+    # The runtime reads a chain's instructions only; two one-element vectors cost 8 B of flatbuffer.
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    ours = deserialize_pte_binary(programs["mlp"][2]).program.execution_plan[0].chains[0]
+    theirs = deserialize_pte_binary(executorch_pte("mlp")).program.execution_plan[0].chains[0]
+    assert (ours.inputs, ours.outputs) == (theirs.inputs, theirs.outputs) == ([], [])
+
+
 def test_identical_constants_are_stored_once():
     class TwinLinear(torch.nn.Module):
         def __init__(self):

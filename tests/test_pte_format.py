@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lowering.pte import PteData, PteFormatError, deserialize, read_extended_header, schema, serialize
-from lowering.pte.format import CONSTANT_TENSOR_ALIGNMENT, SEGMENT_ALIGNMENT
+from lowering.pte.format import CONSTANT_TENSOR_ALIGNMENT, SEGMENT_ALIGNMENT, segment_order
 
 from ._interop import assert_all_close, eager_outputs, executorch_pte, model_and_inputs, run_in_executorch
 
@@ -119,6 +120,58 @@ def test_executorch_deserializer_reads_our_delegate_payloads():
     assert bytes(delegates[0].compile_specs[0].value) == b"\x02"
     for delegate in delegates:
         assert bytes(program.backend_delegate_data[delegate.processed.index].data) == payload
+
+
+def test_segment_order_puts_the_most_padding_last_and_keeps_index_order_otherwise():
+    # paddings to 128: 0, 56, 115, 0, 115 -> the highest index of the largest padding goes last
+    assert segment_order([0, 200, 13, 256, 141]) == [0, 1, 2, 3, 4]
+    assert segment_order([0, 200, 13, 256]) == [0, 1, 3, 2]
+    assert segment_order([128, 256, 384]) == [0, 1, 2]
+    assert segment_order([]) == []
+
+
+def _segments(pte_bytes: bytes) -> list[schema.DataSegmentT]:
+    header = read_extended_header(pte_bytes)
+    return schema.ProgramT.InitFromPackedBuf(pte_bytes[: header.program_size], 0).segments
+
+
+def test_segment_with_most_padding_is_written_last_and_unpadded():
+    payloads = [bytes(range(200)), b"x" * 13, bytes(256)]
+    pte_bytes = serialize(PteData(program=_program_with_delegates(0, 1, 2), delegate_data=payloads))
+    segments = _segments(pte_bytes)
+    header = read_extended_header(pte_bytes)
+    # index 0 is the empty constant segment; the 13-byte payload (115 B of padding) goes last
+    assert [(s.offset, s.size) for s in segments] == [(0, 0), (0, 200), (512, 13), (256, 256)]
+    assert header.segment_data_size == 512 + 13
+    assert len(pte_bytes) == header.segment_base_offset + 512 + 13
+    assert deserialize(pte_bytes).delegate_data == payloads
+    assert serialize(deserialize(pte_bytes)) == pte_bytes
+
+
+class _Biased(torch.nn.Module):
+    """Weights of 640 B and biases of 40 B and 64 B: named data segments with unequal padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 10), torch.nn.Linear(10, 16)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_executorch_runtime_runs_a_program_whose_segments_are_out_of_index_order():
+    from lowering import lower
+    from lowering.targets import partitioner_for
+
+    torch.manual_seed(0)
+    model, inputs = _Biased().eval(), (torch.randn(2, 16),)
+    pte_bytes = lower(model, inputs, partitioner=partitioner_for("xnnpack")).pte
+    offsets = [s.offset for s in _segments(pte_bytes)]
+    assert offsets != sorted(offsets)  # the case under test: not in index order
+    [outputs] = run_in_executorch(pte_bytes, inputs)
+    assert_all_close(outputs, [model(*inputs).detach()])
+    # deterministic: lowering again gives the same bytes
+    assert lower(model, inputs, partitioner=partitioner_for("xnnpack")).pte == pte_bytes
 
 
 def test_bad_identifier_is_a_clear_error():

@@ -51,9 +51,12 @@ def test_recipe_key_text_is_stable():
     # Pinned: the quantize stage's cache keys are built from these strings.
     assert parse_recipe("int8").key_text() == '{"keep_fp32":[],"recipe":"int8"}'
     assert parse_recipe("int8-dynamic").key_text() == '{"keep_fp32":[],"recipe":"int8-dynamic"}'
-    assert parse_recipe("8da4w").key_text() == '{"group_size":32,"keep_fp32":[],"recipe":"8da4w"}'
+    assert parse_recipe("8da4w").key_text() == \
+        '{"group_size":32,"keep_fp32":[],"quantize_mha":false,"recipe":"8da4w"}'
+    assert parse_recipe({"recipe": "8da4w", "quantize_mha": True}).key_text() == \
+        '{"group_size":32,"keep_fp32":[],"quantize_mha":true,"recipe":"8da4w"}'
     r = parse_recipe({"recipe": "8da4w", "group_size": 128, "keep_fp32": ["lm_head", "attn", "lm_head"]})
-    assert r.key_text() == '{"group_size":128,"keep_fp32":["attn","lm_head"],"recipe":"8da4w"}'
+    assert r.key_text() == '{"group_size":128,"keep_fp32":["attn","lm_head"],"quantize_mha":false,"recipe":"8da4w"}'
     # the order of keep_fp32 does not decide the output, so not the key either
     assert r.key_text() == parse_recipe({"recipe": "8da4w", "group_size": 128,
                                          "keep_fp32": ["attn", "lm_head"]}).key_text()
@@ -80,6 +83,8 @@ def test_recipe_key_text_is_stable():
         ({"recipe": "8da4w", "group_size": "32"}, ["group_size must be an int"]),
         ({"recipe": "8da4w", "group_size": True}, ["group_size must be an int"]),
         ({"recipe": "int8", "group_size": 64}, ["applies to 8da4w only"]),
+        ({"recipe": "int8-dynamic", "quantize_mha": True}, ["quantize_mha applies to 8da4w only"]),
+        ({"recipe": "8da4w", "quantize_mha": "yes"}, ["quantize_mha must be true or false", "'yes'"]),
         ({"recipe": "int8", "keep_fp32": 3}, ["keep_fp32 must be a list"]),
         ({"recipe": "int8", "keep_fp32": ["fc", ""]}, ["non-empty strings"]),
         ({"recipe": 8}, ["'recipe' must be a string"]),
@@ -488,6 +493,44 @@ def test_8da4w_leaves_linears_whose_k_does_not_divide_fp32():
     assert len(check_dynamic(quantize(program, {"recipe": "8da4w", "group_size": 128}, batches), 128, -8, 7)) == 1
     out, theirs = outputs(quantized.module(), batches), outputs(torchao_dynamic(model), batches)
     assert (out - theirs).abs().max() < 1e-5
+
+
+class _Encoder(nn.Module):
+    """Two ``nn.TransformerEncoderLayer``s: MultiheadAttention (packed in-projection,
+    NonDynamicallyQuantizableLinear out-projection) and a two-linear feed-forward each."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(64, 2, 64, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+def test_8da4w_leaves_multihead_attention_fp32_as_torchao_does_unless_quantize_mha():
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, PerGroup, quantize_
+
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    batches = [(torch.randn(1, 8, 64),) for _ in range(3)]
+    program = export(model, batches[0])
+    quantized = quantize(program, "8da4w")
+    assert len(check_dynamic(quantized, 32, -8, 7)) == 2 * 2            # linear1, linear2 per layer
+    assert len(quantized.graph_module.meta["lowerflow_quantize_skipped"]) == 2 * 2  # in_proj, out_proj
+    # ExecuTorch's 8da4w flow: torchao's quantize_ with its default filter (nn.Linear modules,
+    # NonDynamicallyQuantizableLinear excluded)
+    reference = copy.deepcopy(model)
+    quantize_(reference, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                               weight_granularity=PerGroup(32)))
+    assert (outputs(quantized.module(), batches) - outputs(reference, batches)).abs().max() < 1e-5
+    everything = quantize(program, {"recipe": "8da4w", "quantize_mha": True})
+    assert len(check_dynamic(everything, 32, -8, 7)) == 4 * 2
+    assert everything.graph_module.meta["lowerflow_quantize_skipped"] == ()
+    # int8-dynamic follows ExecuTorch's PT2E flow, which quantizes every linear op, MHA's too
+    assert len(check_dynamic(quantize(program, "int8-dynamic"), 0, -127, 127)) == 4 * 2
+    ref = outputs(model, batches)
+    assert rel(ref, outputs(quantized.module(), batches)) < rel(ref, outputs(everything.module(), batches))
 
 
 def test_int8_dynamic_bert_and_keep_fp32():

@@ -174,7 +174,8 @@ def test_manifest_quantize_settings_are_validated(tmp_path):
 
     fleet = load_manifest(entry(targets=["portable", "xnnpack"], quantize={"xnnpack": {"recipe": "8da4w", "group_size": 64}}))
     assert dict(fleet.models[0].quantize) == {"portable": None,
-                                              "xnnpack": {"recipe": "8da4w", "group_size": 64, "keep_fp32": []}}
+                                              "xnnpack": {"recipe": "8da4w", "group_size": 64, "quantize_mha": False,
+                                                          "keep_fp32": []}}
     with pytest.raises(ManifestError, match=r"models\[0\] \('m'\): 'quantize': .*'int9'.*did you mean 'int8'"):
         load_manifest(entry(quantize="int9"))
     with pytest.raises(ManifestError, match=r"'quantize': names targets not lowered: \['xnnpack'\]"):

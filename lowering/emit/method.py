@@ -131,8 +131,10 @@ class MethodEmitter:
 
     def _execution_plan(self) -> schema.ExecutionPlanT:
         chain = schema.ChainT()
-        chain.inputs = list(self.inputs)
-        chain.outputs = list(self.outputs)
+        # Empty, as ExecuTorch's emitter writes them: the runtime reads a
+        # chain's instructions only (the plan's inputs/outputs are the method's).
+        chain.inputs = []
+        chain.outputs = []
         chain.instructions = self.instructions
         plan = schema.ExecutionPlanT()
         plan.name = METHOD_NAME

@@ -13,6 +13,11 @@ File layout (all integers little-endian)::
              values of planned mutable buffers, unpadded), then one segment per
              distinct delegate payload, then one segment per distinct named
              data blob (``Program.named_data``: key -> segment index).
+             Physically they follow in index order except one: the segment
+             that needs the most padding to 128 is written last, unpadded
+             (ties: the highest index), which minimises the file.  The table
+             carries each offset, so the runtime does not care about the order
+             (``tests/test_pte_format.py`` runs such a file on ExecuTorch's).
 
 The facts above (header fields and order, header padded to the largest
 ``force_align`` of the schema, 128-byte segment alignment, 16-byte tensor
@@ -201,21 +206,35 @@ def _data_reference(location: int, index: int) -> fb.BackendDelegateDataReferenc
 
 
 def _layout_segments(segments: list[bytes]) -> tuple[list[fb.DataSegmentT], bytes]:
-    """Concatenate segments, each starting at a multiple of SEGMENT_ALIGNMENT; return table and blob."""
-    table: list[fb.DataSegmentT] = []
+    """Concatenate segments, each starting at a multiple of SEGMENT_ALIGNMENT; return table and blob.
+
+    The table is in index order; the blob in :func:`segment_order`.
+    """
+    table: list[fb.DataSegmentT] = [fb.DataSegmentT() for _ in segments]
     parts: list[bytes] = []
     position = 0
-    for data in segments:
+    for index in segment_order([len(data) for data in segments]):
         pad = _padding(position, SEGMENT_ALIGNMENT)
         parts.append(b"\0" * pad)
         position += pad
-        entry = fb.DataSegmentT()
-        entry.offset = position
-        entry.size = len(data)
-        table.append(entry)
-        parts.append(data)
-        position += len(data)
+        table[index].offset = position
+        table[index].size = len(segments[index])
+        parts.append(segments[index])
+        position += len(segments[index])
     return table, b"".join(parts)
+
+
+def segment_order(sizes: list[int]) -> list[int]:
+    """Physical order of segments of these sizes: index order, the one needing the most padding last.
+
+    Every segment but the last is padded to SEGMENT_ALIGNMENT, so leaving the
+    largest padding out is the smallest file; ties go to the highest index,
+    which keeps index order whenever it is already smallest.
+    """
+    if not sizes:
+        return []
+    last = max(range(len(sizes)), key=lambda i: (_padding(sizes[i], SEGMENT_ALIGNMENT), i))
+    return [i for i in range(len(sizes)) if i != last] + [last]
 
 
 def _finish_flatbuffer(program: fb.ProgramT) -> bytes:

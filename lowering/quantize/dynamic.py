@@ -26,9 +26,12 @@ After (8da4w, group size gs)::
 
 ``int8-dynamic`` is the same with one block per output channel (``[1, K]``) and
 weights in [-127, 127] (XNNPACK's symmetric int8 range).  The bias stays fp32.
-8da4w leaves a linear whose K is not a multiple of the group size fp32 (as
-ExecuTorch's and optimum-executorch's filters do); :func:`quantize_dynamic`
-returns those names.
+8da4w leaves fp32 a linear whose K is not a multiple of the group size (as
+ExecuTorch's and optimum-executorch's filters do) and, unless the recipe says
+``quantize_mha``, the linears traced inside ``nn.MultiheadAttention`` (its packed
+in-projection is no ``nn.Linear`` and its out-projection a
+``NonDynamicallyQuantizableLinear``, both of which torchao's ``quantize_`` filter
+skips); :func:`quantize_dynamic` returns the names of both kinds.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from torch.export import ExportedProgram
 
 from .graph import add_constant, call, constant_value, kept_fp32, unfold_linear_weights
 from .recipes import QuantRecipe
+
+#: The module class whose linears 8da4w leaves fp32 by default (see the module docstring).
+MHA_CLASS = "MultiheadAttention"
 
 #: Per-token activation quantization (torchao's ``int8_asym_per_token``).
 ACT_QMIN, ACT_QMAX = -128, 127
@@ -80,15 +86,20 @@ def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.T
     return qdata, scale, zero_point
 
 
-def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[ExportedProgram, list[str]]:
-    """Rewrite ``program`` in place (see the module docstring); returns it and the names
-    of the linears left fp32 because K is not a multiple of the group size."""
+def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[ExportedProgram, list[str], list[str]]:
+    """Rewrite ``program`` in place (see the module docstring); returns it, the names of
+    the linears left fp32 because K is not a multiple of the group size, and those left
+    fp32 because they are inside ``nn.MultiheadAttention`` (:attr:`QuantRecipe.skips_mha`)."""
     scheme = weight_scheme(recipe)
     graph = program.graph
     skipped: list[str] = []
+    in_mha: list[str] = []
     weights: dict[torch.fx.Node, torch.fx.Node] = {}  # a weight shared by several linears: once
     for gemm in unfold_linear_weights(program):
         if kept_fp32(gemm, recipe.keep_fp32):
+            continue
+        if recipe.skips_mha and kept_fp32(gemm, (MHA_CLASS,)):
+            in_mha.append(gemm.name)
             continue
         permute = gemm.args[2] if gemm.target is torch.ops.aten.addmm.default else gemm.args[1]
         source = permute.args[0]
@@ -108,7 +119,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     remove_unused(program)
     graph.lint()
     program.graph_module.recompile()
-    return program, skipped
+    return program, skipped, in_mha
 
 
 def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: torch.fx.Node,

@@ -8,6 +8,12 @@ entry)::
     parse_recipe("int8-dynamic")                           # dynamic per-token activations, int8 weights
     parse_recipe({"recipe": "8da4w", "group_size": 64,     # dynamic activations, int4 group weights
                   "keep_fp32": ["lm_head"]})
+    parse_recipe({"recipe": "8da4w", "quantize_mha": True})  # nn.MultiheadAttention's projections too
+
+Which linears each recipe quantizes follows ExecuTorch's flow for it: ``int8`` and
+``int8-dynamic`` (PT2E, graph level) every linear op; ``8da4w`` (torchao's ``quantize_``,
+module level) ``nn.Linear`` modules, so not ``nn.MultiheadAttention``'s packed in-projection
+and ``NonDynamicallyQuantizableLinear`` out-projection, unless ``quantize_mha``.
 
 ``key_text()`` is canonical JSON of every field that decides the output: the
 cache key of the quantize stage is built from it, so it must never change for
@@ -27,7 +33,7 @@ from ..errors import QuantizeError
 RECIPE_NAMES = ("int8", "int8-dynamic", "8da4w")
 
 #: Keys a mapping spec may have.
-_SPEC_KEYS = ("recipe", "group_size", "keep_fp32")
+_SPEC_KEYS = ("recipe", "group_size", "keep_fp32", "quantize_mha")
 
 
 @dataclass(frozen=True)
@@ -41,11 +47,15 @@ class QuantRecipe:
     ``group_size``: 8da4w only; a positive multiple of 32.
     ``keep_fp32``: module fqn prefixes (``"encoder.layer.0"``, ``"lm_head"``) or
     ``nn.Module`` class names (``"LayerNorm"``) whose layers stay fp32.
+    ``quantize_mha``: 8da4w only; also quantize the linears of ``nn.MultiheadAttention``
+    (its in/out projections), which torchao's ``nn.Linear`` filter, and so ExecuTorch's
+    8da4w flow, leaves fp32 (the default).
     """
 
     name: str
     group_size: int = 32
     keep_fp32: tuple[str, ...] = ()
+    quantize_mha: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
@@ -68,6 +78,15 @@ class QuantRecipe:
         if bad:
             raise QuantizeError(f"quantize recipe {self.name!r}: keep_fp32 entries must be non-empty strings: {bad!r}")
         object.__setattr__(self, "keep_fp32", tuple(self.keep_fp32))
+        if not isinstance(self.quantize_mha, bool):
+            raise QuantizeError(
+                f"quantize recipe {self.name!r}: quantize_mha must be true or false, got {self.quantize_mha!r}"
+            )
+
+    @property
+    def skips_mha(self) -> bool:
+        """Whether the linears of ``nn.MultiheadAttention`` stay fp32 (8da4w by default)."""
+        return self.name == "8da4w" and not self.quantize_mha
 
     @property
     def needs_calibration(self) -> bool:
@@ -86,17 +105,19 @@ class QuantRecipe:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """The mapping form :func:`parse_recipe` accepts (``group_size`` only for 8da4w)."""
+        """The mapping form :func:`parse_recipe` accepts (``group_size`` and ``quantize_mha``
+        only for 8da4w)."""
         out: dict[str, Any] = {"recipe": self.name}
         if self.name == "8da4w":
             out["group_size"] = self.group_size
+            out["quantize_mha"] = self.quantize_mha
         out["keep_fp32"] = list(self.keep_fp32)
         return out
 
     def key_text(self) -> str:
         """Canonical JSON of every field that decides the quantized program.
 
-        ``group_size`` appears only for 8da4w (other recipes ignore it);
+        ``group_size`` and ``quantize_mha`` appear only for 8da4w (other recipes ignore them);
         ``keep_fp32`` sorted and without duplicates (its order does not change
         the output, so it must not change the cache key either).
         """
@@ -105,6 +126,7 @@ class QuantRecipe:
 
     def __str__(self) -> str:
         extra = f", group_size={self.group_size}" if self.name == "8da4w" else ""
+        extra += ", quantize_mha=True" if self.quantize_mha and self.name == "8da4w" else ""
         keep = f", keep_fp32={list(self.keep_fp32)}" if self.keep_fp32 else ""
         return f"{self.name}{extra}{keep}"
 
@@ -113,7 +135,7 @@ def parse_recipe(spec: Any) -> QuantRecipe:
     """A :class:`QuantRecipe` from a recipe, a name or a mapping.
 
     Mapping keys: ``recipe`` (required), ``group_size``, ``keep_fp32`` (a list,
-    or one string).  Anything else raises :class:`QuantizeError` naming the input.
+    or one string), ``quantize_mha``.  Anything else raises :class:`QuantizeError` naming the input.
     """
     if isinstance(spec, QuantRecipe):
         return spec
@@ -141,8 +163,9 @@ def _from_mapping(spec: Mapping) -> QuantRecipe:
     if not isinstance(raw, str):
         raise QuantizeError(f"quantize recipe {dict(spec)!r}: 'recipe' must be a string, got {raw!r}")
     name = _name(raw.strip(), raw)
-    if "group_size" in spec and name != "8da4w":
-        raise QuantizeError(f"quantize recipe {dict(spec)!r}: group_size applies to 8da4w only")
+    for option in ("group_size", "quantize_mha"):
+        if option in spec and name != "8da4w":
+            raise QuantizeError(f"quantize recipe {dict(spec)!r}: {option} applies to 8da4w only")
     keep = spec.get("keep_fp32", ())
     if isinstance(keep, str):
         keep = (keep,)
@@ -150,7 +173,8 @@ def _from_mapping(spec: Mapping) -> QuantRecipe:
         keep = ()
     elif not isinstance(keep, (list, tuple)):
         raise QuantizeError(f"quantize recipe {dict(spec)!r}: keep_fp32 must be a list of strings, got {keep!r}")
-    return QuantRecipe(name, group_size=spec.get("group_size", 32), keep_fp32=tuple(keep))
+    return QuantRecipe(name, group_size=spec.get("group_size", 32), keep_fp32=tuple(keep),
+                       quantize_mha=spec.get("quantize_mha", False))
 
 
 def _name(name: str, raw: Any) -> str:

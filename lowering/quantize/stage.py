@@ -51,11 +51,14 @@ def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, 
         return quantize_static(program, recipe, batches, label)
     from .dynamic import quantize_dynamic
 
-    quantized, skipped = quantize_dynamic(copy_program(program), recipe)
+    quantized, skipped, in_mha = quantize_dynamic(copy_program(program), recipe)
     if skipped:
         log.info("%s: %s left %d linear(s) fp32 (K not a multiple of %d): %s", label, recipe.name,
                  len(skipped), recipe.group_size, ", ".join(skipped))
-    quantized.graph_module.meta[SKIPPED_META] = tuple(skipped)
+    if in_mha:
+        log.info("%s: %s left %d linear(s) of nn.MultiheadAttention fp32, as torchao's nn.Linear filter "
+                 "does (quantize_mha: true quantizes them): %s", label, recipe.name, len(in_mha), ", ".join(in_mha))
+    quantized.graph_module.meta[SKIPPED_META] = tuple(skipped + in_mha)
     return quantized
 
 
