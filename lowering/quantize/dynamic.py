@@ -46,7 +46,7 @@ from .graph import add_constant, call, constant_value, kept_fp32, unfold_linear_
 from .recipes import QuantRecipe
 
 #: The module class whose linears 8da4w leaves fp32 by default (see the module docstring).
-MHA_CLASS = "MultiheadAttention"
+MHA_CLASS = torch.nn.MultiheadAttention
 
 #: Per-token activation quantization (torchao's ``int8_asym_per_token``).
 ACT_QMIN, ACT_QMAX = -128, 127
@@ -98,7 +98,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     for gemm in unfold_linear_weights(program):
         if kept_fp32(gemm, recipe.keep_fp32):
             continue
-        if recipe.skips_mha and kept_fp32(gemm, (MHA_CLASS,)):
+        if recipe.skips_mha and _inside(gemm, MHA_CLASS):
             in_mha.append(gemm.name)
             continue
         permute = gemm.args[2] if gemm.target is torch.ops.aten.addmm.default else gemm.args[1]
@@ -156,6 +156,16 @@ def _quantize_activation(graph: torch.fx.Graph, gemm: torch.fx.Node) -> None:
     args = list(gemm.args)
     args[index] = xdq
     gemm.args = tuple(args)
+
+
+def _inside(node: torch.fx.Node, cls: type) -> bool:
+    """Whether ``node`` was traced inside a module of class ``cls`` (or a subclass); export
+    records the class by its qualified name (or, in some versions, the class itself)."""
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    for _, owner in (node.meta.get("nn_module_stack") or {}).values():
+        if owner == name or (isinstance(owner, type) and issubclass(owner, cls)):
+            return True
+    return False
 
 
 def _is_float32(node) -> bool:
