@@ -533,6 +533,26 @@ def test_8da4w_leaves_multihead_attention_fp32_as_torchao_does_unless_quantize_m
     assert rel(ref, outputs(quantized.module(), batches)) < rel(ref, outputs(everything.module(), batches))
 
 
+class MultiheadAttention(nn.Module):
+    """A user's attention module that happens to share the name: nn.Linear projections."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 3 * 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.out(F.scaled_dot_product_attention(q, k, v))
+
+
+def test_8da4w_quantizes_the_linears_of_a_user_module_named_multihead_attention():
+    torch.manual_seed(0)
+    program = export(MultiheadAttention().eval(), (torch.randn(1, 8, 64),))
+    quantized = quantize(program, "8da4w")
+    assert len(check_dynamic(quantized, 32, -8, 7)) == 2   # nn.Linear modules, as torchao's filter takes them
+    assert quantized.graph_module.meta["lowerflow_quantize_skipped"] == ()
+
+
 def test_int8_dynamic_bert_and_keep_fp32():
     model, batches = bert_case()
     program = export(model, batches[0])

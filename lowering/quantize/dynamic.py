@@ -26,6 +26,19 @@ After (8da4w, group size gs)::
 
 ``int8-dynamic`` is the same with one block per output channel (``[1, K]``) and
 weights in [-127, 127] (XNNPACK's symmetric int8 range).  The bias stays fp32.
+
+``int8-dynamic`` also quantizes 2-D convolutions as ExecuTorch's PT2E flow does
+(``XNNPACKQuantizer``, dynamic config): BatchNorm folded first, then every
+non-transposed, ungrouped conv with a constant 4-D weight of more than one input
+channel per group, except one whose only reader is a ReLU (the quantizer leaves
+conv+ReLU to a static-only pattern).  In ExecuTorch's ops and arguments::
+
+    %dqw = quantized_decomposed.dequantize_per_channel(%c__q_weight_conv, %c__q_scale_conv,
+                                                       %c__q_zero_point_conv, 0, -127, 127, int8)
+    %cq = quantized_decomposed.choose_qparams.tensor(%x, -128, 127, 2**-12, int8)
+    %xq = quantized_decomposed.quantize_per_tensor.tensor(%x, %cq[0], %cq[1], -128, 127, int8)
+    %xdq = quantized_decomposed.dequantize_per_tensor.tensor(%xq, %cq[0], %cq[1], -128, 127, int8)
+    %conv = aten.convolution.default(%xdq, %dqw, %bias, ...)
 8da4w leaves fp32 a linear whose K is not a multiple of the group size (as
 ExecuTorch's and optimum-executorch's filters do) and, unless the recipe says
 ``quantize_mha``, the linears traced inside ``nn.MultiheadAttention`` (its packed
@@ -116,10 +129,77 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
         _quantize_activation(graph, gemm)
     from .graph import remove_unused
 
+    if recipe.name == "int8-dynamic":
+        _quantize_convs(program, recipe)
     remove_unused(program)
     graph.lint()
     program.graph_module.recompile()
     return program, skipped, in_mha
+
+
+#: PT2E's observers' eps (``get_symmetric_quantization_config``): weight scales and the
+#: dynamic activation's scale are at least this.
+PT2E_EPS = 2.0 ** -12
+
+
+def _quantize_convs(program: ExportedProgram, recipe: QuantRecipe) -> None:
+    """The convolutions of ``int8-dynamic`` (see the module docstring)."""
+    from .bn_fold import fold_batch_norms
+
+    fold_batch_norms(program)
+    weights: dict[torch.fx.Node, torch.fx.Node] = {}
+    for conv in list(program.graph.nodes):
+        if not _dynamic_conv(program, conv) or kept_fp32(conv, recipe.keep_fp32):
+            continue
+        source = conv.args[1]
+        if source not in weights:
+            weights[source] = _per_channel_weight(program, conv, source)
+        conv.replace_input_with(source, weights[source])
+        _quantize_conv_input(program.graph, conv)
+
+
+def _dynamic_conv(program: ExportedProgram, node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target is not torch.ops.aten.convolution.default:
+        return False
+    weight = constant_value(program, node.args[1]) if isinstance(node.args[1], torch.fx.Node) else None
+    if weight is None or weight.dim() != 4 or weight.dtype != torch.float32 or weight.shape[1] == 1:
+        return False
+    if node.args[6] or int(node.args[8]) != 1 or not _is_float32(node.args[0]):
+        return False
+    only = next(iter(node.users)) if len(node.users) == 1 else None
+    return not (only is not None and only.op == "call_function" and only.target is torch.ops.aten.relu.default)
+
+
+def _per_channel_weight(program: ExportedProgram, conv: torch.fx.Node, source: torch.fx.Node) -> torch.fx.Node:
+    """int8 [-127, 127] per output channel, symmetric, as PT2E's PerChannelMinMaxObserver and
+    ``convert_pt2e`` compute it; returns its ``dequantize_per_channel``."""
+    qd = torch.ops.quantized_decomposed
+    weight = constant_value(program, source)
+    with torch.no_grad():
+        scale = torch.clamp(weight.abs().amax(dim=(1, 2, 3)) / 127.0, min=PT2E_EPS)
+        zero_point = torch.zeros(weight.shape[0], dtype=torch.int64)
+        qdata = qd.quantize_per_channel.default(weight, scale, zero_point, 0, -127, 127, torch.int8)
+    q = add_constant(program, f"_q_weight_{conv.name}", qdata, meta_from=conv)
+    s = add_constant(program, f"_q_scale_{conv.name}", scale, meta_from=conv)
+    zp = add_constant(program, f"_q_zero_point_{conv.name}", zero_point, meta_from=conv)
+    with program.graph.inserting_before(min(source.users, key=_position)):
+        return call(program.graph, qd.dequantize_per_channel.default, (q, s, zp, 0, -127, 127, torch.int8),
+                    meta_from=conv)
+
+
+def _quantize_conv_input(graph: torch.fx.Graph, conv: torch.fx.Node) -> None:
+    """Per-tensor dynamic choose_qparams / quantize / dequantize of the conv's input."""
+    qd = torch.ops.quantized_decomposed
+    x = conv.args[0]
+    with graph.inserting_before(conv):
+        qparams = call(graph, qd.choose_qparams.tensor, (x, ACT_QMIN, ACT_QMAX, PT2E_EPS, torch.int8), meta_from=conv)
+        scale = call(graph, operator.getitem, (qparams, 0), meta_from=conv)
+        zero_point = call(graph, operator.getitem, (qparams, 1), meta_from=conv)
+        xq = call(graph, qd.quantize_per_tensor.tensor, (x, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.int8),
+                  meta_from=conv)
+        xdq = call(graph, qd.dequantize_per_tensor.tensor, (xq, scale, zero_point, ACT_QMIN, ACT_QMAX, torch.int8),
+                   meta_from=conv)
+    conv.replace_input_with(x, xdq)
 
 
 def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: torch.fx.Node,
