@@ -567,15 +567,57 @@ def test_int8_dynamic_bert_and_keep_fp32():
     assert not calls(program, ao.dequantize_affine.default)
 
 
-def test_dynamic_recipes_on_the_cnn_quantize_only_linears():
+def executorch_dynamic(model, batches):
+    """ExecuTorch's stock int8-dynamic flow: XNNPACKQuantizer (per-channel, dynamic) with PT2E."""
+    pytest.importorskip("executorch")
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    config = get_symmetric_quantization_config(is_per_channel=True, is_dynamic=True)
+    prepared = prepare_pt2e(torch.export.export(model, batches[0], strict=False).module(),
+                            XNNPACKQuantizer().set_global(config))
+    with torch.no_grad():
+        prepared(*batches[0])
+    return convert_pt2e(prepared)
+
+
+def test_int8_dynamic_quantizes_the_convs_executorch_does_and_8da4w_only_linears():
+    from tests._interop import run_in_executorch
+
+    from lowering.targets import partitioner_for
+
     model, batches = cnn_case()
     program = export(model, batches[0])
-    for recipe, (gs, lo, hi) in (("int8-dynamic", (0, -127, 127)), ("8da4w", (32, -8, 7))):
-        quantized = quantize(program, recipe)
-        assert len(check_dynamic(quantized, gs, lo, hi)) == 1
-        assert calls(quantized, aten._native_batch_norm_legit_no_training.default)  # conv + BN untouched
-        ref, out = outputs(model, batches), outputs(quantized.module(), batches)
-        assert sqnr(ref, out) > (35 if recipe == "int8-dynamic" else 15)
+    quantized = quantize(program, "int8-dynamic")
+    assert len(check_dynamic(quantized, 0, -127, 127)) == 1                     # fc
+    assert not calls(quantized, aten._native_batch_norm_legit_no_training.default)  # folded, as PT2E does
+    # c2 (conv-BN, then the residual add); c1's only reader is a ReLU, which the quantizer leaves fp32
+    [ours] = calls(quantized, qd.dequantize_per_channel.default)
+    theirs = executorch_dynamic(model, batches)
+    [their_dq] = [n for n in theirs.graph.nodes if n.target is qd.dequantize_per_channel.default
+                  and getattr(theirs, n.args[0].target).dim() == 4]   # (its linear weight is per channel too)
+    assert ours.args[3:] == their_dq.args[3:] == (0, -127, 127, torch.int8)
+    their_w = getattr(theirs, their_dq.args[0].target)
+    assert (value_of(quantized, ours.args[0]).int() - their_w.int()).abs().max() <= 1  # BN folds round alike
+    (conv,) = ours.users
+    assert conv.args[0].target is qd.dequantize_per_tensor.tensor
+    assert conv.args[0].args[0].args[1].args[0].target is qd.choose_qparams.tensor  # dq <- q <- scale <- choose
+    ref, out, et = outputs(model, batches), outputs(quantized.module(), batches), outputs(theirs, batches)
+    assert rel(et, out) < 0.01 and sqnr(ref, out) > 30
+    # lowered to xnnpack (a dynamic conv and a dynamic linear), run by ExecuTorch's runtime
+    pte = lowering.lower(model, batches[0], quantize="int8-dynamic", partitioner=partitioner_for("xnnpack")).pte
+    with torch.no_grad():
+        want = quantized.module()(*batches[0])
+    [[got]] = run_in_executorch(pte, batches[0])
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    # 8da4w: torchao's quantize_ takes nn.Linear modules only
+    da4w = quantize(program, "8da4w")
+    assert len(check_dynamic(da4w, 32, -8, 7)) == 1
+    assert calls(da4w, aten._native_batch_norm_legit_no_training.default) and not calls(
+        da4w, qd.dequantize_per_channel.default)
 
 
 # ---------------------------------------------------------------- determinism
