@@ -587,6 +587,7 @@ def executorch_dynamic(model, batches):
 def test_int8_dynamic_quantizes_the_convs_executorch_does_and_8da4w_only_linears():
     from tests._interop import run_in_executorch
 
+    from lowering.runtime import load
     from lowering.targets import partitioner_for
 
     model, batches = cnn_case()
@@ -613,6 +614,8 @@ def test_int8_dynamic_quantizes_the_convs_executorch_does_and_8da4w_only_linears
         want = quantized.module()(*batches[0])
     [[got]] = run_in_executorch(pte, batches[0])
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    [ours_got] = load(pte).run("forward", list(batches[0]))
+    assert (ours_got - got).abs().max() <= 1e-5 * got.abs().max()   # lowering.runtime: XNNPACK's arithmetic
     # 8da4w: torchao's quantize_ takes nn.Linear modules only
     da4w = quantize(program, "8da4w")
     assert len(check_dynamic(da4w, 32, -8, 7)) == 1
