@@ -8,7 +8,8 @@ Rooms:
 - :mod:`~lowering.quantize.stage`: :func:`quantize`, the entry point;
 - :mod:`~lowering.quantize.calibration`: calibration batches, checked;
 - :mod:`~lowering.quantize.graph`: graph edits the passes share (lift constants, unfold weights);
-- :mod:`~lowering.quantize.dynamic`: ``int8-dynamic`` / ``8da4w`` (graph rewrite, torchao ops);
+- :mod:`~lowering.quantize.dynamic`: ``int8-dynamic`` / ``8da4w`` (graph rewrite: torchao's affine ops for
+  linears, ``quantized_decomposed`` ops for int8-dynamic's convolutions);
 - :mod:`~lowering.quantize.bn_fold`: BatchNorm after a convolution folded into it;
 - :mod:`~lowering.quantize.quantizer`: lowerflow's PT2E quantizer for XNNPACK (annotation rules);
 - :mod:`~lowering.quantize.static`: ``int8`` (prepare_pt2e, calibrate, convert_pt2e, re-export).

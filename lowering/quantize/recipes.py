@@ -11,7 +11,8 @@ entry)::
     parse_recipe({"recipe": "8da4w", "quantize_mha": True})  # nn.MultiheadAttention's projections too
 
 Which linears each recipe quantizes follows ExecuTorch's flow for it: ``int8`` and
-``int8-dynamic`` (PT2E, graph level) every linear op; ``8da4w`` (torchao's ``quantize_``,
+``int8-dynamic`` (PT2E, graph level) every linear op (``int8-dynamic`` also the 2-D convolutions
+``XNNPACKQuantizer``'s dynamic config takes); ``8da4w`` (torchao's ``quantize_``,
 module level) ``nn.Linear`` modules, so not ``nn.MultiheadAttention``'s packed in-projection
 and ``NonDynamicallyQuantizableLinear`` out-projection, unless ``quantize_mha``.
 
@@ -42,7 +43,7 @@ class QuantRecipe:
 
     ``name``: ``"int8"`` (static: per-channel int8 weights, per-tensor int8
     activations from calibration), ``"int8-dynamic"`` (per-channel int8 weights,
-    per-token activations chosen at runtime) or ``"8da4w"`` (int4 weights in groups
+    activations quantized at runtime: per token for linears, per tensor for 2-D convolutions) or ``"8da4w"`` (int4 weights in groups
     of ``group_size`` along K, per-token int8 activations).
     ``group_size``: 8da4w only; a positive multiple of 32.
     ``keep_fp32``: module fqn prefixes (``"encoder.layer.0"``, ``"lm_head"``) or
