@@ -29,7 +29,11 @@ emitted as a KernelCall of its ``.out`` overload, by qualified name, e.g.
 ``lowerflow_reference::addmm_relu.out``: :func:`define_fused_op` defines both
 overloads.  lowerflow's executor runs it through the op's composite kernel;
 ExecuTorch's stock runtime has no kernel for it and refuses to load the
-method (``verify`` skips that runtime, naming the missing operators).
+method (``verify`` skips that runtime, naming the missing operators).  Emit lets
+it through under the default runtime profile, whose ``"fused"`` entry allows the
+ops declared here (:func:`is_fused_op`); a profile without it
+(``lower(..., runtime_ops=("portable",))``) fails naming the op
+(:mod:`lowering.stock_ops`).
 
 A ``CompositeImplicitAutograd`` op decomposes back into its pattern when the
 program is re-exported or decomposed again; prefer ``CompositeExplicitAutograd``.

@@ -107,6 +107,32 @@ def test_an_op_the_portable_set_lacks_is_decomposed_in_stage_1(fast, monkeypatch
     assert report.ok and all(c.ok for c in report.checks), report.to_dict()
 
 
+def _wav2vec2():
+    """A tiny random HF wav2vec2 (hidden 32, 2 layers): its positional conv has weight norm."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Wav2Vec2Config(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16),
+        conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+        vocab_size=32)
+    torch.manual_seed(0)
+    return transformers.Wav2Vec2Model(config).eval(), (torch.randn(1, 400),)
+
+
+@pytest.mark.parametrize("target", ["portable", "xnnpack"])
+def test_hf_wav2vec2_runs_on_the_stock_executorch_runtime_equal_to_eager(target):
+    pytest.importorskip("executorch")
+    from lowering.backends.xnnpack import XnnpackPartitioner
+
+    model, inputs = _wav2vec2()
+    result = lower(model, inputs, partitioner=XnnpackPartitioner() if target == "xnnpack" else None)
+    operators = program_operators(result.pte)
+    assert "aten::linalg_vector_norm.out" not in operators
+    assert ("aten::pow.Tensor_Scalar_out" in operators) == (target == "portable")  # xnnpack takes the pows
+    report = verify(result.pte, model, inputs)
+    checks = {c.runtime: c for c in report.checks}
+    assert checks["executorch"].ok is True and checks["lowerflow"].ok is True, report.to_dict()
+
+
 # ------------------------------------------------------------------ the check before emit
 
 
