@@ -29,7 +29,11 @@ emitted as a KernelCall of its ``.out`` overload, by qualified name, e.g.
 ``lowerflow_reference::addmm_relu.out``: :func:`define_fused_op` defines both
 overloads.  lowerflow's executor runs it through the op's composite kernel;
 ExecuTorch's stock runtime has no kernel for it and refuses to load the
-method (``verify`` skips that runtime, naming the missing operators).
+method (``verify`` skips that runtime, naming the missing operators).  Emit lets
+it through under the default runtime profile, whose ``"fused"`` entry allows the
+ops declared here (:func:`is_fused_op`); a profile without it
+(``lower(..., runtime_ops=("portable",))``) fails naming the op
+(:mod:`lowering.stock_ops`).
 
 A ``CompositeImplicitAutograd`` op decomposes back into its pattern when the
 program is re-exported or decomposed again; prefer ``CompositeExplicitAutograd``.
@@ -58,6 +62,8 @@ RUNNABLE_KEYS = ("CPU", "CompositeExplicitAutograd", "CompositeImplicitAutograd"
 #: torch.library fragments made by :func:`define_fused_op` (kept alive: a dropped
 #: Library object unregisters its definitions).
 _LIBRARIES: list[torch.library.Library] = []
+#: ``"ns::name"`` of every op declared as a fused op in this process (FusedOp, define_fused_op).
+_DECLARED: set[str] = set()
 
 
 # --------------------------------------------------------------------------- declaring
@@ -67,6 +73,13 @@ def qualified_name(op: torch._ops.OpOverload) -> str:
     """``lowerflow_reference::addmm_relu`` (``.overload`` appended unless ``default``)."""
     schema = op._schema
     return f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
+
+
+def is_fused_op(operator: str) -> bool:
+    """Whether ``operator`` (``"ns::name"`` or ``"ns::name.overload"``, e.g. the emitted
+    ``lowerflow_reference::addmm_relu.out``) is an overload of a declared fused op."""
+    name = operator.partition(".")[0]
+    return name in _DECLARED
 
 
 def missing_kernels(op: torch._ops.OpOverload) -> list[str]:
@@ -129,6 +142,7 @@ class FusedOp:
 
     def __post_init__(self) -> None:
         check_fused_op_kernels(self.op)
+        _DECLARED.add(self.op._schema.name)
         if isinstance(self.example_inputs, torch.Tensor) or not isinstance(self.example_inputs, (tuple, list)):
             raise FusedOpError(f"fused op {self.name}: example_inputs must be a tuple of the pattern's inputs")
         object.__setattr__(self, "example_inputs", tuple(self.example_inputs))
@@ -319,6 +333,7 @@ def define_fused_op(qualified: str, schema: str, kernel: Callable[..., torch.Ten
     torch.library.register_fake(qualified, kernel, lib=library)
     torch.library.register_fake(f"{qualified}.out", out_kernel, lib=library)
     _LIBRARIES.append(library)
+    _DECLARED.add(qualified)
     return getattr(getattr(torch.ops, namespace), name).default
 
 
@@ -441,6 +456,7 @@ __all__ = [
     "define_fused_op",
     "fused_ops_digest",
     "fused_ops_of",
+    "is_fused_op",
     "load_backend_op_libraries",
     "missing_kernels",
     "qualified_name",

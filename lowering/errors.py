@@ -34,6 +34,11 @@ class EmitError(LoweringError):
     """Stage 8: the program cannot be written in the ExecuTorch format."""
 
 
+class MissingOperatorError(EmitError):
+    """Stage 8: the program calls an operator its runtime profile has no kernel for
+    (:mod:`lowering.stock_ops`); raised before any bytes are written."""
+
+
 class DynamicShapeError(LoweringError):
     """A dynamic-shape spec or a symbolic size that cannot be lowered (e.g. a Dim without a max)."""
 

@@ -29,6 +29,7 @@ from .control_flow_graph import iter_scopes
 from .errors import LoweringError
 from .export import export, to_edge
 from .memory_plan.plan import MemoryPlan, memory_plan
+from .stock_ops.table import runtime_profile, stock_decomposition
 
 #: The stages ``LowerResult.timings`` reports, in order.
 STAGES = ("export", "quantize", "to_backend", "memory_plan", "emit")
@@ -64,6 +65,7 @@ def lower(
     share_mutable_buffers: bool = False,
     quantize: Any = None,
     calibration: Any = None,
+    runtime_ops: Any = None,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -81,7 +83,12 @@ def lower(
     ``"8da4w"`` or a mapping) applied after export, with ``calibration`` batches
     (an iterable of input tuples; ``int8`` needs them).  Without a partitioner
     the program keeps its quantize / dequantize ops at the top level.
+    ``runtime_ops``: the runtime profile the emitted operators must be in
+    (:func:`lowering.stock_ops.runtime_profile`: some of ``"portable"``, ``"quantized"``,
+    ``"llm"``, ``"fused"``; None: all of them); an operator outside it fails the lowering
+    with :class:`~lowering.errors.MissingOperatorError` before any bytes are written.
     """
+    runtime_profile(runtime_ops)  # a bad name fails before any work
     if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
         raise LoweringError("lower: share_mutable_buffers applies to a dict of methods, not one model")
     if isinstance(model_or_exported_program, Mapping):
@@ -91,7 +98,7 @@ def lower(
             raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
         return lower_methods(model_or_exported_program, partitioner=partitioner,
                              share_mutable_buffers=share_mutable_buffers, quantize=quantize,
-                             calibration=calibration)
+                             calibration=calibration, runtime_ops=runtime_ops)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
@@ -102,7 +109,7 @@ def lower(
     from .emit.method import emit_program
 
     with _timed(timings, "emit"):
-        pte = emit_program(program, plan)
+        pte = emit_program(program, plan, runtime_ops=runtime_ops)
     return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings)
 
 
@@ -158,7 +165,7 @@ class MethodsLowerResult:
 
 def lower_methods(
     methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False,
-    quantize: Any = None, calibration: Any = None,
+    quantize: Any = None, calibration: Any = None, runtime_ops: Any = None,
 ) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
@@ -181,7 +188,8 @@ def lower_methods(
     arena 1 between the methods of a program).
 
     ``quantize``: one recipe for every method; ``calibration``: a dict
-    ``{method name: batches}`` (int8 needs one entry per method).
+    ``{method name: batches}`` (int8 needs one entry per method).  ``runtime_ops``: as
+    in :func:`lower`, for every method.
     """
     from .methods import (
         check_no_shared_state,
@@ -192,6 +200,7 @@ def lower_methods(
         plan_method_state,
     )
 
+    runtime_profile(runtime_ops)
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
     plans: dict[str, MemoryPlan] = {}
@@ -220,7 +229,7 @@ def lower_methods(
             plans[name] = memory_plan(programs[name], shared_state=states[name] if states else None)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
-        pte = emit_methods({name: (programs[name], plans[name]) for name in entries})
+        pte = emit_methods({name: (programs[name], plans[name]) for name in entries}, runtime_ops=runtime_ops)
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
     return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings)
@@ -253,7 +262,8 @@ def _edge_program(
 
 
 def is_edge_form(program: ExportedProgram) -> bool:
-    """Whether every ATen op is a non-aliasing core (or ``*_copy``) op.
+    """Whether every ATen op is a non-aliasing core (or ``*_copy``) op that needs no
+    decomposition for the stock runtime (:func:`lowering.stock_ops.stock_decomposition`).
 
     That is the form :func:`lowering.export.to_edge` produces; checking it
     costs microseconds, re-decomposing costs a retrace (>= 0.15 s).  The
@@ -268,6 +278,8 @@ def is_edge_form(program: ExportedProgram) -> bool:
         if any(ret.alias_info is not None for ret in target._schema.returns):
             return False
         if torch.Tag.core not in target.tags and torch.Tag.view_copy not in target.tags:
+            return False
+        if stock_decomposition(target) is not None:  # stage 1 decomposes it (lowering.stock_ops)
             return False
     return True
 

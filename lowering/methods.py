@@ -60,12 +60,13 @@ def method_order(names: Iterable[str]) -> list[str]:
     return sorted(names)
 
 
-def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> bytes:
-    """The ``.pte`` holding every method of ``{name: (edge program, memory plan)}``."""
-    return serialize(build_methods_pte(methods))
+def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]], *, runtime_ops: Any = None) -> bytes:
+    """The ``.pte`` holding every method of ``{name: (edge program, memory plan)}``;
+    ``runtime_ops``: the runtime profile every method's operators are checked against."""
+    return serialize(build_methods_pte(methods, runtime_ops=runtime_ops))
 
 
-def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> PteData:
+def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]], *, runtime_ops: Any = None) -> PteData:
     """Emit each method alone, then :func:`merge_methods` (in name order)."""
     from .emit.method import build_pte
 
@@ -76,9 +77,9 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]]) -> Pte
         check_method_name(name)
         program, plan = methods[name]
         try:
-            built.append((name, build_pte(program, plan)))
+            built.append((name, build_pte(program, plan, runtime_ops=runtime_ops)))
         except EmitError as exc:
-            raise EmitError(f"method {name!r}: {exc}") from exc
+            raise type(exc)(f"method {name!r}: {exc}") from exc
     return merge_methods(built)
 
 

@@ -2,16 +2,15 @@
 
 lowerflow's own executor always runs the program.  When the ExecuTorch runtime
 happens to be installed (it is the test oracle, never a dependency), it runs the
-program too; it is looked up by name at call time so nothing here depends on it.
+program too, with the kernel libraries the program needs
+(:mod:`lowering.verify_executorch`); it is looked up by name at call time so
+nothing here depends on it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import logging
-import threading
 from typing import Any, Sequence
 
 import torch
@@ -19,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
 from .runtime import load
+from .verify_executorch import executorch_runner, program_operators
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def verify(
 
     backend_ids = delegate_backend_ids(pte)
     missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
-    runner = _executorch_runner()
+    runner = executorch_runner()
     missing_executorch = runner.missing_backends(backend_ids) if runner is not None else None
     missing_ops = runner.missing_operators(program_operators(pte)) if runner is not None else None
     checks = []
@@ -188,11 +188,14 @@ def verify_call_sequence(
         checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
     else:
         checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(pte, names, calls), expected, atol, rtol)]
-    runner = _executorch_runner()
+    runner = executorch_runner()
     if runner is not None:
         missing = runner.missing_backends(backend_ids)
+        missing_ops = runner.missing_operators(program_operators(pte))
         if missing:
             checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
+        elif missing_ops:
+            checks.append(RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}"))
         else:
             checks.append(_check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol))
     return VerifyReport(checks)
@@ -230,21 +233,6 @@ def delegate_backend_ids(pte: bytes) -> list[str]:
             if backend not in ids:
                 ids.append(backend)
     return ids
-
-
-def program_operators(pte: bytes) -> list[str]:
-    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use."""
-    from .pte import deserialize
-    from .pte.format import decode_string
-
-    names = []
-    for plan in deserialize(pte).program.executionPlan or []:
-        for op in plan.operators or []:
-            name, overload = decode_string(op.name), decode_string(op.overload)
-            qualified = f"{name}.{overload}" if overload else name
-            if qualified not in names:
-                names.append(qualified)
-    return names
 
 
 def _check(name, run, expected, atol, rtol, quantized: dict | None = None) -> RuntimeCheck:
@@ -292,95 +280,3 @@ def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:
 def _run_lowerflow(pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
     method = load(pte).method(method_name)
     return [method.execute(inputs) for _ in range(calls)]
-
-
-#: ExecuTorch's Python runtime deadlocks when two threads execute methods at once
-#: (seen with two models verified concurrently in a fleet): one call at a time.
-_EXECUTORCH_LOCK = threading.Lock()
-
-
-def _executorch_runner():
-    try:
-        with _native_output_to_log():
-            runtime_module = importlib.import_module("executorch.runtime")
-    except ImportError:
-        return None
-
-    class Runner:
-        def __call__(self, pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
-            with _EXECUTORCH_LOCK, _native_output_to_log():
-                program = runtime_module.Runtime.get().load_program(pte)
-                if method_name not in program.method_names:
-                    raise KeyError(f"program has no method {method_name!r}; methods: {sorted(program.method_names)}")
-                method = program.load_method(method_name)
-                return [list(method.execute(list(inputs))) for _ in range(calls)]
-
-        def missing_operators(self, operators: list[str]) -> list[str]:
-            with _EXECUTORCH_LOCK, _native_output_to_log():
-                if any(op.startswith("quantized_decomposed::") for op in operators):
-                    _load_quantized_kernels()  # the stock runtime's quantized kernel library
-                registry = getattr(runtime_module.Runtime.get(), "operator_registry", None)
-                known = registry.operator_names if registry is not None else None
-            if known is None:
-                return []
-            # Only operators of namespaces the runtime has none of (a backend's own ops):
-            # a missing aten kernel is a failure to report, not a reason to skip.
-            namespaces = {name.partition("::")[0] for name in known}
-            return [op for op in operators if op not in known and op.partition("::")[0] not in namespaces]
-
-        def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
-            """``calls`` ``[(method, flat inputs)]`` on one program, every method loaded first."""
-            with _EXECUTORCH_LOCK, _native_output_to_log():
-                program = runtime_module.Runtime.get().load_program(pte)
-                methods = {name: program.load_method(name) for name in names}
-                return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
-
-        def missing_backends(self, backend_ids: list[str]) -> list[str]:
-            with _EXECUTORCH_LOCK, _native_output_to_log():
-                registry = runtime_module.Runtime.get().backend_registry
-                return [b for b in backend_ids if not registry.is_available(b)]
-
-    return Runner()
-
-
-def _load_quantized_kernels() -> None:
-    """Load ExecuTorch's quantized kernel library into its runtime (a program that keeps
-    q/dq ops at the top level needs it), as a user of the stock runtime links it in."""
-    try:
-        importlib.import_module("executorch.kernels.quantized")
-    except ImportError:  # an ExecuTorch without it: those operators are reported missing
-        pass
-
-
-@contextlib.contextmanager
-def _native_output_to_log():
-    """The oracle's import and its C++ runtime print diagnostics straight to file
-    descriptor 2 (cpuinfo probes, torchao's optional kernels).  Around those calls
-    fd 2 goes to a temporary file, and what was written is logged at DEBUG on
-    ``lowering.verify``, so it is there for whoever asks and stays off the console.
-    Python-level warnings and log records raised meanwhile are unaffected."""
-    import os
-    import sys
-    import tempfile
-
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no usable fd 2 (embedded interpreters)
-        yield
-        return
-    with tempfile.TemporaryFile() as capture:
-        os.dup2(capture.fileno(), 2)
-        try:
-            yield
-        finally:
-            try:
-                sys.stderr.flush()
-            except ValueError:
-                pass
-            os.dup2(saved, 2)
-            os.close(saved)
-            capture.seek(0)
-            text = capture.read().decode(errors="replace").strip()
-            if text:
-                log.debug("executorch runtime output:\n%s", text)

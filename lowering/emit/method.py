@@ -22,6 +22,7 @@ from ..errors import EmitError
 from ..pte import PteData, schema, serialize
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
+from ..stock_ops.check import check_program_ops
 from .control_flow import emit_control_flow
 from .evalues import (
     allocation_details,
@@ -48,20 +49,24 @@ _DELEGATE_CALL = "executorch_call_delegate"
 _SYM_PLACEHOLDERS = {torch.SymInt: 0, torch.SymFloat: 0.0, torch.SymBool: False}
 
 
-def emit_program(exported_program: ExportedProgram, memory_plan: Any) -> bytes:
+def emit_program(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None) -> bytes:
     """The complete ``.pte`` of ``exported_program`` laid out by ``memory_plan``.
 
     ``memory_plan`` follows the contract of :mod:`lowering.memory_plan`
     (``out_variants``, ``allocations``, ``arena_sizes``, optional ``aliases``).
-    Raises :class:`EmitError` naming the node for anything unsupported.
+    Raises :class:`EmitError` naming the node for anything unsupported, and
+    :class:`~lowering.errors.MissingOperatorError` for an operator the runtime profile
+    ``runtime_ops`` lacks (:mod:`lowering.stock_ops`; None: the default profile).
     """
-    return serialize(build_pte(exported_program, memory_plan))
+    return serialize(build_pte(exported_program, memory_plan, runtime_ops=runtime_ops))
 
 
-def build_pte(exported_program: ExportedProgram, memory_plan: Any) -> PteData:
-    """The program tables and data blobs, before serialization."""
+def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None) -> PteData:
+    """The program tables and data blobs, before serialization; every KernelCall's
+    operator checked against the runtime profile ``runtime_ops``."""
     emitter = MethodEmitter(exported_program, memory_plan)
     plan = emitter.emit()
+    check_program_ops(emitter.operator_nodes, runtime_ops)
     program = schema.ProgramT()
     program.version = 0
     program.executionPlan = [plan]
@@ -93,6 +98,8 @@ class MethodEmitter:
         self._delegate_of_module: dict[str, int] = {}
         self.operators: list[schema.OperatorT] = []
         self._operator_index: dict[tuple[str, str], int] = {}
+        #: ``"ns::name.overload"`` -> the first node calling it (for the runtime-profile check).
+        self.operator_nodes: dict[str, str] = {}
         self.instructions: list[schema.InstructionT] = []
         self.inputs: list[int] = []
         self.outputs: list[int] = []
@@ -336,6 +343,8 @@ class MethodEmitter:
         raise self.error(f"result of type {type(val).__name__} cannot be emitted")
 
     def kernel_call(self, name: str, overload: str, args: Sequence[int]) -> None:
+        node = self.scope + self.node.name if self.node is not None else "output"
+        self.operator_nodes.setdefault(f"{name}.{overload}" if overload else name, node)
         call = schema.KernelCallT()
         call.opIndex = self._operator(name, overload)
         call.args = list(args)

@@ -5,6 +5,11 @@ An op that the default table (``torch.export.default_decompositions()``, what
 decomposes is traced alone with ``make_fx`` on FakeTensors built from its
 inputs' ``meta["val"]``, and the small graph replaces the node.  Tracing one
 op costs a few milliseconds; a retrace of the whole program >= 0.15 s.
+
+So is an ATen op the stock runtime has no kernel for when torch has a decomposition
+of it (:func:`lowering.stock_ops.stock_decomposition`, e.g. ``linalg_vector_norm``,
+which ``_weight_norm``'s CompositeImplicitAutograd kernel calls); the slow path
+(:func:`lowering.export.fallback.slow_core_aten`) does the same in a second retrace.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..quant_ops import QUANT_NAMESPACES
+from ..stock_ops.table import stock_decomposition, stock_decompositions
 from .cleanups import ASSERT_OPS
 from .fallback import Fallback
 
@@ -77,8 +83,8 @@ def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping) -> 
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         op = node.target
-        if _needs_decomposition(op, table, preserved):
-            _splice(graph, node, _trace_op(node, fake_mode, table), preserved, table)
+        if _needs_decomposition(op, table, preserved) or stock_decomposition(op) is not None:
+            _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table)
             count += 1
         elif not _keeps(op):
             raise Fallback(f"op {op} at {node.name!r} is neither core ATen nor decomposable")
@@ -89,6 +95,16 @@ def _needs_decomposition(op: torch._ops.OpOverload, table: Mapping, preserved: s
     from torch._export.utils import _is_cia_op
 
     return op in table or (_is_cia_op(op) and op not in preserved)
+
+
+def _trace_for_stock_runtime(node: torch.fx.Node, fake_mode: Any, table: Mapping) -> torch.fx.GraphModule:
+    """:func:`_trace_op`, again with the stock decompositions when the op or what it
+    decomposes into lacks a stock kernel (``_weight_norm`` -> ``linalg_vector_norm``)."""
+    if stock_decomposition(node.target) is None:
+        traced = _trace_op(node, fake_mode, table)
+        if not any(stock_decomposition(n.target) for n in traced.graph.nodes if n.op == "call_function"):
+            return traced
+    return _trace_op(node, fake_mode, {**stock_decompositions(), **table})
 
 
 def _keeps(op: torch._ops.OpOverload) -> bool:

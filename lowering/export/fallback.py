@@ -6,16 +6,20 @@ shapes, get_attr / call_module nodes, mutations through views or of user
 inputs / parameters / constants, ops it does not know, a decomposition that
 itself mutates or makes constants.  The slow path, :func:`slow_core_aten`, is
 ``ExportedProgram.run_decompositions()`` (a full retrace with
-functionalization, >= 0.15 s even on a 5-node graph), followed by the same
+functionalization, >= 0.15 s even on a 5-node graph; a second one when the result
+still calls an op the stock runtime lacks and torch decomposes), followed by the same
 clean-ups, inside cond / map submodules too
 (:func:`lowering.export.control_flow.clean_control_flow_submodules`).
 """
 
 from __future__ import annotations
 
+import torch
 from torch.export import ExportedProgram
 
+from ..control_flow_graph import iter_scopes
 from ..errors import ExportError, first_line
+from ..stock_ops.table import stock_decomposition, stock_decompositions
 from .cleanups import remove_asserts, replace_view_ops_with_copies
 from .control_flow import clean_control_flow_submodules
 
@@ -28,6 +32,9 @@ def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
     """``run_decompositions()`` (a full retrace), then views to copies and no asserts."""
     try:
         decomposed = exported.run_decompositions()
+        table = stock_decomposition_table(decomposed)
+        if table is not None:  # ops the stock runtime lacks: once more, decomposing them too
+            decomposed = exported.run_decompositions(table)
     except Exception as exc:
         raise ExportError(
             f"model {name!r}: decomposition to core ATen failed: {first_line(exc)}"
@@ -39,3 +46,17 @@ def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
     graph.lint()
     decomposed.graph_module.recompile()
     return decomposed
+
+
+def stock_decomposition_table(program: ExportedProgram) -> dict | None:
+    """The slow path's table when ``program`` (after ``run_decompositions()``) still calls
+    an op the stock runtime lacks and torch decomposes: the default table plus the
+    stock decompositions; None when it calls none (the usual case)."""
+    for _, gm in iter_scopes(program.graph_module):
+        if any(n.op == "call_function" and stock_decomposition(n.target) for n in gm.graph.nodes):
+            table = torch.export.default_decompositions()
+            for op, decomposition in stock_decompositions().items():
+                if op not in table:
+                    table[op] = decomposition
+            return table
+    return None

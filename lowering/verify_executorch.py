@@ -1,0 +1,178 @@
+"""verify's second runtime: the stock ExecuTorch runtime (the oracle), when it is installed.
+
+It is looked up by name at call time (``importlib``): nothing in lowerflow depends on
+it.  Before a program runs, the kernel libraries it needs are loaded
+(:func:`lowering.stock_ops.needed_sets` of its operators)::
+
+    operators of the .pte           sets needed     where the runtime runs
+    aten::*, executorch_prim::*     -               this process
+    quantized_decomposed::*.out     quantized       this process (import executorch.kernels.quantized)
+    llama::*.out                    llm             a fresh interpreter, custom-ops library first
+
+The "llm" set runs in a fresh interpreter (unless this process loaded ExecuTorch's
+custom-ops library already): loading that library into a process where lowerflow
+defined its own ``llama::`` ops aborts the process (the library registers the same
+ops again in a static initializer; a C++ exception no Python code can catch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Iterable
+
+import torch
+
+from .stock_ops.table import LIBRARIES, needed_sets, stock_table
+
+log = logging.getLogger("lowering.verify")
+
+#: ExecuTorch's Python runtime deadlocks when two threads execute methods at once
+#: (seen with two models verified concurrently in a fleet): one call at a time.
+_EXECUTORCH_LOCK = threading.Lock()
+
+#: The fresh interpreter's program: load the libraries, run the calls, save the outputs.
+_CHILD = """
+import importlib, sys, torch
+request = torch.load(sys.argv[1], weights_only=False)
+for module in request["modules"]:
+    importlib.import_module(module)
+runtime = importlib.import_module("executorch.runtime").Runtime.get()
+with open(request["pte"], "rb") as f:
+    program = runtime.load_program(f.read())
+for name in request["names"]:
+    if name not in program.method_names:
+        raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+methods = {name: program.load_method(name) for name in request["names"]}
+outputs = [list(methods[name].execute(list(inputs))) for name, inputs in request["calls"]]
+torch.save(outputs, sys.argv[2])
+"""
+
+
+def executorch_runner() -> "ExecutorchRunner | None":
+    """The runner, or None where ExecuTorch is not installed."""
+    try:
+        with native_output_to_log():
+            runtime_module = importlib.import_module("executorch.runtime")
+    except ImportError:
+        return None
+    return ExecutorchRunner(runtime_module)
+
+
+class ExecutorchRunner:
+    """Runs ``.pte`` methods on ExecuTorch's runtime with the kernel libraries they need."""
+
+    def __init__(self, runtime_module) -> None:
+        self.runtime_module = runtime_module
+
+    def __call__(self, pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
+        """``calls`` calls of ``method_name`` on one loaded method (state carries over)."""
+        return self.sequence(pte, [method_name], [(method_name, inputs)] * calls)
+
+    def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
+        """``calls`` ``[(method, flat inputs)]`` on one program, every method of ``names`` loaded first."""
+        sets = needed_sets(program_operators(pte))
+        if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
+            return run_in_fresh_interpreter(pte, names, calls, sets)
+        with _EXECUTORCH_LOCK, native_output_to_log():
+            for name in sorted(sets):
+                _load_library(name)
+            program = self.runtime_module.Runtime.get().load_program(pte)
+            for name in names:
+                if name not in program.method_names:
+                    raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+            methods = {name: program.load_method(name) for name in names}
+            return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
+
+    def missing_operators(self, operators: Iterable[str]) -> list[str]:
+        """Operators of namespaces the stock runtime has none of (a backend's own ops,
+        e.g. a fused op no backend took): the runtime refuses the method, so verify skips
+        it.  A missing kernel of a stock namespace is a failure to report, not a skip."""
+        table = stock_table()
+        return [op for op in operators if table.set_of(op) is None and op.partition("::")[0] not in table.namespaces]
+
+    def missing_backends(self, backend_ids: list[str]) -> list[str]:
+        with _EXECUTORCH_LOCK, native_output_to_log():
+            registry = self.runtime_module.Runtime.get().backend_registry
+            return [b for b in backend_ids if not registry.is_available(b)]
+
+
+def program_operators(pte: bytes) -> list[str]:
+    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use."""
+    from .pte import deserialize
+    from .pte.format import decode_string
+
+    names = []
+    for plan in deserialize(pte).program.executionPlan or []:
+        for op in plan.operators or []:
+            name, overload = decode_string(op.name), decode_string(op.overload)
+            qualified = f"{name}.{overload}" if overload else name
+            if qualified not in names:
+                names.append(qualified)
+    return names
+
+
+def _load_library(name: str) -> None:
+    """Load an optional set's kernel library into this process's runtime, as a user of
+    the stock runtime links it in."""
+    try:
+        importlib.import_module(LIBRARIES[name])
+    except ImportError:  # an ExecuTorch without it: the runtime reports the operators missing
+        pass
+
+
+def run_in_fresh_interpreter(pte: bytes, names: list[str], calls: list, sets: Iterable[str]) -> list[list[torch.Tensor]]:
+    """:meth:`ExecutorchRunner.sequence` in a fresh Python (the same interpreter) that loads
+    the libraries of ``sets`` ("llm" first) before the runtime; its error, if any, is
+    raised here as a RuntimeError quoting its last line."""
+    modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
+    with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
+        paths = {name: os.path.join(tmp, name) for name in ("program.pte", "request.pt", "outputs.pt")}
+        with open(paths["program.pte"], "wb") as f:
+            f.write(pte)
+        torch.save({"pte": paths["program.pte"], "modules": modules, "names": list(names),
+                    "calls": [(name, list(inputs)) for name, inputs in calls]}, paths["request.pt"])
+        done = subprocess.run([sys.executable, "-c", _CHILD, paths["request.pt"], paths["outputs.pt"]],
+                              capture_output=True, text=True, timeout=900)
+        if done.stderr.strip():
+            log.debug("executorch runtime output (fresh interpreter):\n%s", done.stderr.strip())
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
+        return torch.load(paths["outputs.pt"], weights_only=False)
+
+
+@contextlib.contextmanager
+def native_output_to_log():
+    """The oracle's import and its C++ runtime print diagnostics straight to file
+    descriptor 2 (cpuinfo probes, torchao's optional kernels).  Around those calls
+    fd 2 goes to a temporary file, and what was written is logged at DEBUG on
+    ``lowering.verify``, so it is there for whoever asks and stays off the console.
+    Python-level warnings and log records raised meanwhile are unaffected."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no usable fd 2 (embedded interpreters)
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except ValueError:
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            text = capture.read().decode(errors="replace").strip()
+            if text:
+                log.debug("executorch runtime output:\n%s", text)

@@ -1,0 +1,1 @@
+"""Test-time tools: scripts that may import the oracle (ExecuTorch), never the product."""
