@@ -30,6 +30,10 @@ ENTRY_POINT_GROUP = "lowerflow.backends"
 #: The node.meta key a partitioner sets (stage 2); stages 3 and 4 read it.
 #: Here, below every stage, so that those read it without importing partition.
 TAG = "delegation_tag"
+#: ``node.meta`` key set on a partition's copy of a constant the top-level
+#: program keeps too: a backend that may lay the data out either way picks the
+#: original's layout, so that the ``.pte`` stores the bytes once.
+SHARED_WITH_TOP_LEVEL = "shared_with_top_level"
 
 
 @dataclasses.dataclass(frozen=True)

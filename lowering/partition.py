@@ -38,7 +38,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .control_flow_graph import is_control_flow
-from .delegation import TAG, CompileSpec, DelegationSpec, find_backend  # re-exported here
+from .delegation import SHARED_WITH_TOP_LEVEL, TAG, CompileSpec, DelegationSpec, find_backend  # re-exported here
 from .errors import PartitionError
 
 #: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
@@ -149,8 +149,13 @@ def tag_constant_data(
     instead, and ``to_backend`` gives every other partition its own copy (see
     :func:`duplicate_shared_constants`) unless it is marked ``no_copy``: each
     delegate then owns its data, at the price of one copy per partition.
-    A constant with an untagged user always stays top-level.  Mutated buffers
-    are left to :func:`tag_mutated_buffer`.  Returns the nodes tagged.
+    Without ``duplicate_shared`` a constant with an untagged user stays
+    top-level; with it, it is tagged too and the partitions get copies while
+    the original stays top-level for its untagged users (a tied embedding /
+    lm_head weight: XNNPACK runs a fully-connected layer with a static weight
+    ~5x faster than with a weight passed as an input; the .pte stores equal
+    bytes once, see :mod:`lowering.pte.format`).  Mutated buffers are left
+    to :func:`tag_mutated_buffer`.  Returns the nodes tagged.
     """
     sig = exported_program.graph_signature
     mutated = set(sig.buffers_to_mutate.values())
@@ -162,9 +167,11 @@ def tag_constant_data(
         if spec.kind not in _CONSTANT_KINDS or spec.target in mutated:
             continue
         user_tags = {u.meta.get(TAG) for u in node.users}
-        if None in user_tags or (len(user_tags) > 1 and not duplicate_shared):
+        if not duplicate_shared and (None in user_tags or len(user_tags) > 1):
             continue
-        node.meta[TAG] = sorted(user_tags)[0]
+        if user_tags == {None} or node.meta.get(NO_COPY) and len(user_tags) > 1:
+            continue
+        node.meta[TAG] = sorted(t for t in user_tags if t is not None)[0]
         tagged.append(node)
     return tagged
 
@@ -373,7 +380,8 @@ def duplicate_shared_constants(exported_program: ExportedProgram) -> list[torch.
 
     The copy shares the tensor (no extra memory at lowering time) under a new
     state-dict name; it gets its own input spec right after the original's.
-    Users outside any partition keep the original, which then stays top-level.
+    Users outside any partition keep the original, which then stays top-level
+    (untagged); its own partition gets a copy too.
     A node marked ``node.meta["no_copy"] = True`` raises instead.  Returns the copies.
     """
     sig = exported_program.graph_signature
@@ -387,18 +395,21 @@ def duplicate_shared_constants(exported_program: ExportedProgram) -> list[torch.
             other = user.meta.get(TAG)
             if other is not None and other != own:
                 by_tag[other].append(user)
-        if not by_tag:
+        shared_with_top_level = any(u.meta.get(TAG) is None for u in node.users)
+        if not by_tag and not shared_with_top_level:
             continue
         if node.meta.get(NO_COPY):
             raise PartitionError(
-                f"constant {node.name!r} is used by partitions {sorted([own, *by_tag])} "
+                f"constant {node.name!r} is used by partitions {sorted([own, *by_tag])}"
+                f"{' and the top-level program' if shared_with_top_level else ''} "
                 f"but is marked {NO_COPY!r}; tag its users into one partition or "
                 "leave it untagged so it stays in the top-level program"
             )
-        if any(u.meta.get(TAG) is None for u in node.users):
-            # Shared with the top-level program too: keep it there, consumed by nobody.
+        if shared_with_top_level:
+            # Shared with the top-level program too: the original stays there
+            # for its untagged users; every partition, its own included, gets a copy.
             node.meta.pop(TAG)
-            continue
+            by_tag[own] = [u for u in node.users if u.meta.get(TAG) == own]
         index = next(i for i, s in enumerate(sig.input_specs) if s.arg.name == node.name)
         spec = sig.input_specs[index]
         anchor = node
@@ -406,6 +417,8 @@ def duplicate_shared_constants(exported_program: ExportedProgram) -> list[torch.
             anchor = _copy_placeholder(
                 exported_program, node, anchor, spec, index + offset, tag, by_tag[tag]
             )
+            if shared_with_top_level:
+                anchor.meta[SHARED_WITH_TOP_LEVEL] = True
             copies.append(anchor)
     return copies
 

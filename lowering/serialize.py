@@ -324,6 +324,10 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
 
 def _deserialize_graph(graph: bytes, state_dict, constants, example_inputs) -> ExportedProgram:
     register_quantized_ops(graph)  # a quantized program's q/dq ops must exist in torch.ops
+    if b"llama." in graph:  # an LLM decoder's llama::custom_sdpa / update_cache (lowering.llm)
+        from .llm.custom_ops import ensure_llama_ops
+
+        ensure_llama_ops()
     serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
     # Dicts and tuples are used as they are: torch.load is never reached.
     return _serde.ExportedProgramDeserializer().deserialize(serialized_ep, state_dict, constants, example_inputs)

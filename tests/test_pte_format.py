@@ -177,3 +177,39 @@ def test_executorch_runtime_runs_a_program_whose_segments_are_out_of_index_order
 def test_bad_identifier_is_a_clear_error():
     with pytest.raises(PteFormatError, match="ET12"):
         deserialize(b"\0\0\0\0XXXX" + b"\0" * 64)
+
+
+def _program_with_constants() -> schema.ProgramT:
+    plan = schema.ExecutionPlanT()
+    plan.name = "forward"
+    program = schema.ProgramT()
+    program.executionPlan = [plan]
+    return program
+
+
+def test_named_data_equal_to_a_constant_is_a_window_onto_it():
+    """A tied weight: the top level's constant and a delegate's named data hold equal bytes;
+    the file stores them once, the named-data segment being a window inside the constant segment."""
+    weight = bytes(range(256)) * 40  # 10 KiB
+    other = b"\x07" * 96
+    pte = PteData(
+        program=_program_with_constants(),
+        constants=[b"", b"\x01" * 24, weight],  # the weight sits at an offset > 0
+        named_data={"tied": weight, "own": other},
+    )
+    pte_bytes = serialize(pte)
+    assert pte_bytes.count(weight) == 1 and pte_bytes.count(other) == 1
+    header = read_extended_header(pte_bytes)
+    program = schema.ProgramT.InitFromPackedBuf(pte_bytes[: header.program_size], 0)
+    segment_of = {e.key.decode(): e.segmentIndex for e in program.namedData}
+    constant = program.segments[program.constantSegment.segmentIndex]
+    window = program.segments[segment_of["tied"]]
+    assert window.offset == constant.offset + int(program.constantSegment.offsets[2]) and window.size == len(weight)
+    assert program.segments[segment_of["own"]].offset % SEGMENT_ALIGNMENT == 0
+    back = deserialize(pte_bytes)
+    assert back.named_data == {"own": other, "tied": weight}
+    assert back.constants[2][: len(weight)] == weight
+    # No bigger than a file holding the weight once, as named data only.
+    alone = serialize(PteData(program=_program_with_constants(), constants=[b"", b"\x01" * 24],
+                              named_data={"tied": weight, "own": other}))
+    assert len(pte_bytes) <= len(alone) + SEGMENT_ALIGNMENT

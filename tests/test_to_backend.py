@@ -215,6 +215,48 @@ def test_shared_constant_stays_top_level_by_default():
     torch.testing.assert_close(run_with_payloads(lowered)(x), model(x))
 
 
+class TiedHead(torch.nn.Module):
+    """An embedding table the top level reads that is also a partition's matmul weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, ids):
+        return torch.mm(torch.nn.functional.embedding(ids, self.w), self.w.t())
+
+
+def _mm_tags(node):
+    matmul = (aten.mm.default, aten.permute_copy.default)
+    return "A" if node.op == "call_function" and node.target in matmul else None
+
+
+@pytest.mark.parametrize("duplicate", [True, False])
+def test_constant_shared_with_top_level(duplicate):
+    """With duplication the partition owns a copy marked SHARED_WITH_TOP_LEVEL and the top level
+    keeps the original for its embedding; without, the original is passed in as an input."""
+    from lowering.delegation import SHARED_WITH_TOP_LEVEL
+
+    torch.manual_seed(0)
+    model, ids = TiedHead(), torch.tensor([1, 5, 7])
+    program = export(model, (ids,))
+    lowered = to_backend(program, TagBy(_mm_tags, duplicate=duplicate))
+    assert list(lowered.state_dict) == ["w"]
+    (module,) = lowered_modules(lowered)
+    inner = module.original_module
+    call = next(n for n in lowered.graph.nodes if n.target is executorch_call_delegate)
+    weight_passed_in = any(a.op == "placeholder" and a.name == "p_w" for a in call.args[1:])
+    if duplicate:
+        assert list(inner.state_dict) == ["w_dup_A"] and not weight_passed_in
+        marked = [n for n in inner.graph.nodes if n.op == "placeholder" and n.meta.get(SHARED_WITH_TOP_LEVEL)]
+        assert [n.name for n in marked] == [inner.graph_signature.input_specs[0].arg.name]
+        assert inner.graph_signature.input_specs[0].target == "w_dup_A"
+        torch.testing.assert_close(inner.state_dict["w_dup_A"], model.w.detach())
+    else:
+        assert inner.state_dict == {} and weight_passed_in
+    torch.testing.assert_close(run_with_payloads(lowered)(ids), model(ids))
+
+
 def test_no_copy_constant_shared_by_two_partitions_is_an_error():
     class NoCopy(TagBy):
         def partition(self, program):

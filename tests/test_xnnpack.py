@@ -454,7 +454,8 @@ class _TiedHead(torch.nn.Module):
 @pytest.mark.parametrize("target", ["portable", "xnnpack"])
 def test_tied_weight_stored_once(target):
     """The transposed view of a weight something else reads is not folded into a second
-    constant; the XNNPACK head takes the weight as a runtime input (FullyConnected, no transpose)."""
+    constant; the XNNPACK head reads it as a static [N, K] weight (FullyConnected, no transpose:
+    ~5x faster than a runtime weight) whose named data is a window onto the top-level constant."""
     torch.manual_seed(0)
     model, inputs = _TiedHead().eval(), (torch.randint(0, 64, (2, 5)), torch.randn(2, 5, 16))
     with warnings.catch_warnings():
@@ -467,11 +468,58 @@ def test_tied_weight_stored_once(target):
         _, (payload,) = _payloads(result.pte)
         graph, _ = P.deserialize_payload(payload)
         (fc,) = [n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
-        assert fc.flags == 0 and graph.xvalues[fc.filterId].xvalueUnion.flags == P.EXTERNAL_INPUT
+        filt = graph.xvalues[fc.filterId].xvalueUnion
+        assert fc.flags == 0 and filt.flags == 0 and filt.constantBufferIdx != 0
+        assert list(deserialize(result.pte).named_data.values()).count(weight) == 1
     with torch.no_grad():
         expected = [model(*inputs)]
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, f"tied {target} executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, f"tied {target} ours")
+
+
+def test_tied_llama_head_once_and_smaller_than_executorch():
+    """transformers' Llama with ``tie_word_embeddings``: the embedding (portable, top level) and the
+    lm_head (XNNPACK, static weight) read one copy of the table; ExecuTorch's .pte holds two."""
+    transformers = pytest.importorskip("transformers")
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True, use_cache=False,
+    )
+    llama = transformers.LlamaForCausalLM(config).eval()
+    assert llama.lm_head.weight is llama.model.embed_tokens.weight
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.llama = llama
+
+        def forward(self, ids):
+            return self.llama(input_ids=ids).logits
+
+    model, inputs = Logits().eval(), (torch.randint(0, 512, (1, 8)),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = lowering.lower(model, inputs, partitioner=partitioner_for("xnnpack")).pte
+        with torch.no_grad():
+            ep = torch.export.export(model, inputs, strict=False)
+            theirs = bytes(to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch().buffer)
+    table = llama.lm_head.weight.detach().numpy().tobytes()  # [V, H]: the embedding's and the FC's layout
+    assert ours.count(table) == 1 and theirs.count(table) == 2
+    assert len(ours) < len(theirs) - len(table) // 2
+    _, payloads = _payloads(ours)
+    filters = []
+    for payload in payloads:
+        graph, _ = P.deserialize_payload(payload)
+        filters += [graph.xvalues[n.xnodeUnion.filterId].xvalueUnion for n in graph.xnodes
+                    if KIND[n.xnodeUnionType] == "XNNFullyConnected"]
+    assert filters and all(f.constantBufferIdx != 0 and f.flags == 0 for f in filters)  # static weights only
+    with torch.no_grad():
+        expected = [model(*inputs)]
+    _assert_close(_run_executorch(ours, inputs)[0], expected, "tied llama executorch")
 
 
 class _ConvZoo(nn.Module):

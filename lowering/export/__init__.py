@@ -63,7 +63,7 @@ from torch.export import ExportedProgram
 
 from ..dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
 from ..errors import ExportError, first_line
-from .cleanups import remove_asserts, remove_unused_constants, replace_view_ops_with_copies
+from .cleanups import infer_symbolic_view_size, remove_asserts, remove_unused_constants, replace_view_ops_with_copies
 from .control_flow import check_control_flow
 from .decompose import decompose_to_core
 from .fallback import Fallback, slow_core_aten
@@ -225,6 +225,7 @@ def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -
     """Fold constant views (optional), drop unused lifted inputs, recompile if changed."""
     graph = program.graph_module.graph
     changed = sym_scalars_to_tensors(graph)
+    changed += infer_symbolic_view_size(graph)
     if fold_constants:
         try:
             changed += fold_constant_views(program)

@@ -5,7 +5,8 @@
 - :func:`remove_asserts`: runtime-assert ops (no kernel in the portable
   library, no data) go;
 - :func:`remove_unused_constants`: parameters, buffers and constants no node
-  reads go.
+  reads go;
+- :func:`infer_symbolic_view_size`: a view's one symbolic size becomes ``-1``.
 
 Each rewrites a graph in place and returns how many nodes it changed.
 """
@@ -118,3 +119,28 @@ def remove_unused_constants(program: ExportedProgram) -> int:
         program.state_dict.pop(target, None)
         program.constants.pop(target, None)
     return len(doomed)
+
+
+def infer_symbolic_view_size(graph: torch.fx.Graph) -> int:
+    """A ``view_copy`` to exactly one symbolic size gets ``-1`` there (inferred from the input,
+    same result); returns the count.  The view then reads no symbolic value, so a backend can
+    take it (XNNPACK's reshape infers one size), and the size nodes left unused go.
+
+    Before: ``%view = aten.view_copy.default(%x, [%sym_size_int, 64])``
+    After:  ``%view = aten.view_copy.default(%x, [-1, 64])``
+    """
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.view_copy.default:
+            continue
+        sizes = node.args[1]
+        symbolic = [i for i, s in enumerate(sizes) if isinstance(s, torch.fx.Node)]
+        if len(symbolic) != 1 or any(isinstance(s, int) and s < 0 for s in sizes):
+            continue
+        source = symbolic[0]
+        size_node = sizes[source]
+        node.args = (node.args[0], [-1 if i == source else s for i, s in enumerate(sizes)], *node.args[2:])
+        if not size_node.users and size_node.target in (torch.ops.aten.sym_size.int,):
+            graph.erase_node(size_node)
+        count += 1
+    return count

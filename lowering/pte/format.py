@@ -18,6 +18,10 @@ File layout (all integers little-endian)::
              (ties: the highest index), which minimises the file.  The table
              carries each offset, so the runtime does not care about the order
              (``tests/test_pte_format.py`` runs such a file on ExecuTorch's).
+             A named blob equal to a constant tensor's bytes (a tied
+             embedding / lm_head weight: the embedding reads the constant, the
+             XNNPACK delegate the named data) gets no bytes of its own: its
+             segment is a window onto that tensor inside segment 0.
 
 The facts above (header fields and order, header padded to the largest
 ``force_align`` of the schema, 128-byte segment alignment, 16-byte tensor
@@ -105,7 +109,10 @@ def serialize(pte: PteData) -> bytes:
     if pte.mutable_data:
         program.mutableDataSegments = [_add_subsegments(segments, pte.mutable_data, 1)]
     program.executionPlan = _delegates_to_segments(program.executionPlan, pte.delegate_data, segments)
-    program.namedData = _named_data_to_segments(pte.named_data, segments) if pte.named_data else None
+    program.namedData = None
+    if pte.named_data:
+        windows = _constant_windows(pte.constants, program.constantSegment)
+        program.namedData = _named_data_to_segments(pte.named_data, segments, windows)
     # Empty vectors rather than absent ones: ExecuTorch's python reader
     # expects these lists to exist.
     program.backendDelegateData = []
@@ -182,15 +189,46 @@ def _delegates_to_segments(plans, delegate_data: list[bytes], segments: list[byt
     return new_plans
 
 
-def _named_data_to_segments(named_data: dict[str, bytes], segments: list[bytes]) -> list[fb.NamedDataT]:
-    """One ``NamedData{key, segment_index}`` per key (sorted); one segment per distinct blob."""
+@dataclass(frozen=True)
+class _Window:
+    """A segment that holds no bytes of its own: ``size`` bytes of segment ``segment`` from ``start``.
+
+    ExecuTorch's runtime reads a segment as (offset, size) and checks neither
+    overlap nor order (``PteDataMap::get_data`` loads exactly that range), so
+    a named-data key can name bytes that the constant segment already holds.
+    """
+
+    segment: int
+    start: int
+    size: int
+
+
+def _constant_windows(constants: list[bytes], table: fb.SubsegmentOffsetsT) -> dict[bytes, _Window]:
+    """Each distinct non-empty constant blob -> its window inside the constant segment."""
+    windows: dict[bytes, _Window] = {}
+    for blob, start in zip(constants, table.offsets):
+        blob = bytes(blob)
+        if blob and blob not in windows:
+            windows[blob] = _Window(table.segmentIndex, start, len(blob))
+    return windows
+
+
+def _named_data_to_segments(
+    named_data: dict[str, bytes], segments: list, windows: dict[bytes, _Window] | None = None
+) -> list[fb.NamedDataT]:
+    """One ``NamedData{key, segment_index}`` per key (sorted); one segment per distinct blob.
+
+    A blob found in ``windows`` (a constant tensor's bytes) becomes a window
+    segment instead of a copy: the bytes are stored once.
+    """
+    windows = windows or {}
     segment_of_blob: dict[bytes, int] = {}
     table = []
     for key in sorted(named_data):
         blob = bytes(named_data[key])
         if blob not in segment_of_blob:
             segment_of_blob[blob] = len(segments)
-            segments.append(blob)
+            segments.append(windows.get(blob, blob))
         entry = fb.NamedDataT()
         entry.key = key
         entry.segmentIndex = segment_of_blob[blob]
@@ -205,15 +243,18 @@ def _data_reference(location: int, index: int) -> fb.BackendDelegateDataReferenc
     return reference
 
 
-def _layout_segments(segments: list[bytes]) -> tuple[list[fb.DataSegmentT], bytes]:
+def _layout_segments(segments: list) -> tuple[list[fb.DataSegmentT], bytes]:
     """Concatenate segments, each starting at a multiple of SEGMENT_ALIGNMENT; return table and blob.
 
-    The table is in index order; the blob in :func:`segment_order`.
+    The table is in index order; the blob in :func:`segment_order`.  A
+    :class:`_Window` adds a table entry inside an earlier segment and no bytes.
     """
     table: list[fb.DataSegmentT] = [fb.DataSegmentT() for _ in segments]
+    real = [i for i, data in enumerate(segments) if not isinstance(data, _Window)]
     parts: list[bytes] = []
     position = 0
-    for index in segment_order([len(data) for data in segments]):
+    for k in segment_order([len(segments[i]) for i in real]):
+        index = real[k]
         pad = _padding(position, SEGMENT_ALIGNMENT)
         parts.append(b"\0" * pad)
         position += pad
@@ -221,6 +262,10 @@ def _layout_segments(segments: list[bytes]) -> tuple[list[fb.DataSegmentT], byte
         table[index].size = len(segments[index])
         parts.append(segments[index])
         position += len(segments[index])
+    for index, data in enumerate(segments):
+        if isinstance(data, _Window):
+            table[index].offset = table[data.segment].offset + data.start
+            table[index].size = data.size
     return table, b"".join(parts)
 
 

@@ -277,7 +277,7 @@ _KERNELS: dict[int, Callable] = {
     K.XNNClamp: _clamp,
     K.XNNLeakyReLU: _leaky_relu,
     K.XNNStaticTranspose: lambda body, v: v[body.inputId].permute([int(p) for p in body.perm]),
-    K.XNNStaticReshape: lambda body, v: v[body.inputId].reshape([int(d) for d in body.newShape]),
+    K.XNNStaticReshape: lambda body, v: v[body.inputId].reshape([int(d) or -1 for d in body.newShape]),
     K.XNNStaticSlice: _slice,
     K.XNNStaticConstantPad: _pad,
     K.XNNStaticResizeBilinear2D: _resize_bilinear,

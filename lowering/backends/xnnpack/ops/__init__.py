@@ -76,7 +76,7 @@ OPS: dict[Any, OpRule] = {
     # elementwise
     **_each(elementwise.BINARY, OpRule(elementwise.lower_binary, elementwise.check_binary, symbolic_sizes=_any_sizes)),
     **_each(elementwise.UNARY, OpRule(elementwise.lower_unary, elementwise.check_unary, symbolic_sizes=_any_sizes)),
-    aten.pow.Tensor_Scalar: OpRule(elementwise.lower_pow, elementwise.check_pow),
+    aten.pow.Tensor_Scalar: OpRule(elementwise.lower_pow, elementwise.check_pow, symbolic_sizes=_any_sizes),
     aten.leaky_relu.default: OpRule(elementwise.lower_leaky_relu, symbolic_sizes=_any_sizes),
     **_each((aten.relu.default, aten.hardtanh.default, aten.clamp.default),
             OpRule(elementwise.lower_clamp, elementwise.check_clamp, symbolic_sizes=_any_sizes)),
@@ -107,13 +107,14 @@ OPS: dict[Any, OpRule] = {
     **_each((aten.clone.default, aten.alias_copy.default, aten._to_copy.default),
             OpRule(shape.lower_copy, shape.check_copy)),
     **_each((aten.view_copy.default, aten._unsafe_view.default, aten.squeeze_copy.dims, aten.squeeze_copy.dim,
-             aten.squeeze_copy.default, aten.unsqueeze_copy.default), OpRule(shape.lower_reshape)),
+             aten.squeeze_copy.default, aten.unsqueeze_copy.default),
+            OpRule(shape.lower_reshape, symbolic_sizes=shape.reshape_symbolic_sizes)),
     aten.expand_copy.default: OpRule(shape.lower_expand, shape.check_expand),
-    aten.permute_copy.default: OpRule(shape.lower_permute),
+    aten.permute_copy.default: OpRule(shape.lower_permute, symbolic_sizes=_any_sizes),
     aten.slice_copy.Tensor: OpRule(shape.lower_slice, shape.check_slice),
     aten.select_copy.int: OpRule(shape.lower_select),
     **_each((aten.split_with_sizes_copy.default, aten.split_copy.Tensor), OpRule(shape.lower_split)),
-    aten.cat.default: OpRule(shape.lower_cat, shape.check_cat),
+    aten.cat.default: OpRule(shape.lower_cat, shape.check_cat, symbolic_sizes=shape.cat_symbolic_sizes),
     aten.constant_pad_nd.default: OpRule(shape.lower_pad, shape.check_pad),
     # quantization (which nodes compute quantized: ..qplan); torchao's ops are keyed by name
     quantized.qd.quantize_per_tensor.default: OpRule(quantized.lower_act_q, quantized.check_act_q,
@@ -204,8 +205,8 @@ def _dynamic_reason(node: torch.fx.Node, rule: OpRule) -> str | None:
 
     XNNPACK reshapes its graph to the actual input sizes at run time, which is
     right for ops whose attributes do not depend on the sizes: elementwise
-    ops, fully connected (a dynamic batch of rows) and softmax over a static
-    last dim (:attr:`OpRule.symbolic_sizes`).  Others bake sizes into the graph
+    ops (and pow), fully connected (a dynamic batch of rows), softmax over a static
+    last dim, reshape to one symbolic size, permute and concatenation along a static dim (:attr:`OpRule.symbolic_sizes`).  Others bake sizes into the graph
     (reshape, slice, concat, pad, ...) and stay in the portable program.
     """
     if rule.symbolic_sizes is None:

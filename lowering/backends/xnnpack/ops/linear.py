@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ....delegation import SHARED_WITH_TOP_LEVEL
 from .. import payload as P
 from ..generated import xnngraph_generated as fbx
 from ..values import NCHW, shape, val
@@ -70,7 +71,10 @@ def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
         return
     x = b.get(x_node, NCHW)
     flags = P.FLAG_TRANSPOSE_WEIGHTS
-    if b.ctx.is_static(w_node):
+    if _transposed_shared_weight(b, w_node) is not None:
+        # [N, K] as the top-level program holds it (a tied embedding): the .pte stores the bytes once.
+        filter_id, flags = b.constant(b.static_tensor(w_node.args[0])), 0
+    elif b.ctx.is_static(w_node):
         filter_id = b.constant(b.static_tensor(w_node))
     elif w_node in b.weight_views:
         # A runtime weight (e.g. tied to an embedding the top level keeps): its [N, K] source as the filter.
@@ -92,6 +96,28 @@ def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     if add_bias is not None:
         result = b.output(node)
         b.add_node(fbx.NodeUnion.XNNAdd, node2x1(out, b.get(add_bias, NCHW), result), fusable_output=result)
+
+
+def _transposed_shared_weight(b: GraphBuilder, w_node: Any) -> torch.fx.Node | None:
+    """The placeholder of a static ``permute_copy(%w, [1, 0])`` weight whose ``%w`` the top level keeps too.
+
+    Such a weight (``SHARED_WITH_TOP_LEVEL``: e.g. an lm_head tied to an
+    embedding) is read as ``[N, K]`` without the transpose flag, in the
+    top-level constant's layout; other static weights keep ``[K, N]``.
+    """
+    if not (isinstance(w_node, torch.fx.Node) and w_node.target is aten.permute_copy.default):
+        return None
+    source = w_node.args[0]
+    if (
+        isinstance(source, torch.fx.Node)
+        and source.op == "placeholder"
+        and source.meta.get(SHARED_WITH_TOP_LEVEL)
+        and b.ctx.is_static(source)
+        and len(shape(source)) == 2
+        and [int(p) % 2 for p in w_node.args[1]] == [1, 0]
+    ):
+        return source
+    return None
 
 
 def _batch_broadcast_weight(b: GraphBuilder, arg: Any) -> torch.Tensor | None:

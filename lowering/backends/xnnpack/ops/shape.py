@@ -51,8 +51,17 @@ def lower_reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
         return
     x = b.get(source, NCHW)
     out = b.output(node)
-    b.add_node(fbx.NodeUnion.XNNStaticReshape, reshape(shape(node) or [1], x, out))
+    # a symbolic size (at most one: reshape_symbolic_sizes) is 0, which XNNPACK infers from the input
+    dims = [d if isinstance(d, int) else 0 for d in node.meta["val"].shape]
+    b.add_node(fbx.NodeUnion.XNNStaticReshape, reshape(dims or [1], x, out))
     b.reshape_of[node] = source
+
+
+def reshape_symbolic_sizes(node) -> str | None:
+    """XNNPACK's static reshape infers one size given as 0 from the input's actual size."""
+    if sum(not isinstance(d, int) for d in node.meta["val"].shape) > 1:
+        return "dynamic shape: a reshape to more than one symbolic size"
+    return None
 
 
 def check_expand(node, ctx):
@@ -181,6 +190,15 @@ def check_cat(node, ctx):
     tensors = node.args[0]
     if len(tensors) < 1:
         return "no inputs"
+    return None
+
+
+def cat_symbolic_sizes(node) -> str | None:
+    """XNNPACK concatenates inputs of any (reshaped) sizes along an axis whose sizes are static."""
+    rank = len(node.meta["val"].shape)
+    dim = int(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % rank
+    if any(not isinstance(a.meta["val"].shape[dim], int) for a in node.args[0]):
+        return "dynamic shape: concatenation along a symbolic dim"
     return None
 
 
