@@ -56,6 +56,8 @@ from .errors import DynamicShapeError
 SYM_OPS: dict[Any, tuple[str, str]] = {
     torch.ops.aten.sym_size.int: ("aten::sym_size", "int"),
     torch.ops.aten.sym_numel.default: ("aten::sym_numel", ""),
+    # a tensor's one element as a scalar (``t[0].item()``, e.g. a decoder's start position)
+    torch.ops.aten._local_scalar_dense.default: ("aten::_local_scalar_dense", ""),
     operator.add: ("executorch_prim::add", "Scalar"),
     operator.sub: ("executorch_prim::sub", "Scalar"),
     operator.mul: ("executorch_prim::mul", "Scalar"),

@@ -18,7 +18,8 @@ from torch.utils._pytree import treespec_dumps
 
 from ..control_flow_graph import is_control_flow
 from ..dynamic import SYM_OPS, DynamicShapeError, is_sym_op
-from ..errors import EmitError
+from ..errors import EmitError, LoweringError
+from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments
 from ..pte import PteData, schema, serialize
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
@@ -217,6 +218,8 @@ class MethodEmitter:
             self._emit_sym_op(node)
         elif is_control_flow(node):
             emit_control_flow(self, node)
+        elif is_auto_functionalized(node):
+            self._emit_mutating_call(node)
         elif isinstance(target, torch._ops.OpOverload):
             if self.scope + node.name in self.aliases:
                 self.node_values[node] = self.planned_tensor(self.scope + node.name, node.meta["val"])
@@ -232,12 +235,26 @@ class MethodEmitter:
             raise self.error(f"getitem {index!r} of {source.name!r}, which has no such output")
         self.node_values[node] = outputs[index]
 
-    def _emit_kernel_call(self, node: torch.fx.Node) -> None:
+    def _emit_mutating_call(self, node: torch.fx.Node) -> None:
+        """A mutating custom op (``auto_functionalized_v2``): its ``.out`` variant writes the base
+        in place; the base's new value is the base's own value (no copy, no write-back).  See
+        :mod:`lowering.mutating_ops`."""
+        try:
+            args = op_arguments(node)
+            bases = [self.node_value(base) for _, base in mutated_bases(node)]
+        except LoweringError as exc:
+            raise self.error(str(exc)) from None
+        val = node.meta.get("val")
+        own = [self.planned_tensor(f"{self.scope}{node.name}.{i}", v) for i, v in enumerate(val[:num_op_results(node)])]
+        self._emit_kernel_call(node, args, own + bases)
+
+    def _emit_kernel_call(self, node: torch.fx.Node, args: dict[str, Any] | None = None,
+                          results: Any = None) -> None:
         out_schema, name, overload = self._out_variant(node)
-        results = self.node_results(node)
+        results = self.node_results(node) if results is None else results
         result_list = results if isinstance(results, list) else [results]
         out_args = [a for a in out_schema.arguments if a.is_out]
-        args = self._functional_arguments(node)
+        args = self._functional_arguments(node) if args is None else args
         arg_ids: list[int] = []
         out_ids: list[int] = []
         for argument in out_schema.arguments:

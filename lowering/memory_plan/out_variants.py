@@ -18,6 +18,7 @@ from torch._higher_order_ops.executorch_call_delegate import executorch_call_del
 from ..control_flow_graph import is_control_flow
 from ..dynamic import is_sym_op
 from ..errors import MemoryPlanError
+from ..mutating_ops import is_auto_functionalized, out_variant as mutating_out_variant
 from ..quant_ops import out_variant_of
 
 
@@ -34,6 +35,13 @@ def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
         if is_sym_op(node.target) or is_control_flow(node):
             # a symbolic int op is a prim op of the runtime (no memory); a cond / map's
             # submodules' ops are planned with their own keys
+            continue
+        if is_auto_functionalized(node):  # a mutating custom op: its .out writes the base in place
+            name = mutating_out_variant(node)
+            if name is None:
+                raise MemoryPlanError(f"op {node.args[0]} at node {node.name!r} mutates its input and "
+                                      "has no '.out' overload")
+            out[node.name] = name
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             if _tensor_vals(node):

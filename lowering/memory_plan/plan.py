@@ -19,7 +19,8 @@ from ..errors import MemoryPlanError
 from .control_flow import plan_control_flow
 from .out_variants import find_out_variants
 from .placement import ALGORITHMS, PlacementProblem, PlannedValue, choose_placement
-from .values import ValueTable, collect_values, compute_lifetimes, extend_base_lifetimes, find_view_aliases
+from .values import (ValueTable, collect_values, compute_lifetimes, extend_base_lifetimes, find_mutation_aliases,
+                     find_view_aliases)
 
 #: The arena every planned tensor lives in; 0 is reserved for constants.
 ARENA_MEM_ID = 1
@@ -162,7 +163,9 @@ def memory_plan(
     table = collect_values(ep, alignment, shared)
     shared_keys = _shared_state_keys(ep, shared, table)
     out_variants = find_out_variants(ep.graph)
-    aliases = find_view_aliases(ep.graph, table)
+    mutated_in_place = find_mutation_aliases(ep.graph, table)
+    aliases = {**mutated_in_place, **{key: mutated_in_place.get(base, base)
+                                      for key, base in find_view_aliases(ep.graph, table).items()}}
     if has_control_flow(ep.graph):
         lifetimes, placed_on = plan_control_flow(ep, table, alignment, out_variants, aliases)
     else:

@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ..dynamic import DynamicShapeError, is_dynamic, upper_bound_shape
 from ..errors import MemoryPlanError
+from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,27 @@ def find_view_aliases(graph: torch.fx.Graph, table: ValueTable) -> dict[str, str
         root = aliases.get(base_keys[0], base_keys[0])
         if table.values[root].nbytes == table.values[node.name].nbytes:
             aliases[node.name] = root
+    return aliases
+
+
+def find_mutation_aliases(graph: torch.fx.Graph, table: ValueTable) -> dict[str, str]:
+    """The new values of bases an ``auto_functionalized(_v2)`` op mutates: key -> base key.
+
+    The op's ``.out`` variant writes the base in place (:mod:`lowering.mutating_ops`),
+    so output ``"<node>.<n + i>"`` (n = the op's own results) is base ``i``'s memory.
+    """
+    aliases: dict[str, str] = {}
+    for node in graph.nodes:
+        if not is_auto_functionalized(node):
+            continue
+        first = num_op_results(node)
+        for i, (_, base) in enumerate(mutated_bases(node)):
+            base_keys = table.refs.get(base, [])
+            key = f"{node.name}.{first + i}"
+            if len(base_keys) != 1 or key not in table.values:
+                raise MemoryPlanError(f"node {node.name!r} mutates {base.name!r}, which is not planned "
+                                      "memory (a parameter or a constant?)")
+            aliases[key] = base_keys[0]
     return aliases
 
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import ExecutorError
+from .kernels_llm import LLM_KERNEL_SPECS
 from .kernels_quant import QUANT_KERNEL_SPECS
 
 
@@ -112,6 +113,7 @@ _SYM_KERNELS: dict[str, Kernel] = {
     for k in (
         _scalar_kernel("aten::sym_size.int", 2, lambda t, d: int(t.shape[d])),
         _scalar_kernel("aten::sym_numel", 1, lambda t: int(t.numel())),
+        _scalar_kernel("aten::_local_scalar_dense", 1, lambda t: t.reshape(-1)[0].item()),
         _scalar_kernel("executorch_prim::add.Scalar", 2, lambda a, b: a + b),
         _scalar_kernel("executorch_prim::sub.Scalar", 2, lambda a, b: a - b),
         _scalar_kernel("executorch_prim::mul.Scalar", 2, lambda a, b: a * b),
@@ -164,4 +166,6 @@ _PYTHON_KERNELS: dict[str, Kernel] = {
     **_SYM_KERNELS,
     # ExecuTorch's quantized kernel library (quantized_decomposed::*.out), ours.
     **{name: Kernel(name, num_args, 1, call, written) for name, (num_args, call, written) in QUANT_KERNEL_SPECS.items()},
+    # ExecuTorch's LLM custom-ops library (llama::*.out), ours.
+    **{name: Kernel(name, num_args, 1, call, written) for name, (num_args, call, written) in LLM_KERNEL_SPECS.items()},
 }

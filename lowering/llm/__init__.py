@@ -1,0 +1,13 @@
+"""Text-generation decoders for ExecuTorch's LLM runner, with ExecuTorch's fast ops.
+
+- :mod:`~lowering.llm.custom_ops`: ``llama::custom_sdpa`` / ``llama::update_cache``
+  defined with torch.library under ExecuTorch's schemas (only when not defined yet);
+- :mod:`~lowering.llm.decoder`: :func:`decoder_module` (a transformers CausalLM as
+  ``forward(input_ids, cache_position) -> logits`` with its KV cache in buffers) and
+  :func:`decoder_example`.
+"""
+
+from .custom_ops import ensure_llama_ops
+from .decoder import decoder_example, decoder_module
+
+__all__ = ["decoder_example", "decoder_module", "ensure_llama_ops"]

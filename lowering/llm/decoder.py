@@ -1,0 +1,197 @@
+"""A transformers CausalLM as the module ExecuTorch's LLM runner calls.
+
+``decoder_module(hf_model, max_seq_len=L)`` returns a module with
+
+    forward(input_ids: i64[1, S], cache_position: i64[S]) -> logits f32[1, S, V]  ([1, 1, V]: last token only)
+
+whose KV caches are ``nn.Module`` buffers (mutable state of the program), one
+``key_cache_i`` / ``value_cache_i`` per layer.  transformers' modeling code runs
+unchanged; only its cache and (``attn="custom"``) its attention function differ:
+
+- ``attn="custom"`` (default, fast): caches ``[1, L, H_kv, D]``; each layer's new
+  keys/values are written with ``llama::update_cache`` in place at
+  ``start_pos = cache_position[0].item()`` and attention is ``llama::custom_sdpa``
+  over the whole cache (causal up to ``start_pos + S``, GQA inside), registered as
+  transformers attention implementation ``"lowerflow_custom_sdpa"``; no mask is
+  built.  Per layer and token the graph holds::
+
+      %k_t = permute_copy(%k, [0, 2, 1, 3])                      # [1, S, H_kv, D]
+      %afv2 = auto_functionalized_v2(llama.update_cache, value=%k_t, start_pos=%s, _all_bases=[%b_key_cache_0])
+      %o = llama.custom_sdpa(%q_t, %afv2[1], %afv2_1[1], %s, None, 0.0, True, scale)
+
+  which lowers to ``llama::update_cache.out`` writing ``key_cache_0`` in place.
+- ``attn="standard"``: transformers' ``StaticCache`` (``[1, H_kv, L, D]``,
+  ``index_copy_``) and the model's own attention (aten SDPA), as transformers'
+  ``TorchExportableModuleWithStaticCache`` does, with the layers' tensors rebound
+  to the module's buffers on every call (LLM-EXPORT.md 5.1: no tensor is lifted
+  twice, so non-strict export and decomposition work).
+
+Models with sliding-window layers shorter than ``max_seq_len`` are refused by the
+custom variant (its attention is full-causal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .custom_ops import ensure_llama_ops
+
+ATTN_IMPLEMENTATION = "lowerflow_custom_sdpa"
+ATTN_CHOICES = ("custom", "standard")
+
+
+def decoder_module(hf_model: torch.nn.Module, *, max_seq_len: int, attn: str = "custom",
+                   last_token_logits: bool = False) -> torch.nn.Module:
+    """``hf_model`` (a transformers ``*ForCausalLM``) as ``forward(input_ids, cache_position) -> logits``."""
+    if attn not in ATTN_CHOICES:
+        raise ValueError(f"decoder_module: attn must be one of {ATTN_CHOICES}, got {attn!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise ValueError(f"decoder_module: max_seq_len must be an int >= 2, got {max_seq_len!r}")
+    return Decoder(hf_model, max_seq_len=max_seq_len, custom=attn == "custom", last_token_logits=last_token_logits)
+
+
+def decoder_example(max_seq_len: int) -> tuple[tuple[torch.Tensor, torch.Tensor], dict[str, Any]]:
+    """Example inputs (a 3-token prompt) and dynamic shapes: one ``Dim("seq_length_dim",
+    max=max_seq_len-1)`` shared by ``input_ids`` dim 1 and ``cache_position`` dim 0."""
+    seq = torch.export.Dim("seq_length_dim", max=max_seq_len - 1)
+    example = (torch.zeros(1, 3, dtype=torch.long), torch.arange(3, dtype=torch.long))
+    return example, {"input_ids": {1: seq}, "cache_position": {0: seq}}
+
+
+class _Step:
+    """Python state of one call: the start position (an int, or an unbacked SymInt when traced)."""
+
+    start_pos: Any = 0
+
+
+class Decoder(torch.nn.Module):
+    """See the module docstring; built by :func:`decoder_module`."""
+
+    def __init__(self, hf_model: torch.nn.Module, *, max_seq_len: int, custom: bool, last_token_logits: bool):
+        super().__init__()
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+        from transformers.configuration_utils import get_head_shapes
+
+        self.model = hf_model
+        self.max_seq_len = max_seq_len
+        self.custom = custom
+        self.last_token_logits = last_token_logits
+        config = hf_model.config.get_text_config()
+        self._config = config
+        num_heads, head_dim = get_head_shapes(config)
+        self._step = _Step()
+        n_layers = config.num_hidden_layers
+        heads = num_heads if isinstance(num_heads, list) else [num_heads] * n_layers
+        dims = head_dim if isinstance(head_dim, list) else [head_dim] * n_layers
+        dtype = next(hf_model.parameters()).dtype
+        if custom:
+            _check_no_short_window(config, max_seq_len)
+            ensure_llama_ops()
+            _register_attention()
+            layers = [_CustomLayer(max_seq_len, self._step) for _ in range(n_layers)]
+            self.cache = StaticCache(max_cache_len=max_seq_len, config=config)
+            self.cache.layers = layers
+            for i, layer in enumerate(layers):
+                shape = (1, max_seq_len, heads[i], dims[i])
+                self.register_buffer(f"key_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+                self.register_buffer(f"value_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+            # the attention function reads the start position on its module (set on every call:
+            # two decoders may wrap one model)
+            self._attention_modules = [m for m in hf_model.modules() if hasattr(m, "layer_idx")]
+        else:
+            self.cache = StaticCache(max_cache_len=max_seq_len, config=config)
+            self.cache.layers = [StaticLayer(max_seq_len) for _ in range(n_layers)]
+            self.cache.early_initialization(1, heads, dims, dtype, torch.device("cpu"))
+            for i, layer in enumerate(self.cache.layers):
+                self.register_buffer(f"key_cache_{i}", layer.keys, persistent=False)
+                self.register_buffer(f"value_cache_{i}", layer.values, persistent=False)
+                self.register_buffer(f"cumulative_length_{i}", layer.cumulative_length, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.cache.layers):  # the module's buffers (export fakifies these)
+            layer.keys = getattr(self, f"key_cache_{i}")
+            layer.values = getattr(self, f"value_cache_{i}")
+            if not self.custom:
+                layer.cumulative_length = getattr(self, f"cumulative_length_{i}")
+                layer.cumulative_length.copy_(cache_position[0])
+        kwargs: dict[str, Any] = {}
+        if self.custom:
+            self._step.start_pos = cache_position[0].item()
+            for module in self._attention_modules:
+                module.__dict__["_lowerflow_step"] = self._step
+            kwargs["position_ids"] = cache_position.unsqueeze(0)
+        if self.last_token_logits:
+            kwargs["logits_to_keep"] = 1
+        previous = self._config._attn_implementation
+        if self.custom:
+            self._config._attn_implementation = ATTN_IMPLEMENTATION
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=None, cache=self.cache, use_cache=True, **kwargs)
+        finally:
+            self._config._attn_implementation = previous
+        return out.logits
+
+
+def _check_no_short_window(config, max_seq_len: int) -> None:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any("sliding" in str(t) for t in layer_types) or (
+        window is not None and getattr(config, "use_sliding_window", True) and not layer_types)
+    if sliding and window is not None and window < max_seq_len:
+        raise ValueError(f"decoder_module: model {config.model_type!r} has sliding-window attention "
+                         f"(window {window} < max_seq_len {max_seq_len}); use attn='standard' "
+                         f"or max_seq_len <= {window}")
+
+
+def _layer_class():
+    from transformers.cache_utils import StaticLayer
+
+    class CustomLayer(StaticLayer):
+        """A static layer on ``[1, L, H, D]`` buffers written by ``llama::update_cache``."""
+
+        def __init__(self, max_cache_len: int, step: _Step):
+            super().__init__(max_cache_len)
+            self.step = step
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            start = self.step.start_pos
+            torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)
+            torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
+            return self.keys, self.values
+
+        def get_max_length(self) -> int:
+            return self.max_cache_len
+
+    return CustomLayer
+
+
+def _CustomLayer(max_cache_len: int, step: _Step):
+    global _CUSTOM_LAYER
+    if _CUSTOM_LAYER is None:
+        _CUSTOM_LAYER = _layer_class()
+    return _CUSTOM_LAYER(max_cache_len, step)
+
+
+_CUSTOM_LAYER = None
+
+
+def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: ``query`` [B, Hq, S, D]; ``key``/``value`` the whole
+    ``[B, L, H_kv, D]`` caches of :class:`CustomLayer`.  Returns ([B, S, Hq, D], None)."""
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("lowerflow_custom_sdpa: attention logit softcapping is not supported")
+    step = module.__dict__.get("_lowerflow_step")
+    if step is None:
+        raise RuntimeError(f"lowerflow_custom_sdpa: {type(module).__name__} was not prepared by decoder_module")
+    out = torch.ops.llama.custom_sdpa(query.transpose(1, 2), key, value, step.start_pos, None, 0.0, True, scaling)
+    return out, None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, custom_sdpa_attention)
