@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
+import textwrap
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,12 +88,48 @@ def check_prefill_and_decode(method, eager, tokens=(5, 9, 17, 33, 60, 2, 7)) -> 
     torch.testing.assert_close(out[0, -1], eager(other)[-1], atol=1e-5, rtol=1e-4)
 
 
+class OurMethod:
+    """lowering.runtime's method with ExecuTorch's ``execute`` call."""
+
+    def __init__(self, pte: bytes, name: str = "forward") -> None:
+        from lowering.runtime import load
+
+        self.program, self.name = load(pte), name
+
+    def execute(self, inputs):
+        return self.program.run(self.name, inputs)
+
+
+#: Run in a fresh interpreter: ExecuTorch's custom-ops library is loaded before anything
+#: defines llama::* ops (loading it after lowerflow's definitions aborts the process).
+_FRESH_EXECUTORCH = textwrap.dedent("""
+    import sys
+    import executorch.extension.llm.custom_ops.custom_ops  # llama::*.out kernels, first
+    sys.path.insert(0, sys.argv[1])
+    from tests.test_hf import check_prefill_and_decode, et_program, llama_eager
+    eager = llama_eager(sys.argv[2])
+    for path in sys.argv[3:]:
+        program = et_program(open(path, "rb").read())
+        check_prefill_and_decode(program.load_method("forward"), eager)
+        print(path, program.load_method("get_max_seq_len").execute([]), program.load_method("use_sdpa_with_kv_cache").execute([]))
+""")
+
+
+def check_on_fresh_executorch(directory, *ptes: Path) -> str:
+    """check_prefill_and_decode of each .pte on ExecuTorch's runtime with its custom-ops library."""
+    root = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", _FRESH_EXECUTORCH, root, str(directory), *map(str, ptes)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 # --------------------------------------------------------------------------- library
 
 
-def test_text_generation_runs_prefill_and_decode_on_executorch_equal_to_eager(hf_dirs):
-    hf = load_hf(str(hf_dirs["llama"]), "text-generation", max_seq_len=MAX_SEQ_LEN)
-    assert list(hf.methods) == ["forward"] and hf.options["attn"] in ("standard", "custom")
+def test_text_generation_standard_runs_prefill_and_decode_on_executorch_equal_to_eager(hf_dirs):
+    hf = load_hf(str(hf_dirs["llama"]), "text-generation", max_seq_len=MAX_SEQ_LEN, attn="standard")
+    assert list(hf.methods) == ["forward"] and hf.options["attn"] == "standard"
     program = et_program(lower(hf.lower_input()).pte)
     check_prefill_and_decode(program.load_method("forward"), llama_eager(hf_dirs["llama"]))
     metadata = {name: program.load_method(name).execute([]) for name in hf.constants}
@@ -98,7 +137,22 @@ def test_text_generation_runs_prefill_and_decode_on_executorch_equal_to_eager(hf
     assert metadata["get_vocab_size"] == [256]
     assert metadata["get_bos_id"] == [1] and metadata["get_eos_ids"] == [2]
     assert metadata["use_kv_cache"] == [True] and metadata["enable_dynamic_shape"] == [True]
-    assert metadata["use_sdpa_with_kv_cache"] == [hf.options["attn"] == "custom"]
+    assert metadata["use_sdpa_with_kv_cache"] == [False]
+
+
+def test_text_generation_custom_attention_by_default_runs_on_both_runtimes(hf_dirs, tmp_path):
+    """The default attn is ExecuTorch's llama::update_cache + llama::custom_sdpa: lowerflow's
+    executor runs it here, ExecuTorch's runtime (with its custom-ops library) in a fresh process."""
+    hf = load_hf(str(hf_dirs["llama"]), "text-generation", max_seq_len=MAX_SEQ_LEN)
+    assert hf.options["attn"] == "custom" and hf.constants["use_sdpa_with_kv_cache"] is True
+    result = lower(hf.lower_input())
+    nodes = [n for n in result.exported_programs["forward"].graph.nodes if n.op == "call_function"]
+    assert sum(str(n.target) == "llama.custom_sdpa.default" for n in nodes) == 2  # one per layer
+    assert sum("update_cache" in str(n.args[0]) for n in nodes if str(n.target) == "auto_functionalized_v2") == 4
+    check_prefill_and_decode(OurMethod(result.pte), llama_eager(hf_dirs["llama"]))
+    path = tmp_path / "llama.pte"
+    path.write_bytes(result.pte)
+    assert "[32] [True]" in check_on_fresh_executorch(hf_dirs["llama"], path)
 
 
 class RunnerSignature(torch.nn.Module):
@@ -263,10 +317,8 @@ def test_lowerflow_lower_hf_text_generation_writes_a_runner_program(cli, prefect
                             "--store", tmp_path / "store", "-o", output)
     assert code == 0, (out, errors)
     assert "verify[forward]" in out
-    for target in ("portable", "xnnpack"):
-        program = et_program((tmp_path / "out" / f"llama-{target}.pte").read_bytes())
-        assert program.load_method("get_max_seq_len").execute([]) == [MAX_SEQ_LEN]
-        check_prefill_and_decode(program.load_method("forward"), llama_eager(hf_dirs["llama"]))
+    ptes = [tmp_path / "out" / f"llama-{target}.pte" for target in ("portable", "xnnpack")]
+    assert check_on_fresh_executorch(hf_dirs["llama"], *ptes).count("[32] [True]") == 2
     again = cli("lower", f"hf:{hf_dirs['llama']}", "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,
                 "--store", tmp_path / "store", "-o", tmp_path / "again.pte")
     assert again[0] == 0 and "export[forward]     cached" in again[1], again
