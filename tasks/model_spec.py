@@ -124,9 +124,14 @@ def check_spec(spec: ModelSpec, storage_options: dict | None = None, options: di
     model: its directory, and its task and options in ``options["hf"]``)."""
     try:
         if spec.kind == "hf":
+            from lowering.errors import LoweringError
+
             from .hf_spec import check
 
-            check(spec.location, options)
+            try:
+                check(spec.location, options)
+            except LoweringError as exc:
+                raise _hf_error(spec, exc) from exc
         elif spec.kind == "pt2":
             fs, path = fsspec.core.url_to_fs(spec.location, **(storage_options or {}))
             if not fs.exists(path):
@@ -241,6 +246,11 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
                        strict=bool((options or {}).get("strict")))
 
 
+def _hf_error(spec: ModelSpec, exc: Exception) -> ModelSpecError:
+    """lowering.hf's "hf:<source>: why" as "model spec 'hf:<source>': why"."""
+    return ModelSpecError(f"model spec {spec.text!r}: {str(exc).removeprefix(f'hf:{spec.location}: ')}")
+
+
 def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedModel:
     """An hf: model: always a model of methods (``forward`` alone for most tasks), with its
     constant methods; errors name the spec."""
@@ -255,8 +265,7 @@ def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedMode
         with _FACTORY_LOCK, torch.random.fork_rng():
             program, fingerprints, fingerprint = load(spec.location, options)
     except LoweringError as exc:
-        message = str(exc).removeprefix(f"hf:{spec.location}: ")
-        raise ModelSpecError(f"model spec {spec.text!r}: {message}") from exc
+        raise _hf_error(spec, exc) from exc
     strict = bool((options or {}).get("strict"))
     methods = {
         name: LoadedModel(spec, fingerprints[name], module, inputs, method=name, dynamic_shapes=dims, strict=strict)

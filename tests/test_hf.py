@@ -324,13 +324,21 @@ def test_lowerflow_lower_hf_text_generation_writes_a_runner_program(cli, prefect
     assert again[0] == 0 and "export[forward]     cached" in again[1], again
 
 
-def test_lowerflow_lower_hf_without_a_task_or_with_a_bad_one_is_exit_2(cli, hf_dirs, tmp_path):
-    code, _, errors = cli("lower", f"hf:{hf_dirs['bert']}", "--store", tmp_path / "store")
-    assert code == 2 and len(errors) == 1 and f"hf:{hf_dirs['bert']}" in errors[0] and "task None" in errors[0]
-    code, _, errors = cli("lower", f"hf:{hf_dirs['bert']}", "--task", "summarize", "--store", tmp_path / "store")
+def test_lowerflow_lower_hf_without_a_task_or_with_a_bad_one_is_exit_2(cli, hf_dirs, tmp_path, monkeypatch):
+    spec = f"hf:{hf_dirs['bert']}"
+    code, _, errors = cli("lower", spec, "--store", tmp_path / "store")
+    assert code == 2 and errors == [f"lowerflow: error: model spec {spec!r}: task None is not one of "
+                                    "['automatic-speech-recognition', 'feature-extraction', 'fill-mask', "
+                                    "'image-classification', 'text-generation'] (give --task / 'task:')"]
+    code, _, errors = cli("lower", spec, "--task", "summarize", "--store", tmp_path / "store")
     assert code == 2 and len(errors) == 1 and "task 'summarize' is not one of" in errors[0]
     code, _, errors = cli("lower", "examples/models.py:mlp", "--task", "fill-mask", "--store", tmp_path / "store")
     assert code == 2 and len(errors) == 1 and "--task: only for an hf: model" in errors[0]
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+        code, _, errors = cli("lower", spec, "--task", "fill-mask", "--store", tmp_path / "store")
+    assert code == 2 and errors == [f"lowerflow: error: model spec {spec!r}: needs the 'transformers' package: "
+                                    "pip install 'lowerflow[hf]'"]
     assert not (tmp_path / "store").exists()
 
 
