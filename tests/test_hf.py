@@ -196,7 +196,11 @@ def test_transformers_static_cache_wrapper_from_a_factory_lowers_non_strict(hf_d
     with pytest.raises(ExportError, match="decomposition to core ATen failed.*what to try: export with strict=True"):
         to_edge(raw)
 
+    module, inputs, dims = static_cache_factory(hf_dirs["llama"])  # the raw export above wrote its caches
+    before = {name: b.clone() for name, b in module.named_buffers()}
     result = lower(module, inputs, dynamic_shapes=dims)
+    for name, buffer in module.named_buffers():  # export left the model as it was
+        assert buffer.grad_fn is None and torch.equal(buffer, before[name]), name
     mutated = set(result.exported_program.graph_signature.buffers_to_mutate.values())
     assert {"wrapper.key_cache_0", "wrapper.value_cache_1", "wrapper.cumulative_length_0"} <= mutated
     assert not any("lifted_tensor" in name for name in result.exported_program.constants)
@@ -344,15 +348,30 @@ def test_lowerflow_lower_hf_without_a_task_or_with_a_bad_one_is_exit_2(cli, hf_d
 
 def test_a_fleet_manifest_lowers_hf_entries_with_their_task(cli, prefect_api, hf_dirs, tmp_path):
     """Relative hf: directories resolve against the manifest; the ASR model is one program of
-    two methods and its metadata; the fill-mask entry's bad key is caught before any work."""
-    for name in ("whisper", "vit"):
+    two methods and its metadata; every program is verified on ExecuTorch's runtime against
+    eager; the issue's factory (transformers' static-cache wrapper) lowers in the same fleet;
+    a bad key is caught before any work."""
+    for name in ("whisper", "vit", "bert"):
         shutil.copytree(hf_dirs[name], tmp_path / name)
+    (tmp_path / "static_cache.py").write_text(textwrap.dedent(f"""
+        from tests.test_hf import static_cache_factory
+
+        def decoder():
+            return static_cache_factory({str(hf_dirs['llama'])!r})
+        """))
     manifest = tmp_path / "fleet.yaml"
     manifest.write_text("store: ./store\nmodels:\n"
                         "  - {model: 'hf:./whisper', task: automatic-speech-recognition}\n"
-                        "  - {model: 'hf:./vit', task: image-classification, targets: [xnnpack]}\n")
+                        "  - {model: 'hf:./vit', task: image-classification, targets: [xnnpack]}\n"
+                        "  - {model: 'hf:./bert', task: fill-mask, max_seq_len: 16}\n"
+                        "  - {model: 'static_cache.py:decoder'}\n")
     code, out, errors = cli("fleet", manifest)
     assert code == 0, (out, errors)
+    for name, target in (("whisper", "portable"), ("vit", "xnnpack"), ("bert", "portable"), ("decoder", "portable")):
+        report = json.loads((tmp_path / "store" / "outputs" / name / "manifest.json").read_text())
+        checks = report["targets"][target]["verify"]["checks"]
+        assert report["targets"][target]["verify"]["ok"] is True, (name, checks)
+        assert any(c["runtime"] == "executorch" and c["ok"] for c in checks), (name, checks)
     whisper = et_program((tmp_path / "store" / "outputs" / "whisper" / "portable.pte").read_bytes())
     assert {"encoder", "text_decoder", "get_eos_ids"} <= set(whisper.method_names)
     summary = json.loads((tmp_path / "store" / "outputs" / "whisper" / "manifest.json").read_text())

@@ -54,6 +54,7 @@ The rooms of this package:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -65,7 +66,7 @@ from torch.export import ExportedProgram
 
 from ..dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
 from ..errors import ExportError, first_line
-from .aliases import merge_aliased_constants
+from .aliases import buffers_kept, merge_aliased_constants
 from .cleanups import remove_asserts, remove_unused_constants, replace_view_ops_with_copies
 from .control_flow import check_control_flow
 from .decompose import decompose_to_core
@@ -125,9 +126,10 @@ def export(
         )
     try:
         dynamic_shapes = complete_dynamic_shapes(model, len(example_inputs), dynamic_shapes)
-        exported = torch.export.export(
-            model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=bool(strict)
-        )
+        with contextlib.nullcontext() if strict else buffers_kept(model):
+            exported = torch.export.export(
+                model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=bool(strict)
+            )
     except Exception as exc:  # torch raises many unrelated types here
         raise ExportError(f"model {label!r}: {_export_failure(model, example_inputs, exc)}") from exc
     if not strict:

@@ -19,9 +19,17 @@ replaced by that buffer's placeholder::
              index_copy_(c_lifted_tensor_2, 2, pos, k)      # same storage as key_cache_0
     after    b_key_cache_0: BUFFER 'key_cache_0'
              index_copy_(b_key_cache_0, 2, pos, k)          # a BUFFER_MUTATION once functionalized
+
+The trace itself ran those mutations on the real tensors (they were constants to
+it): :func:`buffers_kept` puts every buffer's value back after the export (and
+makes it a leaf again: updated from weights that require grad, it would have a
+``grad_fn`` and could no longer be deep-copied), so exporting leaves the model as it was.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterator
 
 import torch
 from torch.export import ExportedProgram
@@ -62,3 +70,18 @@ def merge_aliased_constants(program: ExportedProgram) -> list[str]:
         signature.input_specs[:] = kept
         program.graph_module.recompile()
     return merged
+
+
+@contextlib.contextmanager
+def buffers_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Every buffer of ``model`` has its value from before the block after it (a leaf tensor)."""
+    saved = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                if buffer.grad_fn is not None:
+                    buffer.detach_()
+                if not torch.equal(buffer, value):
+                    buffer.copy_(value)
