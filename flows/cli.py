@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
+from .load_options import add_load_arguments, load_arguments
 
 PROG = "lowerflow"
 #: Exit codes.
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     lower = sub.add_parser("lower", parents=[common], help="lower one model for one or more targets",
                            description="Run the lower-model flow and write the .pte file(s).")
-    lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory or a .pt2 URL")
+    lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory, "
+                       "a .pt2 URL or hf:<dir or hub id>")
     lower.add_argument("--target", "-t", action="append", dest="targets", metavar="T",
                        help="target (portable, reference, ...); repeat for several (default: portable)")
     lower.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT",
@@ -86,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose SQNR against fp32 eager is below DB")
     lower.add_argument("--max-error", type=float, metavar="E",
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
+    add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
     fleet = sub.add_parser("fleet", parents=[common], help="lower every model of a fleet manifest",
@@ -170,16 +173,16 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
     return common
 
 
-def parse_spec(text: str):
-    """The ModelSpec of ``text`` with its defining file readable; a bad spec is exit status 2."""
-    from tasks.model_spec import ModelSpec, ModelSpecError, check_spec
+def parse_spec(text: str, args: argparse.Namespace | None = None):
+    """The ModelSpec of ``text``, checked (hf: with ``args``' task, options); a bad one is exit status 2."""
+    from tasks.model_spec import ModelSpec, check_spec
 
     try:
         spec = ModelSpec.parse(text)
         if spec.kind != "pt2":
-            check_spec(spec)
+            check_spec(spec, options=load_arguments(args, text) if args is not None else None)
         return spec
-    except ModelSpecError as exc:
+    except ValueError as exc:  # ModelSpecError, or an hf: option for another kind of model
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
@@ -224,7 +227,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     targets = args.targets or ["portable"]
     if len(set(targets)) != len(targets):
         raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
-    spec = parse_spec(args.spec)
+    spec = parse_spec(args.spec, args)
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
@@ -236,7 +239,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     quiet_console(args.verbose)
     try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize,
+        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
                                **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest

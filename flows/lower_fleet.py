@@ -65,7 +65,13 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
         **({"locks": locks} if locks is not None else {}),  # else each worker's LOWERFLOW_LOCKS
         **({"dynamic_shapes": entry.dynamic_shapes} if entry.dynamic_shapes is not None else {}),
         **quantize_parameters(entry),
+        **load_parameters(entry),
     }
+
+
+def load_parameters(entry: ModelEntry) -> dict[str, Any]:
+    """The entry's ``strict`` and hf: settings as ``lower_model`` parameters (only when set)."""
+    return {**({"strict": True} if entry.strict else {}), **({"hf": dict(entry.hf)} if entry.hf else {})}
 
 
 def quantize_parameters(entry: ModelEntry) -> dict[str, Any]:
@@ -516,7 +522,7 @@ def plan_models(manifest: str | dict | FleetManifest) -> dict:
         planned = plan_model(
             entry.model, list(entry.targets), fleet.store, {k: dict(v) for k, v in entry.options.items()},
             entry.name, entry.version, entry.verify, dynamic_shapes=entry.dynamic_shapes,
-            **quantize_parameters(entry),
+            **quantize_parameters(entry), **load_parameters(entry),
         )
         summary["models"][entry.name] = planned
         if any(result.get("ok") is False for result in planned["targets"].values()):

@@ -44,6 +44,7 @@ from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
 from . import heartbeats, run_logs
+from .load_options import export_options, load_extras
 from .quantized import NO_QUANTIZATION, QuantSettings
 
 heartbeats.install()
@@ -85,8 +86,14 @@ def lower_model(
     calibration: str | None = None,
     min_sqnr: float | None = None,
     max_error: float | None = None,
+    strict: bool = False,
+    hf: dict[str, Any] | None = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
+
+    ``strict``: export with torch.export's strict mode.  ``hf``: an ``hf:`` model's
+    task and options (``{"task": "text-generation", "max_seq_len": 1024, "dtype": ...,
+    "attn": ...}``; see :mod:`tasks.hf_spec`).
 
     ``quantize``: a recipe (``"int8"``, ``"int8-dynamic"``, ``"8da4w"`` or its mapping
     form) for every target, or ``{target: recipe or None}``; ``calibration``: int8's
@@ -102,7 +109,7 @@ def lower_model(
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
-                     quantize, calibration, min_sqnr, max_error)
+                     quantize, calibration, min_sqnr, max_error, strict, hf)
 
 
 def run_model(
@@ -119,6 +126,8 @@ def run_model(
     calibration: str | None = None,
     min_sqnr: float | None = None,
     max_error: float | None = None,
+    strict: bool = False,
+    hf: dict[str, Any] | None = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -145,7 +154,8 @@ def run_model(
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
-    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant)
+    manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
+                         load_extras(strict, hf))
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -250,24 +260,18 @@ def plan_model(
     calibration: str | None = None,
     min_sqnr: float | None = None,
     max_error: float | None = None,
+    strict: bool = False,
+    hf: dict[str, Any] | None = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
-    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant)
-
-
-def export_options(version: str | None, dynamic_shapes: Any = None) -> dict[str, Any]:
-    """The options the model is loaded and exported with (part of its fingerprint);
-    ``dynamic_shapes`` only when given, so static models keep their keys."""
-    options: dict[str, Any] = {"version": version}
-    if dynamic_shapes is not None:
-        options["dynamic_shapes"] = dynamic_shapes
-    return options
+    return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
+                     load_extras(strict, hf))
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
-              quant: QuantSettings = NO_QUANTIZATION) -> dict:
+              quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages.
 
     The factory runs on every run, cached or not: the model's fingerprint (its
@@ -285,7 +289,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
-        loaded = load_model(spec, export_options(version, dynamic_shapes))
+        loaded = load_model(spec, export_options(version, dynamic_shapes, extras))
     except Exception as exc:
         export_records.append({"stage": "load", "state": "Failed", "cached": False,
                                "seconds": round(time.perf_counter() - start, 4), "bytes": None})
@@ -307,12 +311,13 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     if loaded.methods:
         manifest["methods"] = list(loaded.methods)
         with holding(loaded), labelled(model=name):
-            return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify)
+            return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
+                                     export_options(version, None, extras))
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets) if publish is None else None
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
-                           options=export_options(version, dynamic_shapes))
+                           options=export_options(version, dynamic_shapes, extras))
         except Exception as exc:
             if dry is not None and isinstance(exc, WouldRun):
                 dry = dry.with_control_flow(lambda: exported_control_flow(loaded))
@@ -325,7 +330,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     run, publish, name, model, fingerprint, exported["program"], target,
                     options.get(target, {}), list(export_records), verify,
                     quantized=quantize_step(quant, target, calibration),
-                    load_options=export_options(version, dynamic_shapes), dry=dry,
+                    load_options=export_options(version, dynamic_shapes, extras), dry=dry,
                 )
     return manifest
 
@@ -384,16 +389,19 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     return result
 
 
-def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify) -> dict:
+def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify,
+                      load_options: dict | None = None) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
-    the method's own fingerprint), then each target's stages."""
+    the method's own fingerprint), then each target's stages.  ``load_options``: what the
+    model was loaded with (default: its ``version``), for a stage retried in another process."""
+    load_options = load_options or {"version": version}
     model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
     records: list[dict] = []
     exported, mutated = {}, {}
     try:
         for method, sub in loaded.methods.items():
             done = for_method(run, method)("export", records, model=model, fingerprint=sub.fingerprint.digest,
-                                            options={"version": version})
+                                            options=load_options)
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
         return _all_failed(manifest, targets, records, exc, methods=True)
@@ -412,20 +420,23 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             manifest["targets"][target] = lower_target_methods(
                 run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
                 verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
-                version=version,
+                version=version, load_options=load_options, constants=loaded.constants,
             )
     return manifest
 
 
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
-                         shared: str | None = None, stateful: bool = False, version: str | None = None) -> dict:
+                         shared: str | None = None, stateful: bool = False, version: str | None = None,
+                         load_options: dict | None = None, constants: dict | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
     every method is delegated before any is memory-planned (the shared state's places
     depend on every method's program), and verify also runs the methods in sequence
     on one program (stage ``verify_sequence``).  ``stateful``: some method mutates a
-    buffer; then each method's memory plan places the state of all (arena 2)."""
+    buffer; then each method's memory plan places the state of all (arena 2).  ``constants``:
+    the program's constant methods (an hf: model's metadata), written by emit_methods."""
+    load_options = load_options or {"version": version}
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
@@ -449,17 +460,17 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
         if target != PORTABLE:
             result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
-        emitted = run("emit_methods", records, methods=planned)
+        emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}))
         if verify:
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
-                    options={"version": version})
+                    options=load_options)
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(
                     "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
-                    options={"version": version})
+                    options=load_options)
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")

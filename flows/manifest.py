@@ -20,6 +20,10 @@
                                              #   safetensors URL; default: the factory's "calibration")
         min_sqnr: 20                         # optional: fail a quantized target below this SQNR (dB)
         max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
+        strict: true                         # optional: torch.export's strict mode (default false)
+      - model: hf:./tiny-llama               # a Hugging Face model directory (or hub id) ...
+        task: text-generation                # ... with its task (required for hf:) and options:
+        max_seq_len: 1024                    #   max_seq_len, dtype (float32/float16/bfloat16), attn (standard/custom)
 
 The whole manifest is validated before any work starts; every error names the
 entry (``models[2] ('cnn')``) and the field.  Besides its fields, each entry's
@@ -27,7 +31,7 @@ factory is resolved (its file exists, its module imports, the attribute is
 callable; not called) and each target's partitioner is made with the entry's
 options, so a typo in either is a bad manifest, never a model failing mid-fleet.
 A YAML or JSON syntax error names its line and column.  Relative ``.py`` paths and a relative
-local store are resolved against the manifest file's directory.
+local store, and relative hf: directories, are resolved against the manifest file's directory.
 """
 
 from __future__ import annotations
@@ -45,11 +49,13 @@ from lowering.errors import BackendError
 from lowering.targets import PORTABLE, check_target, partitioner_for
 from tasks.calibration import CalibrationError, check_calibration_source
 from tasks.locks import LockConfigError, parse_lock_url
-from tasks.model_spec import ModelSpec, ModelSpecError, resolve_factory
+from tasks.model_spec import ModelSpec, ModelSpecError, check_spec, resolve_factory
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+#: An hf: model's keys: its task and the options of lowering.hf (load_hf).
+HF_KEYS = ("task", "max_seq_len", "dtype", "attn")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
-               "quantize", "calibration", "min_sqnr", "max_error"}
+               "quantize", "calibration", "min_sqnr", "max_error", "strict", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -74,6 +80,10 @@ class ModelEntry:
     #: Accuracy thresholds of quantized targets (verify): SQNR floor (dB), error ceiling.
     min_sqnr: float | None = None
     max_error: float | None = None
+    #: Export with torch.export's strict mode.
+    strict: bool = False
+    #: An hf: model's task and options (``{"task": ..., "max_seq_len": ...}``), or None.
+    hf: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +203,15 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         if not path.is_file():
             raise ManifestError(f"{where}: model file {spec.location!r} does not exist")
         model = f"{path}:{spec.factory}"
-    if spec.kind != "pt2":
+    hf = _hf_keys(where, raw, spec)
+    if spec.kind == "hf":
+        if not Path(spec.location).expanduser().is_absolute() and (base / spec.location).is_dir():
+            model = f"hf:{base / spec.location}"
+        try:
+            check_spec(ModelSpec.parse(model), options={"hf": hf})
+        except ModelSpecError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
+    elif spec.kind != "pt2":
         try:
             resolve_factory(ModelSpec.parse(model))
         except ModelSpecError as exc:
@@ -227,6 +245,9 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     verify = raw.get("verify", defaults.get("verify", True))
     if not isinstance(verify, bool):
         raise ManifestError(f"{where}: 'verify' must be true or false")
+    strict = raw.get("strict", False)
+    if not isinstance(strict, bool):
+        raise ManifestError(f"{where}: 'strict' must be true or false")
     dynamic_shapes = raw.get("dynamic_shapes")
     if dynamic_shapes is not None:
         if spec.kind == "pt2":
@@ -259,7 +280,21 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         quantize=quantize,
         calibration=calibration,
         **thresholds,
+        strict=strict,
+        hf=hf,
     )
+
+
+def _hf_keys(where: str, raw: Mapping[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
+    """An hf: entry's task and options; the keys on any other entry are an error."""
+    given = {k: raw[k] for k in HF_KEYS if raw.get(k) is not None}
+    if spec.kind != "hf":
+        if given:
+            raise ManifestError(f"{where}: {sorted(given)} are for an hf: model, not {spec.text!r}")
+        return None
+    if "task" not in given:
+        raise ManifestError(f"{where}: an hf: model needs a 'task' (text-generation, fill-mask, ...)")
+    return given
 
 
 def recipes_by_target(value: Any, targets: list[str] | tuple[str, ...], where: str = "quantize") -> dict | None:

@@ -66,6 +66,7 @@ def lower(
     quantize: Any = None,
     calibration: Any = None,
     runtime_ops: Any = None,
+    strict: bool = False,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -87,6 +88,7 @@ def lower(
     (:func:`lowering.stock_ops.runtime_profile`: some of ``"portable"``, ``"quantized"``,
     ``"llm"``, ``"fused"``; None: all of them); an operator outside it fails the lowering
     with :class:`~lowering.errors.MissingOperatorError` before any bytes are written.
+    ``strict``: torch.export's strict mode (see :func:`lowering.export.export`).
     """
     runtime_profile(runtime_ops)  # a bad name fails before any work
     if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
@@ -98,10 +100,10 @@ def lower(
             raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
         return lower_methods(model_or_exported_program, partitioner=partitioner,
                              share_mutable_buffers=share_mutable_buffers, quantize=quantize,
-                             calibration=calibration, runtime_ops=runtime_ops)
+                             calibration=calibration, runtime_ops=runtime_ops, strict=strict)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
-        program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes)
+        program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict)
     if quantize is not None and partitioner is None:
         _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
     program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
@@ -165,7 +167,7 @@ class MethodsLowerResult:
 
 def lower_methods(
     methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False,
-    quantize: Any = None, calibration: Any = None, runtime_ops: Any = None,
+    quantize: Any = None, calibration: Any = None, runtime_ops: Any = None, strict: bool = False,
 ) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
@@ -190,6 +192,11 @@ def lower_methods(
     ``quantize``: one recipe for every method; ``calibration``: a dict
     ``{method name: batches}`` (int8 needs one entry per method).  ``runtime_ops``: as
     in :func:`lower`, for every method.
+
+    A method whose value is a plain int, float, bool, str or a list of them is a
+    *constant method* (no inputs; returns the value), as ExecuTorch's
+    ``constant_methods``: ``{"forward": (m, (x,)), "get_max_seq_len": 128}``
+    (:func:`lowering.methods.constant_methods`).
     """
     from .methods import (
         check_no_shared_state,
@@ -198,9 +205,11 @@ def lower_methods(
         method_entries,
         mutated_buffers,
         plan_method_state,
+        split_constant_methods,
     )
 
     runtime_profile(runtime_ops)
+    methods, constants = split_constant_methods(methods, "lower")
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
     plans: dict[str, MemoryPlan] = {}
@@ -211,7 +220,7 @@ def lower_methods(
             if isinstance(model, ExportedProgram):
                 program = _edge_program(model, None)
             else:
-                program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name)
+                program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name, strict=strict)
         calibration_of = calibration.get(name) if isinstance(calibration, Mapping) else None
         if calibration is not None and not isinstance(calibration, Mapping):
             raise LoweringError("lower_methods: calibration must be a dict {method name: batches}")
@@ -229,7 +238,8 @@ def lower_methods(
             plans[name] = memory_plan(programs[name], shared_state=states[name] if states else None)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
-        pte = emit_methods({name: (programs[name], plans[name]) for name in entries}, runtime_ops=runtime_ops)
+        pte = emit_methods({name: (programs[name], plans[name]) for name in entries}, constants,
+                           runtime_ops=runtime_ops)
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
     return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings)
@@ -239,6 +249,7 @@ def _edge_program(
     model_or_exported_program: torch.nn.Module | ExportedProgram,
     example_inputs: Sequence[Any] | None,
     dynamic_shapes: Any = None,
+    strict: bool = False,
 ) -> ExportedProgram:
     """The edge-form program of a module or an exported program."""
     if isinstance(model_or_exported_program, ExportedProgram):
@@ -258,7 +269,7 @@ def _edge_program(
         raise LoweringError(
             f"lower: model {type(model_or_exported_program).__name__!r} needs example_inputs to be exported"
         )
-    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes)
+    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict)
 
 
 def is_edge_form(program: ExportedProgram) -> bool:

@@ -17,6 +17,14 @@ method names and emits the methods into ONE program::
 Method order in the program is sorted by name (as ExecuTorch's emitter does),
 whatever the order of the mapping, so the bytes depend only on the methods.
 
+Constant methods (ExecuTorch's ``constant_methods``: an LLM's ``get_max_seq_len``,
+``get_eos_ids``, ...) are plain values among the methods, split off by
+:func:`split_constant_methods` and emitted after the traced ones, in name order
+(:mod:`lowering.emit.constant_method`)::
+
+    {"forward": (m, (x,)), "get_max_seq_len": 128}
+        ─► plans [forward, get_max_seq_len]   get_max_seq_len: no inputs, returns Int 128
+
 Mutable buffers are per method by default (each method's planned memory holds
 its own state); two methods sharing one mutated buffer are rejected by
 :func:`check_no_shared_state`.  With shared mutable buffers (ExecuTorch's
@@ -60,14 +68,31 @@ def method_order(names: Iterable[str]) -> list[str]:
     return sorted(names)
 
 
-def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]], *, runtime_ops: Any = None) -> bytes:
-    """The ``.pte`` holding every method of ``{name: (edge program, memory plan)}``;
-    ``runtime_ops``: the runtime profile every method's operators are checked against."""
-    return serialize(build_methods_pte(methods, runtime_ops=runtime_ops))
+def emit_methods(methods: Mapping[str, tuple[ExportedProgram, Any]],
+                 constants: Mapping[str, Any] | None = None, *, runtime_ops: Any = None) -> bytes:
+    """The ``.pte`` holding every method of ``{name: (edge program, memory plan)}``
+    and the constant methods ``{name: value}``; ``runtime_ops``: the runtime profile
+    every method's operators are checked against."""
+    return serialize(build_methods_pte(methods, constants, runtime_ops=runtime_ops))
 
 
-def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]], *, runtime_ops: Any = None) -> PteData:
-    """Emit each method alone, then :func:`merge_methods` (in name order)."""
+def split_constant_methods(methods: Any, where: str = "methods") -> tuple[Any, dict[str, Any]]:
+    """``(traced methods, {name: constant value})`` of a methods dict whose plain values
+    (bool, int, float, str or a list of them) are constant methods."""
+    from .emit.constant_method import is_constant_value
+
+    if not isinstance(methods, Mapping):
+        return methods, {}
+    constants = {check_method_name(k, where): v for k, v in methods.items()
+                 if not isinstance(v, (tuple, ExportedProgram)) and is_constant_value(v)}
+    return {k: v for k, v in methods.items() if k not in constants}, constants
+
+
+def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]],
+                      constants: Mapping[str, Any] | None = None, *, runtime_ops: Any = None) -> PteData:
+    """Emit each method alone, then :func:`merge_methods` (in name order), then the
+    constant methods (in name order)."""
+    from .emit.constant_method import constant_plan
     from .emit.method import build_pte
 
     if not methods:
@@ -80,7 +105,13 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]], *, run
             built.append((name, build_pte(program, plan, runtime_ops=runtime_ops)))
         except EmitError as exc:
             raise type(exc)(f"method {name!r}: {exc}") from exc
-    return merge_methods(built)
+    merged = merge_methods(built)
+    clash = sorted(set(constants or ()) & set(methods))
+    if clash:
+        raise MethodError(f"methods: {clash} are both a method and a constant method")
+    for name in method_order(constants or {}):
+        merged.program.executionPlan.append(constant_plan(check_method_name(name), constants[name]))
+    return merged
 
 
 def merge_methods(methods: list[tuple[str, PteData]]) -> PteData:

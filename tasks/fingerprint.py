@@ -20,6 +20,11 @@ without exporting (the factory runs; nothing is traced):
 * ``options``     the export options and the manifest's ``version`` (a salt).
 
 For a ``.pt2`` model the fingerprint is the file's sha256 (its bytes are the program).
+For an ``hf:`` model (:func:`fingerprint_hf`) it is its directory's files by role,
+``weights`` (``*.safetensors``, ``*.bin``, ...), ``tokenizer`` (tokenizer, vocabulary and
+processor files), ``config`` (``config.json``, ``generation_config.json``, the rest),
+``code`` (``transformers``' version, remote-code ``*.py`` files) and ``options`` (task,
+``max_seq_len``, dtype, attn, ``version``): blake3 of each file's bytes, by relative path.
 
 The fingerprint is a small JSON document of per-part digests (what a model
 manifest records, so a user can see *why* a model re-lowered) plus the details
@@ -137,6 +142,57 @@ def fingerprint_pt2(data: bytes, options: Mapping[str, Any] | None = None) -> Fi
         {"program": hashlib.sha256(data).hexdigest(), "options": _sha256_json(_plain(dict(options or {})))},
         {"bytes": len(data)},
     )
+
+
+#: File roles of an hf: model directory, by name pattern (the rest is ``config``).
+HF_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack",
+              "*.safetensors.index.json", "*.bin.index.json")
+HF_TOKENIZER = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json", "added_tokens.json",
+                "*.model", "*.tiktoken", "chat_template*", "preprocessor_config.json", "processor_config.json")
+
+
+def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, transformers_version: str,
+                   method: str | None = None) -> Fingerprint:
+    """The fingerprint of an ``hf:`` model's directory (see the module docstring);
+    with ``method``, of that method of its program (one more part, the method's name)."""
+    root = Path(directory)
+    files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts):
+            continue  # .cache/, .git/: the hub client's bookkeeping, not the model
+        files[_hf_role(relative.name)][relative.as_posix()] = _file_digest(path)
+    code = {"transformers": transformers_version, "files": files["code"]}
+    parts = {
+        "weights": _sha256_json(files["weights"]),
+        "tokenizer": _sha256_json(files["tokenizer"]),
+        "config": _sha256_json(files["config"]),
+        "code": _sha256_json(code),
+        "options": _sha256_json(_plain(dict(options or {}))),
+    }
+    if method is not None:
+        parts["method"] = _sha256_json(method)
+    return Fingerprint("hf", parts, {"files": {role: sorted(names) for role, names in files.items()},
+                                     "transformers": transformers_version})
+
+
+def _hf_role(name: str) -> str:
+    import fnmatch
+
+    if any(fnmatch.fnmatch(name, pattern) for pattern in HF_WEIGHTS):
+        return "weights"
+    if any(fnmatch.fnmatch(name, pattern) for pattern in HF_TOKENIZER):
+        return "tokenizer"
+    return "code" if name.endswith(".py") else "config"
+
+
+def _file_digest(path: Path) -> str:
+    import blake3
+
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    if path.stat().st_size:  # an empty file cannot be mapped
+        digest.update_mmap(str(path))
+    return digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- weights

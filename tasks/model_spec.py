@@ -14,6 +14,9 @@
   so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
 * ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``.
+* ``hf:<directory or hub id>`` — a Hugging Face model, with a task and options in the
+  load options' ``"hf"`` entry (:mod:`tasks.hf_spec`): the methods of one program and
+  its constant methods (``LoadedModel.constants``).
 
 :func:`load_model` loads a spec and fingerprints it (:mod:`tasks.fingerprint`):
 weights, code, attributes, example inputs and options.  The fingerprint is what
@@ -67,7 +70,7 @@ class ModelSpecError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     text: str
-    kind: str  # "file", "module" or "pt2"
+    kind: str  # "file", "module", "pt2" or "hf"
     location: str  # file path, module name or URL
     factory: str | None
 
@@ -76,6 +79,10 @@ class ModelSpec:
         if not isinstance(text, str) or not text.strip():
             raise ModelSpecError(f"model spec must be a non-empty string, got {text!r}")
         text = text.strip()
+        if text.startswith("hf:"):
+            if not text[3:].strip():
+                raise ModelSpecError(f"model spec {text!r}: expected 'hf:<model directory or hub id>'")
+            return cls(text, "hf", text[3:].strip(), None)
         if text.endswith(".pt2"):
             return cls(text, "pt2", text, None)
         location, sep, factory = text.rpartition(":")
@@ -98,6 +105,8 @@ class ModelSpec:
             return f"{Path(self.location).resolve()}:{self.factory}"
         if self.kind == "pt2" and "://" not in self.location:
             return str(Path(self.location).resolve())
+        if self.kind == "hf" and Path(self.location).expanduser().is_dir():
+            return f"hf:{Path(self.location).expanduser().resolve()}"
         return self.text
 
     @property
@@ -105,13 +114,25 @@ class ModelSpec:
         """A short default name: the factory, or the .pt2 file's stem."""
         if self.factory:
             return self.factory
+        if self.kind == "hf":
+            return Path(self.location.rstrip("/")).name or "hf-model"
         return Path(self.location.rsplit("/", 1)[-1]).stem
 
 
-def check_spec(spec: ModelSpec, storage_options: dict | None = None) -> None:
-    """Raise ModelSpecError unless the spec's file, module or .pt2 can be found."""
+def check_spec(spec: ModelSpec, storage_options: dict | None = None, options: dict | None = None) -> None:
+    """Raise ModelSpecError unless the spec's file, module or .pt2 can be found (an hf:
+    model: its directory, and its task and options in ``options["hf"]``)."""
     try:
-        if spec.kind == "pt2":
+        if spec.kind == "hf":
+            from lowering.errors import LoweringError
+
+            from .hf_spec import check
+
+            try:
+                check(spec.location, options)
+            except LoweringError as exc:
+                raise _hf_error(spec, exc) from exc
+        elif spec.kind == "pt2":
             fs, path = fsspec.core.url_to_fs(spec.location, **(storage_options or {}))
             if not fs.exists(path):
                 raise ModelSpecError(f"model spec {spec.text!r}: cannot read {spec.location!r}: no such file")
@@ -130,8 +151,8 @@ def resolve_factory(spec: ModelSpec) -> Any:
     """The spec's factory, imported but not called: its file exists (or its module is
     found), the module imports, and the attribute is callable.  Raises ModelSpecError
     naming the spec (with the closest factory name when the attribute is missing)."""
-    if spec.kind == "pt2":
-        raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
+    if spec.kind in ("pt2", "hf"):
+        raise ModelSpecError(f"model spec {spec.text!r} is a {_KIND_NAMES[spec.kind]}, not a factory")
     check_spec(spec)
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
     with _FACTORY_LOCK, _importable(directory):
@@ -159,6 +180,9 @@ def _factory_of(spec: ModelSpec) -> tuple[Any, Any]:
     return module, factory
 
 
+_KIND_NAMES = {"pt2": ".pt2 program", "hf": "Hugging Face model"}
+
+
 @dataclasses.dataclass
 class LoadedModel:
     """A loaded spec: the eager module and inputs (None for a .pt2) and its fingerprint.
@@ -183,6 +207,10 @@ class LoadedModel:
     #: Calibration data the factory returned (``"calibration"`` of its mapping), as it
     #: returned it: an iterable of input tuples or a callable (see :mod:`tasks.calibration`).
     calibration: Any = None
+    #: Constant methods ``{name: value}`` of the program (an hf: model's metadata).
+    constants: dict[str, Any] | None = None
+    #: Export with torch.export's strict mode (the ``strict`` option).
+    strict: bool = False
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -194,6 +222,8 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
     dynamic shapes.  Errors are :class:`ModelSpecError` naming the spec.
     """
     override = (options or {}).get("dynamic_shapes")
+    if spec.kind == "hf":
+        return _load_hf(spec, options, override)
     if spec.kind == "pt2":
         if override is not None:
             raise ModelSpecError(f"model spec {spec.text!r}: a .pt2 program carries its own dynamic shapes; "
@@ -212,7 +242,37 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
             return _load_methods(spec, module, factory_module, options, share)
         dynamic_shapes = _dynamic_shapes(spec, module, inputs, dynamic_shapes, override)
         fp = _fingerprint(spec, module, inputs, factory_module, options, dynamic_shapes)
-    return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes, calibration=calibration)
+    return LoadedModel(spec, fp, module, inputs, dynamic_shapes=dynamic_shapes, calibration=calibration,
+                       strict=bool((options or {}).get("strict")))
+
+
+def _hf_error(spec: ModelSpec, exc: Exception) -> ModelSpecError:
+    """lowering.hf's "hf:<source>: why" as "model spec 'hf:<source>': why"."""
+    return ModelSpecError(f"model spec {spec.text!r}: {str(exc).removeprefix(f'hf:{spec.location}: ')}")
+
+
+def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedModel:
+    """An hf: model: always a model of methods (``forward`` alone for most tasks), with its
+    constant methods; errors name the spec."""
+    from lowering.errors import LoweringError
+
+    from .hf_spec import load
+
+    if override is not None:
+        raise ModelSpecError(f"model spec {spec.text!r}: an hf: model's dynamic shapes come with its task; "
+                             "'dynamic_shapes' is only for a factory")
+    try:
+        with _FACTORY_LOCK, torch.random.fork_rng():
+            program, fingerprints, fingerprint = load(spec.location, options)
+    except LoweringError as exc:
+        raise _hf_error(spec, exc) from exc
+    strict = bool((options or {}).get("strict"))
+    methods = {
+        name: LoadedModel(spec, fingerprints[name], module, inputs, method=name, dynamic_shapes=dims, strict=strict)
+        for name, (module, inputs, dims) in program.methods.items()
+    }
+    return LoadedModel(spec, fingerprint, methods=methods, share_mutable_buffers=program.share_mutable_buffers,
+                       constants=program.constants, strict=strict)
 
 
 def _fingerprint(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, factory_module: Any,
@@ -245,8 +305,8 @@ def _dynamic_shapes(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, dyn
 
 def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     """Import the spec's factory and call it; checks what it returns."""
-    if spec.kind == "pt2":
-        raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
+    if spec.kind in ("pt2", "hf"):
+        raise ModelSpecError(f"model spec {spec.text!r} is a {_KIND_NAMES[spec.kind]}, not a factory")
     with _FACTORY_LOCK:
         module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):
@@ -260,6 +320,9 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
     order); a factory returning ``(module, example_inputs)`` has the one method ``forward``."""
     if spec.kind == "pt2":
         raise ModelSpecError(f"model spec {spec.text!r} is a .pt2 program, not a factory")
+    if spec.kind == "hf":
+        raise ModelSpecError(f"model spec {spec.text!r} is a Hugging Face model: load it with load_model "
+                             "and its task")
     with _FACTORY_LOCK:
         module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):

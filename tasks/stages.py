@@ -185,7 +185,8 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         program = load_pt2(loaded.pt2, name=model)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
-        program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label)
+        program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
+                                strict=loaded.strict)
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
@@ -477,18 +478,19 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef) -> d
     return {"pte": store.put_bytes(pte, "pte")}
 
 
-def run_emit_methods(store: ArtifactStore, methods: dict) -> dict:
+def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None = None) -> dict:
     """Stage 8 of a model of several methods: ONE .pte holding every method.
 
     ``methods``: ``{name: {"program": ref, "plan": ref}}`` (the key covers the
     method set: names, programs and plans).  Methods are written in name order;
     shared weights and equal delegate payloads are stored once (lowering.methods).
+    ``constants``: the constant methods ``{name: value}`` (an hf: model's metadata).
     """
     _begin("emit_methods")
     pte = emit_methods({
         name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
         for name, entry in methods.items()
-    })
+    }, constants)
     return {"pte": store.put_bytes(pte, "pte")}
 
 

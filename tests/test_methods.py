@@ -691,3 +691,44 @@ def test_flow_prefill_of_any_prompt_length_and_decode_share_a_kv_cache(tmp_path)
             for step in range(2):
                 token, pos = torch.tensor([[7 + step]]), torch.tensor([length + step])
                 assert_all_close(list(decode.execute([token, pos])), flatten(eager["decode"][0](token, pos)), atol=1e-4)
+
+
+# --------------------------------------------------------------------------- constant methods
+
+CONSTANTS = {"get_max_seq_len": 128, "use_kv_cache": True, "get_eos_ids": [2, 7], "get_head_dim": 16.0,
+             "get_name": "tiny"}
+
+
+def test_constant_methods_are_emitted_as_executorch_emits_them():
+    """Plain values among the methods are constant methods: each plan equals the one ExecuTorch's
+    ``constant_methods`` emits (values, outputs, container metadata), and both runtimes return them."""
+    pytest.importorskip("executorch.exir")
+    from executorch.exir import to_edge
+    from executorch.runtime import Runtime
+
+    model, inputs = mlp()
+    ours = lower({"forward": (model, inputs), **CONSTANTS}).pte
+    theirs = to_edge(torch.export.export(model, inputs), constant_methods=CONSTANTS).to_executorch().buffer
+    plans = {decode_string(p.name): p for p in deserialize(ours).program.executionPlan}
+    reference = {decode_string(p.name): p for p in deserialize(theirs).program.executionPlan}
+    assert list(plans) == ["forward", *sorted(CONSTANTS)]
+    for name in CONSTANTS:
+        mine, et = plans[name], reference[name]
+        assert [(v.valType, vars(v.val)) for v in mine.values] == [(v.valType, vars(v.val)) for v in et.values]
+        for field in ("inputs", "outputs", "nonConstBufferSizes"):
+            assert list(getattr(mine, field)) == list(getattr(et, field)), (name, field)
+        assert vars(mine.containerMetaType) == vars(et.containerMetaType)
+    program, executor = Runtime.get().load_program(ours), load(ours)
+    for name, value in CONSTANTS.items():
+        expected = value if isinstance(value, list) else [value]
+        assert program.load_method(name).execute([]) == expected
+        assert executor.run(name, []) == expected
+
+
+def test_a_constant_method_named_like_a_method_is_rejected():
+    model, inputs = mlp()
+    with pytest.raises(MethodError, match=r"\['forward'\] are both a method and a constant method"):
+        from lowering.methods import build_methods_pte
+
+        program = lower(model, inputs)
+        build_methods_pte({"forward": (program.exported_program, program.memory_plan)}, {"forward": 1})

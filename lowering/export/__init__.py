@@ -47,11 +47,14 @@ The rooms of this package:
   and the slow path;
 - :mod:`~lowering.export.cleanups`: views to copies, no asserts, no unused constants;
 - :mod:`~lowering.export.folding`: constant folding of weight views;
+- :mod:`~lowering.export.aliases`: lifted constants that are a buffer under another
+  name (state held by a plain Python object too) merged into the buffer;
 - :mod:`~lowering.export.control_flow`: the cond / map case (what is supported).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
@@ -63,6 +66,7 @@ from torch.export import ExportedProgram
 
 from ..dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
 from ..errors import ExportError, first_line
+from .aliases import buffers_kept, merge_aliased_constants
 from .cleanups import infer_symbolic_view_size, remove_asserts, remove_unused_constants, replace_view_ops_with_copies
 from .control_flow import check_control_flow
 from .decompose import decompose_to_core
@@ -95,6 +99,7 @@ def export(
     name: str | None = None,
     fast: bool | None = None,
     fold_constants: bool | None = None,
+    strict: bool = False,
 ) -> ExportedProgram:
     """Export ``model`` on ``example_inputs`` and bring it to the edge form.
 
@@ -103,6 +108,9 @@ def export(
     memory for it), or :class:`ExportError` names the input and dim.
     ``name`` is used in error messages (defaults to the model's class name).
     ``fast`` / ``fold_constants`` default to :data:`FAST_PATH` / :data:`FOLD_CONSTANTS`.
+    ``strict``: torch.export's strict mode (TorchDynamo traces the Python code); the default,
+    non-strict, has lifted constants that alias a buffer merged into it
+    (:func:`~lowering.export.aliases.merge_aliased_constants`).
     """
     label = name or type(model).__name__
     if not isinstance(model, torch.nn.Module):
@@ -118,11 +126,16 @@ def export(
         )
     try:
         dynamic_shapes = complete_dynamic_shapes(model, len(example_inputs), dynamic_shapes)
-        exported = torch.export.export(
-            model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=False
-        )
+        with contextlib.nullcontext() if strict else buffers_kept(model):
+            exported = torch.export.export(
+                model, tuple(example_inputs), dynamic_shapes=dynamic_shapes, strict=bool(strict)
+            )
     except Exception as exc:  # torch raises many unrelated types here
         raise ExportError(f"model {label!r}: {_export_failure(model, example_inputs, exc)}") from exc
+    if not strict:
+        merged = merge_aliased_constants(exported)
+        if merged:
+            log.debug("model %r: lifted constants %s are buffers under another name: merged", label, merged)
     return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants)
 
 
@@ -248,6 +261,7 @@ __all__ = [
     "fold_constant_views",
     "functionalize_mutations",
     "load",
+    "merge_aliased_constants",
     "remove_asserts",
     "remove_buffer_copies",
     "remove_unused_constants",

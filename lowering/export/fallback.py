@@ -24,6 +24,14 @@ from .cleanups import remove_asserts, replace_view_ops_with_copies
 from .control_flow import clean_control_flow_submodules
 
 
+#: What the decomposition failure's message suggests (one line).
+WHAT_TO_TRY = (
+    "what to try: export with strict=True (`lowerflow lower --strict`, `strict: true` on the manifest "
+    "entry, lowering.export(..., strict=True)); keep module state in registered buffers of nn.Modules, "
+    "not in plain Python objects; or export the model yourself and give lowerflow the .pt2"
+)
+
+
 class Fallback(Exception):
     """The fast path does not handle this program; the message says why."""
 
@@ -37,7 +45,7 @@ def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
             decomposed = exported.run_decompositions(table)
     except Exception as exc:
         raise ExportError(
-            f"model {name!r}: decomposition to core ATen failed: {first_line(exc)}"
+            f"model {name!r}: decomposition to core ATen failed: {first_line(exc)}; {WHAT_TO_TRY}"
         ) from exc
     graph = decomposed.graph_module.graph
     replace_view_ops_with_copies(graph)

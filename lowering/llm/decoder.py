@@ -132,7 +132,17 @@ class Decoder(torch.nn.Module):
             out = self.model(input_ids=input_ids, attention_mask=None, cache=self.cache, use_cache=True, **kwargs)
         finally:
             self._config._attn_implementation = previous
+            self._release()
         return out.logits
+
+    def _release(self) -> None:
+        """The layers and the step hold no tensor between calls: after a (non-strict) export
+        they would hold its fake tensors and SymInts, and the module could not be deep-copied."""
+        self._step.start_pos = 0
+        for layer in self.cache.layers:
+            layer.keys = layer.values = None
+            if not self.custom:
+                layer.cumulative_length = None
 
 
 def _check_no_short_window(config, max_seq_len: int) -> None:

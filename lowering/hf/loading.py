@@ -1,0 +1,104 @@
+"""Finding and loading a Hugging Face model: ``transformers`` (an optional extra),
+the model's directory (local, or a hub id downloaded by ``huggingface_hub``),
+its config and dtype.
+
+    "./my-model"           ─► Path("./my-model")          (a save_pretrained directory)
+    "HuggingFaceTB/SmolLM2-135M" ─► the hub snapshot's directory (network)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import LoweringError
+
+#: How to get transformers: the product's optional extra.
+INSTALL_HINT = "pip install 'lowerflow[hf]'"
+
+#: dtype option -> torch dtype.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+class HFError(LoweringError):
+    """A Hugging Face model that cannot be loaded or wrapped for its task; the message names it."""
+
+
+def require_transformers(source: str) -> Any:
+    """The ``transformers`` module, or HFError saying how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise HFError(f"hf:{source}: needs the 'transformers' package: {INSTALL_HINT}") from None
+    return transformers
+
+
+def transformers_version() -> str:
+    """``transformers``' version (part of an hf model's fingerprint), "" without it."""
+    try:
+        import transformers
+    except ImportError:
+        return ""
+    return str(transformers.__version__)
+
+
+def is_local(source: str) -> bool:
+    """Whether ``source`` names a local directory (else it is a hub id)."""
+    return Path(source).expanduser().is_dir()
+
+
+def check_source(source: str) -> None:
+    """HFError unless ``source`` is a directory with a ``config.json`` or looks like a hub id."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise HFError(f"hf:{source}: {str(path)!r} has no config.json (a save_pretrained directory has one)")
+        return
+    if source.startswith((".", "/", "~")) or not _HUB_ID.match(source):
+        raise HFError(f"hf:{source}: no such directory (and not a hub model id such as 'org/name')")
+
+
+def model_directory(source: str) -> Path:
+    """The local directory of ``source``: itself, or the hub snapshot (downloaded)."""
+    check_source(source)
+    if is_local(source):
+        return Path(source).expanduser().resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source))
+    except Exception as exc:
+        raise HFError(f"hf:{source}: not a local directory, and the hub download failed: "
+                      f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+
+
+def torch_dtype(source: str, dtype: str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if dtype not in DTYPES:
+        raise HFError(f"hf:{source}: dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.dtype, **kwargs: Any):
+    """``transformers.<auto_class>.from_pretrained(directory)`` in eval mode; HFError naming
+    the source and the class on failure (e.g. a config the task's Auto class does not take)."""
+    transformers = require_transformers(source)
+    try:
+        # Weights the checkpoint lacks (a head the task adds) are initialized from a fixed
+        # seed: the same directory gives the same model, and the same .pte, in any process.
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = getattr(transformers, auto_class).from_pretrained(str(directory), dtype=dtype, **kwargs)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise HFError(f"hf:{source}: {auto_class}.from_pretrained failed: {type(exc).__name__}: "
+                      f"{text[0] if text else ''}") from exc
+    # Inference only: a cache buffer updated in place from weights that require grad would
+    # become a non-leaf tensor (it cannot be deep-copied, and export warns about it).
+    return model.eval().requires_grad_(False)
