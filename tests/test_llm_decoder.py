@@ -45,6 +45,18 @@ def hf_model(family: str):
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
                                           max_position_embeddings=64)
         return transformers.Qwen2ForCausalLM(config).eval()
+    if family == "phi3":
+        config = transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                                         bos_token_id=1)
+        return transformers.Phi3ForCausalLM(config).eval()
+    if family == "gemma2":
+        config = transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           vocab_size=VOCAB, max_position_embeddings=64, sliding_window=MAX_SEQ_LEN,
+                                           attn_logit_softcapping=None, final_logit_softcapping=None)
+        return transformers.Gemma2ForCausalLM(config).eval()
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -150,7 +162,7 @@ def test_executorch_library_loaded_first_keeps_its_definitions():
 # --------------------------------------------------------------------------- eager
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "phi3", "gemma2"])
 @pytest.mark.parametrize("attn", ["custom", "standard"])
 def test_decoder_equals_hf_without_cache(family, attn):
     module = decoder_module(hf_model(family), max_seq_len=MAX_SEQ_LEN, attn=attn)
@@ -172,6 +184,9 @@ def test_bad_arguments_name_the_problem():
         decoder_module(hf_model("llama"), max_seq_len=MAX_SEQ_LEN, attn="flash")
     with pytest.raises(ValueError, match="max_seq_len"):
         decoder_module(hf_model("llama"), max_seq_len=1)
+    with pytest.raises(ValueError, match="sliding-window attention"):  # custom_sdpa is full-causal
+        decoder_module(hf_model("gemma2"), max_seq_len=MAX_SEQ_LEN + 8)
+    decoder_module(hf_model("gemma2"), max_seq_len=MAX_SEQ_LEN + 8, attn="standard")
 
 
 # --------------------------------------------------------------------------- lowered

@@ -126,14 +126,17 @@ def infer_symbolic_view_size(graph: torch.fx.Graph) -> int:
     same result); returns the count.  The view then reads no symbolic value, so a backend can
     take it (XNNPACK's reshape infers one size), and the size nodes left unused go.
 
-    Before: ``%view = aten.view_copy.default(%x, [%sym_size_int, 64])``
-    After:  ``%view = aten.view_copy.default(%x, [-1, 64])``
+    Before: ``%view = aten.view_copy.default(%x, [1, %sym_size_int, -1, 32])``  (x: [1, s, 128])
+    After:  ``%view = aten.view_copy.default(%x, [1, -1, 4, 32])``
     """
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten.view_copy.default:
             continue
-        sizes = node.args[1]
+        shape = node.meta["val"].shape
+        # an inferred -1 whose size is static is that size (then the symbolic one can be -1)
+        sizes = [shape[i] if isinstance(s, int) and s < 0 and isinstance(shape[i], int) else s
+                 for i, s in enumerate(node.args[1])]
         symbolic = [i for i, s in enumerate(sizes) if isinstance(s, torch.fx.Node)]
         if len(symbolic) != 1 or any(isinstance(s, int) and s < 0 for s in sizes):
             continue

@@ -32,6 +32,7 @@ custom variant (its attention is full-causal).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -91,7 +92,7 @@ class Decoder(torch.nn.Module):
             _check_no_short_window(config, max_seq_len)
             ensure_llama_ops()
             _register_attention()
-            layers = [_CustomLayer(max_seq_len, self._step) for _ in range(n_layers)]
+            layers = [_custom_layer_class()(max_seq_len, self._step) for _ in range(n_layers)]
             self.cache = StaticCache(max_cache_len=max_seq_len, config=config)
             self.cache.layers = layers
             for i, layer in enumerate(layers):
@@ -156,37 +157,26 @@ def _check_no_short_window(config, max_seq_len: int) -> None:
                          f"or max_seq_len <= {window}")
 
 
-def _layer_class():
+@functools.cache
+def _custom_layer_class():
+    """transformers' StaticLayer on ``[1, L, H, D]`` buffers written by ``llama::update_cache``
+    (a class made on first use: transformers is imported only by a decoder)."""
     from transformers.cache_utils import StaticLayer
 
     class CustomLayer(StaticLayer):
-        """A static layer on ``[1, L, H, D]`` buffers written by ``llama::update_cache``."""
-
         def __init__(self, max_cache_len: int, step: _Step):
             super().__init__(max_cache_len)
             self.step = step
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
+            """``key_states``/``value_states`` [B, H, S, D] (transformers' layout) -> the whole caches."""
             start = self.step.start_pos
             torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)
             torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
             return self.keys, self.values
 
-        def get_max_length(self) -> int:
-            return self.max_cache_len
-
     return CustomLayer
-
-
-def _CustomLayer(max_cache_len: int, step: _Step):
-    global _CUSTOM_LAYER
-    if _CUSTOM_LAYER is None:
-        _CUSTOM_LAYER = _layer_class()
-    return _CUSTOM_LAYER(max_cache_len, step)
-
-
-_CUSTOM_LAYER = None
 
 
 def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
