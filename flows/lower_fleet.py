@@ -37,16 +37,21 @@ from tasks.store import ArtifactStore
 
 from .lower_model import ModelLoweringFailed, lower_model, one_line, plan_model
 from .manifest import FleetManifest, ModelEntry, load_manifest
+from .outages import outage, store_down
 
 
 class FleetFailed(RuntimeError):
     """Some models failed; ``summary`` has every model's manifest (and ``timed_out``:
     the models still out when the fleet timed out)."""
 
+    explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+
     def __init__(self, summary: dict) -> None:
         message = f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}"
         if summary.get("timed_out"):
             message += f" (timed out waiting for {', '.join(summary['timed_out'])})"
+        if summary.get("store_error"):
+            message += f"; {summary['store_error']}"
         super().__init__(message)
         self.summary = summary
 
@@ -112,9 +117,15 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     if timed_out:
         summary["timed_out"] = timed_out
     summary["ok"] = not summary["failed"]
-    store.put_json("fleet.json", summary)
+    try:
+        store.put_json("fleet.json", summary)
+    except Exception as exc:  # the store went away: the fleet fails saying so, in one line
+        summary["ok"], summary["store_error"] = False, (
+            store_down(str(exc), store.url) or f"cannot write fleet.json to {store.url}: {type(exc).__name__}: "
+                                               f"{one_line(str(exc))}")
+        logger.error("%s", summary["store_error"])
     _publish_report(summary)
-    if summary["failed"]:
+    if not summary["ok"]:
         raise FleetFailed(summary)
     return summary
 
@@ -432,6 +443,10 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                                    run.id, one_line(run.state.message or ""), new, crashes[name], crash_retries)
                     continue
                 outcomes[name] = _finished(run, members[name], store)
+                if outcomes[name][1].get("error"):  # one cause for every target: one line
+                    logger.error("%s/%s FAILED %s", name, ",".join(outcomes[name][1]["targets"]),
+                                 outcomes[name][1]["error"])
+                    continue
                 for target, result in outcomes[name][1]["targets"].items():
                     logger.info("%s/%s %s", name, target, "ok" if result.get("ok") else f"FAILED {result.get('error')}")
             if pending and deadline is not None and time.monotonic() > deadline:
@@ -488,7 +503,9 @@ def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:
     if manifest is not None:
         return False, manifest
     message = one_line(run.state.message or "") or f"the model run ended {run.state.name}"
-    return False, failed_manifest(params, f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
+    # Its store (or Redis) unreachable, the model's manifest unread: the model's own line.
+    down = outage(message, store.url)
+    return False, failed_manifest(params, down[0] if down else f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
 
 
 def _read_manifest(store: ArtifactStore, name: str, run_id: str) -> dict | None:

@@ -37,7 +37,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -87,6 +87,46 @@ def receiver() -> Iterator[tuple[list[dict], str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@dataclass
+class S3:
+    """A moto S3 server on a loopback port, with one bucket; ``stop()`` is the outage."""
+    server: Any
+    port: int
+    bucket: str
+    env: dict[str, str]  # what a worker needs (deployments/README.md, step 5)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[S3]:
+    """A moto S3 server with the bucket ``lowerflow-nights``."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "lowerflow-test", "AWS_SECRET_ACCESS_KEY": "lowerflow-test-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_MAX_ATTEMPTS": "2"}
+    s3 = S3(server, port, "lowerflow-nights", env)
+    try:
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"], region_name="us-east-1",
+                     aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket=s3.bucket)
+        yield s3
+    finally:
+        with contextlib.suppress(Exception):
+            s3.server.stop()
 
 
 def postgres_bindir() -> str | None:
@@ -145,6 +185,7 @@ class Deployment:
     stack: contextlib.ExitStack
     notifications: list[dict]    # what the notification webhook received (JSON bodies)
     commands: dict[str, list[str]]  # how each worker was started
+    s3: "S3"                     # the moto S3 server of the workers' AWS_ENDPOINT_URL_S3
 
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
@@ -211,6 +252,13 @@ def deployment() -> Iterator[Deployment]:
                  "PORT": str(api_port), "HOST": "127.0.0.1"}
     with contextlib.ExitStack() as stack:
         notifications, webhook = stack.enter_context(receiver())
+        # As the README says: `start` installs the zombie-run automation, and failure
+        # notifications to a webhook (here the test's HTTP server).
+        start_env.update(LOWERFLOW_ZOMBIE_WINDOW=str(ZOMBIE_WINDOW), LOWERFLOW_NOTIFY_URL=webhook)
+        # The store of the S3 tests: a moto server with its bucket (step 3), and the
+        # workers' environment of step 5.
+        s3 = stack.enter_context(s3_server())
+        env.update(s3.env)
         stack.callback(shutil.rmtree, base, True)
         stack.callback(kill_postmaster, base / "pg")
         server = stack.enter_context(spawned([str(SERVER_SH), "start"], start_env))
@@ -237,11 +285,9 @@ def deployment() -> Iterator[Deployment]:
         # Meanwhile (the workers take seconds to start): deploy, from the repository root.
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
-        deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands)
-        # As the README says: the zombie-run automation, and failure notifications to a webhook.
-        status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "install",
-                                "--zombie-window", str(ZOMBIE_WINDOW), "--notify-url", webhook], env)
-        assert status == 0 and out.count("installed automation") == 2, out + err
+        deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands, s3)
+        wait_until(lambda: "".join(output_of(server)).count("installed automation") == 2,
+                   "the automations installed by server.sh start", STARTUP, {"server.sh": server})
 
         def online():
             with deployed.client() as client:
@@ -764,3 +810,98 @@ def test_sigterm_stops_a_lowerflow_worker_cleanly(deployment):
     with contextlib.suppress(ProcessLookupError):  # nothing of its group is left
         os.killpg(worker.pid, 0)
         pytest.fail("the worker's process group outlived it")
+
+
+# --------------------------------------------------------------------------- outages
+
+
+def flow_run_logs(deployment: Deployment, run_id) -> list[tuple[int, str]]:
+    """(level, message) of every log record of flow run ``run_id`` the server has."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    with deployment.client() as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                sort=LogSort.TIMESTAMP_ASC, limit=200)
+    return [(log.level, log.message) for log in logs]
+
+
+def latest_artifact(deployment: Deployment, key: str) -> str:
+    """The markdown of the latest artifact ``key``."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with deployment.client() as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].data if found else ""
+
+
+def assert_one_line_per_model(deployment: Deployment, fleet_id: str, models: tuple[str, ...], line: str) -> None:
+    """The fleet's log and each model run's log say ``<model>/<targets> FAILED <line>…``
+    once per model, and neither has a traceback at ERROR."""
+    fleet_log = flow_run_logs(deployment, fleet_id)
+    for name, logs in [("fleet", fleet_log)] + [(r.name, flow_run_logs(deployment, r.id))
+                                                 for r in child_runs(deployment, fleet_id)]:
+        assert not [m for level, m in logs if level >= 40 and "Traceback" in m], (name, logs)
+        told = [m for _, m in logs if " FAILED " in m]
+        expected = models if name == "fleet" else (name,)
+        assert sorted(m.split("/")[0] for m in told) == sorted(expected), (name, told)
+        for message in told:
+            assert message.split(" FAILED ", 1)[1].startswith(line) and "\n" not in message, (name, message)
+            assert message.split(" FAILED ")[0].endswith("/" + ",".join(TARGETS)), message
+
+
+def test_redis_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The manifest's Redis (the stage locks) is down: every model fails at once with one
+    line naming the server, in every log and summary; nothing waits."""
+    models = ("mlp", "lifted_constant")
+    fleet = fleet_manifest(tmp_path / "store", models)
+    redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: Redis is down
+    fleet["locks"] = redis
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet))
+    start = time.monotonic()
+    status, fleet_id, out = run_fleet(deployment, manifest)
+    print(f"Redis down: the fleet failed in {time.monotonic() - start:.1f} s")
+    assert status != 0 and read_run(deployment, fleet_id).state.is_failed(), out[-3000:]
+    line = f"cannot reach the stage locks' Redis {redis}"
+    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
+    assert summary["failed"] == list(models), summary["failed"]
+    for m in models:
+        assert summary["models"][m]["error"].startswith(line), summary["models"][m]
+        assert "Connection refused" in summary["models"][m]["error"]
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(f"all: {line}") == 2, report
+
+
+def test_s3_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The S3 store's endpoint is down (moto stopped): every model fails with the CLI's
+    line naming the store and the endpoint, in the logs, the reports and the fleet's
+    state; no traceback at ERROR."""
+    models = ("mlp", "lifted_constant")
+    store = f"s3://{deployment.s3.bucket}/down"
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet_manifest(store, models)))
+    deployment.s3.stop()
+    try:
+        start = time.monotonic()
+        status, fleet_id, out = run_fleet(deployment, manifest)
+        seconds = time.monotonic() - start
+    finally:
+        deployment.s3.start()
+    print(f"S3 down: the fleet failed in {seconds:.1f} s")
+    assert status != 0, out[-3000:]
+    endpoint = deployment.s3.env["AWS_ENDPOINT_URL_S3"]
+    line = f'cannot reach the artifact store {store}: Could not connect to the endpoint URL: "{endpoint}"; check'
+    fleet_run = read_run(deployment, fleet_id)
+    assert fleet_run.state.is_failed() and "2 of 2 models failed: mlp, lifted_constant; " + line \
+        in fleet_run.state.message, fleet_run.state.message
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    for m in models:  # each model's report, and the fleet's, say it once
+        assert f"**error:** `{line}" in latest_artifact(deployment, f"lowerflow-model-{m}".replace("_", "-"))
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(line) == 2 and "objects/" not in report, report
