@@ -378,7 +378,7 @@ def cmd_automations(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), EXIT_USAGE) from None
     for name, automation_id in created.items():
         print(f"installed automation '{name}' ({automation_id})")
-    if len(created) == 1:
+    if automations.FAILED_FLEET_AUTOMATION not in created:
         say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
     return EXIT_OK
 

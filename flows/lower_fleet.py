@@ -20,7 +20,8 @@ Two ways to run the models' DAGs:
   reads each model's manifest from the store.  A retry of a failed fleet run
   (``prefect flow-run retry``) re-submits only the models whose run did not
   complete; a re-submitted model's finished stages are cache hits, so it resumes
-  where it failed.
+  where it failed.  A try whose own worker was lost (Crashed, then scheduled again
+  by flows/automations.py) waits for the model runs it left running.
 """
 
 from __future__ import annotations
@@ -311,14 +312,18 @@ def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore,
     retried fleet run) are not submitted again."""
     logger = get_run_logger()
     deployment = model_deployment(pool)
-    done = completed_members(members)
+    lost_tries(crash_retries)
+    done, out = earlier_members(members)
     order, known = longest_first(list(members), deployment)
     runs = {}
     for name in order:
         if name in done:
             logger.info("%s: completed in an earlier try of this fleet run (%s)", name, done[name])
-            continue
-        runs[name] = submit_member(deployment, name, members[name])
+        elif name in out:  # submitted by a try whose worker was lost: waited for, not submitted again
+            logger.info("%s: waiting for its run of an earlier try of this fleet run (%s)", name, out[name])
+            runs[name] = out[name]
+        else:
+            runs[name] = submit_member(deployment, name, members[name])
     logger.info("submitted %d model runs to %s (%d done before), longest first (%d with a run time from an "
                 "earlier run)", len(runs), deployment, len(done), len(known))
     final = wait_for_runs(runs, members, store, timeout_seconds=timeout_seconds, crash_retries=crash_retries,
@@ -383,25 +388,52 @@ def longest_first(names: list[str], deployment: str) -> tuple[list[str], dict[st
     return unknown + sorted(seconds, key=lambda n: (-seconds[n], names.index(n))), seconds
 
 
-def completed_members(members: dict[str, dict]) -> dict[str, str]:
-    """name → id of the child run of this fleet run (earlier tries) that completed with
-    the same parameters.  Empty on a first try or outside a flow run."""
+def earlier_members(members: dict[str, dict]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The child runs of this fleet run's earlier tries with the same parameters:
+    (name → id of the one that completed, name → id of the latest still out: a try
+    whose worker was lost left it running).  Empty on a first try or outside a flow run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.runtime import flow_run
 
     if flow_run.get_run_count() <= 1 or flow_run.get_id() is None:
-        return {}
+        return {}, {}
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.get_id()])))
-    done = {}
+    done, out = {}, {}
     for child in sorted(children, key=lambda r: r.created or 0):
         params = members.get(child.name)
-        if params is not None and child.state is not None and child.state.is_completed() \
-                and all(child.parameters.get(k) == v for k, v in params.items()):
+        if params is None or child.state is None or any(child.parameters.get(k) != v for k, v in params.items()):
+            continue
+        if child.state.is_completed():
             done[child.name] = str(child.id)
-    return done
+        elif not child.state.is_final():
+            out[child.name] = child.id
+    return done, {name: run_id for name, run_id in out.items() if name not in done}
+
+
+class FleetLost(RuntimeError):
+    """This fleet run was lost (Crashed) more often than it may be retried."""
+
+    explained = True  # its message says it all (flows/run_logs.py)
+
+
+def lost_tries(crash_retries: int) -> int:
+    """How often this fleet run ended Crashed before (its worker or machine lost, and
+    then scheduled again by the "retry a lost fleet" automation).  Raises
+    :class:`FleetLost` past ``crash_retries``: the retries end here."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.get_run_count() <= 1 or flow_run.get_id() is None:
+        return 0
+    with get_client(sync_client=True) as client:
+        crashed = sum(state.is_crashed() for state in client.read_flow_run_states(flow_run.get_id()))
+    if crashed > crash_retries:
+        raise FleetLost(f"this fleet run was lost {crashed} times (its worker or machine; crash_retries="
+                        f"{crash_retries}): not run again; see deployments/README.md, \"Unattended nights\"")
+    return crashed
 
 
 def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: ArtifactStore, *,

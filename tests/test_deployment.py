@@ -286,8 +286,11 @@ def deployment() -> Iterator[Deployment]:
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
         deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands, s3)
-        wait_until(lambda: "".join(output_of(server)).count("installed automation") == 2,
-                   "the automations installed by server.sh start", STARTUP, {"server.sh": server})
+        from flows.automations import FAILED_FLEET_AUTOMATION, LOST_FLEET_AUTOMATION, ZOMBIE_AUTOMATION
+
+        installed = wait_until(lambda: re.findall(r"installed automation '([^']+)'", "".join(output_of(server))),
+                               "the automations installed by server.sh start", STARTUP, {"server.sh": server})
+        assert sorted(installed) == sorted([ZOMBIE_AUTOMATION, LOST_FLEET_AUTOMATION, FAILED_FLEET_AUTOMATION]), installed
 
         def online():
             with deployed.client() as client:
@@ -741,6 +744,49 @@ def test_lost_worker_machine_the_fleet_resubmits_its_model(deployment, store, tm
     # The lost machine comes back.
     deployment.workers[lost] = deployment.stack.enter_context(
         spawned([*deployment.commands[lost], "--name", lost], {**deployment.env, "TMPDIR": str(deployment.base / f"tmp-{lost}")}))
+
+
+def test_lost_fleet_worker_machine_the_fleet_is_retried_and_completes(deployment, store, tmp_path):
+    """SIGKILL of the fleet worker's process group, the fleet run included, while its model
+    runs are out (a lost fleet machine): the zombie automation marks the fleet run
+    Crashed, "retry a lost fleet" schedules it again, the fleet worker that comes back
+    takes it, and the new try waits for the model run left running (not submitted
+    again) and completes."""
+    manifest, flag, pidfile = hanging_fleet(store, tmp_path, "orphan")
+    try:
+        with start_fleet(deployment, manifest) as proc:
+            fleet_id = wait_until(lambda: fleet_run_id(proc), "the fleet run's id", 60, {"fleet": proc})
+            wait_until(lambda: pidfile.exists() and pidfile.read_text(), "the model hanging in verify",
+                       FLEET_TIMEOUT, {"fleet": proc})
+            worker = deployment.workers["fleet"]
+            os.killpg(worker.pid, signal.SIGKILL)  # lowerflow worker's runs are in its group
+            killed, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+            worker.wait(timeout=30)
+            flag.unlink()  # the model run, on its own machine, carries on and completes
+            # The machine comes back (or a fleet worker on another machine polls), its
+            # temporary directory fresh: the killed worker could not remove its socket.
+            for leftover in (deployment.base / "tmp-fleet").glob("lowerflow-warm-*"):
+                shutil.rmtree(leftover)
+            deployment.workers["fleet"] = deployment.stack.enter_context(spawned(
+                [*deployment.commands["fleet"], "--name", "fleet"],
+                {**deployment.env, "TMPDIR": str(deployment.base / "tmp-fleet")}))
+            run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r.run_count > 1 and r,
+                             "the retried fleet's end", FLEET_TIMEOUT, deployment.workers)
+            recovered = time.monotonic() - killed
+    finally:
+        flag.unlink(missing_ok=True)
+    assert run.state.is_completed(), run.state
+    with deployment.client() as client:
+        states = client.read_flow_run_states(fleet_id)
+    crashed = [s for s in states if s.is_crashed()]
+    assert len(crashed) == 1 and "no heartbeat" in crashed[0].message, [(s.name, s.message) for s in states]
+    print(f"fleet worker killed; the fleet run was Crashed {(crashed[0].timestamp - killed_at).total_seconds():.1f} s "
+          f"later, and completed {recovered:.1f} s after the kill (zombie window {ZOMBIE_WINDOW} s)")
+    assert recovered < ZOMBIE_WINDOW + 30 + 60, recovered
+    [orphan] = child_runs(deployment, fleet_id)  # waited for, never submitted again
+    assert orphan.state.is_completed() and run.run_count == 2
+    summary = json.loads((store / "outputs" / "fleet.json").read_text())
+    assert summary["ok"] and summary["models"]["orphan"]["flow_run"] == str(orphan.id), summary
 
 
 # Last in the module: by now the server's scheduler has had minutes to schedule the nightly.
