@@ -14,7 +14,15 @@
 * a model worker's whole process group killed mid-run (a lost machine): Prefect's
   zombie automation marks the run Crashed, the fleet submits it again to the other
   worker, it resumes at its stage and the fleet completes;
-* a fleet that times out: it fails naming the model still out.
+* a fleet that times out: it fails naming the model still out;
+* the fleet worker's process group killed mid-night (a lost fleet machine): the fleet
+  run is Crashed, scheduled again by "retry a lost fleet", and its new try waits for the
+  model run left running and completes;
+* Redis down and S3 down (the moto server stopped): one line per model in every log,
+  report and summary, no traceback at ERROR.
+
+``server.sh start`` installs the automations (with a webhook to a real HTTP server of
+the test).
 
 Everything shares one module-scoped setup (~25 s).  Every process is killed with its
 process group, and the database stopped, in a ``finally``.
@@ -311,6 +319,14 @@ def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment)
     status, out, err = cli([str(SERVER_SH), "status"], deployment.server_env)
     assert status == 0 and "postgres: running" in out and "prefect:  running" in out, out + err
     assert f"PREFECT_API_URL={deployment.api}" in out and str(deployment.base / "pg") in out, out
+
+    # server.sh start installed the automations; installing them again replaces them.
+    status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "install", "--zombie-window",
+                            str(ZOMBIE_WINDOW)], deployment.env)
+    assert status == 0 and out.count("installed automation") == 2, out + err
+    status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "ls"], deployment.env)
+    assert status == 0 and len(out.splitlines()) == 3, out + err
+    assert all(line.count("enabled (") == 1 for line in out.splitlines()), out  # one of each
 
     with deployment.client() as client:
         fleet = client.read_deployment_by_name("lower-fleet/nightly-fleet")
