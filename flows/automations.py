@@ -16,9 +16,11 @@
         └─► SendNotification through a notification block (a webhook made here from
             --notify-url, or any block the user saved: Slack, e-mail, ...)
 
-Both automations are Prefect's own (the server's triggers and actions services run
+The automations are Prefect's own (the server's triggers and actions services run
 them); this room only builds them.  :func:`install` is idempotent: an automation of
-the same name is replaced, so re-running it after an upgrade changes nothing else.
+the same name is replaced, so re-running it after an upgrade changes nothing else;
+``deployments/server.sh start`` runs it at every start (LOWERFLOW_ZOMBIE_WINDOW,
+LOWERFLOW_NOTIFY_URL / LOWERFLOW_NOTIFY_BLOCK).
 """
 
 from __future__ import annotations

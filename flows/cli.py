@@ -257,6 +257,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
             failed.append(f"{target}: {entry.get('error') or 'failed'}")
     if manifest.get("store_error"):
         failed.append(manifest["store_error"])
+    if manifest.get("error"):  # one outside cause for every target, and what to do (flows/outages.py)
+        raise CLIError(f"{name}: {manifest['error']}")
     if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
         raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
