@@ -623,6 +623,101 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
         assert (store / "outputs" / "sensor" / f"{t}.pte").read_bytes()[4:8] == b"ET12"
 
 
+# --------------------------------------------------------------------------- outages
+
+
+def flow_run_logs(deployment: Deployment, run_id) -> list[tuple[int, str]]:
+    """(level, message) of every log record of flow run ``run_id`` the server has."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    with deployment.client() as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                sort=LogSort.TIMESTAMP_ASC, limit=200)
+    return [(log.level, log.message) for log in logs]
+
+
+def latest_artifact(deployment: Deployment, key: str) -> str:
+    """The markdown of the latest artifact ``key``."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with deployment.client() as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].data if found else ""
+
+
+def assert_one_line_per_model(deployment: Deployment, fleet_id: str, models: tuple[str, ...], line: str) -> None:
+    """The fleet's log and each model run's log say ``<model>/<targets> FAILED <line>…``
+    once per model, and neither has a traceback at ERROR."""
+    fleet_log = flow_run_logs(deployment, fleet_id)
+    for name, logs in [("fleet", fleet_log)] + [(r.name, flow_run_logs(deployment, r.id))
+                                                 for r in child_runs(deployment, fleet_id)]:
+        assert not [m for level, m in logs if level >= 40 and "Traceback" in m], (name, logs)
+        told = [m for _, m in logs if " FAILED " in m]
+        expected = models if name == "fleet" else (name,)
+        assert sorted(m.split("/")[0] for m in told) == sorted(expected), (name, told)
+        for message in told:
+            assert message.split(" FAILED ", 1)[1].startswith(line) and "\n" not in message, (name, message)
+            assert message.split(" FAILED ")[0].endswith("/" + ",".join(TARGETS)), message
+
+
+def test_redis_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The manifest's Redis (the stage locks) is down: every model fails at once with one
+    line naming the server, in every log and summary; nothing waits."""
+    models = ("mlp", "lifted_constant")
+    fleet = fleet_manifest(tmp_path / "store", models)
+    redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: Redis is down
+    fleet["locks"] = redis
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet))
+    start = time.monotonic()
+    status, fleet_id, out = run_fleet(deployment, manifest)
+    print(f"Redis down: the fleet failed in {time.monotonic() - start:.1f} s")
+    assert status != 0 and read_run(deployment, fleet_id).state.is_failed(), out[-3000:]
+    line = f"cannot reach the stage locks' Redis {redis}"
+    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
+    assert summary["failed"] == list(models), summary["failed"]
+    for m in models:
+        assert summary["models"][m]["error"].startswith(line), summary["models"][m]
+        assert "Connection refused" in summary["models"][m]["error"]
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(f"all: {line}") == 2, report
+
+
+def test_s3_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The S3 store's endpoint is down (moto stopped): every model fails with the CLI's
+    line naming the store and the endpoint, in the logs, the reports and the fleet's
+    state; no traceback at ERROR."""
+    models = ("mlp", "lifted_constant")
+    store = f"s3://{deployment.s3.bucket}/down"
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet_manifest(store, models)))
+    deployment.s3.stop()
+    try:
+        start = time.monotonic()
+        status, fleet_id, out = run_fleet(deployment, manifest)
+        seconds = time.monotonic() - start
+    finally:
+        deployment.s3.start()
+    print(f"S3 down: the fleet failed in {seconds:.1f} s")
+    assert status != 0, out[-3000:]
+    endpoint = deployment.s3.env["AWS_ENDPOINT_URL_S3"]
+    line = f'cannot reach the artifact store {store}: Could not connect to the endpoint URL: "{endpoint}"; check'
+    fleet_run = read_run(deployment, fleet_id)
+    assert fleet_run.state.is_failed() and "2 of 2 models failed: mlp, lifted_constant; " + line \
+        in fleet_run.state.message, fleet_run.state.message
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    for m in models:  # each model's report, and the fleet's, say it once
+        assert f"**error:** `{line}" in latest_artifact(deployment, f"lowerflow-model-{m}".replace("_", "-"))
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(line) == 2 and "objects/" not in report, report
+
+
 HANG = textwrap.dedent(
     '''
     """A model whose eager forward (verify's) writes its process id to {pidfile}, then
@@ -872,98 +967,3 @@ def test_sigterm_stops_a_lowerflow_worker_cleanly(deployment):
     with contextlib.suppress(ProcessLookupError):  # nothing of its group is left
         os.killpg(worker.pid, 0)
         pytest.fail("the worker's process group outlived it")
-
-
-# --------------------------------------------------------------------------- outages
-
-
-def flow_run_logs(deployment: Deployment, run_id) -> list[tuple[int, str]]:
-    """(level, message) of every log record of flow run ``run_id`` the server has."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-    from prefect.client.schemas.sorting import LogSort
-
-    with deployment.client() as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
-                                sort=LogSort.TIMESTAMP_ASC, limit=200)
-    return [(log.level, log.message) for log in logs]
-
-
-def latest_artifact(deployment: Deployment, key: str) -> str:
-    """The markdown of the latest artifact ``key``."""
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
-
-    with deployment.client() as client:
-        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
-                                      sort=ArtifactSort.CREATED_DESC, limit=1)
-    return found[0].data if found else ""
-
-
-def assert_one_line_per_model(deployment: Deployment, fleet_id: str, models: tuple[str, ...], line: str) -> None:
-    """The fleet's log and each model run's log say ``<model>/<targets> FAILED <line>…``
-    once per model, and neither has a traceback at ERROR."""
-    fleet_log = flow_run_logs(deployment, fleet_id)
-    for name, logs in [("fleet", fleet_log)] + [(r.name, flow_run_logs(deployment, r.id))
-                                                 for r in child_runs(deployment, fleet_id)]:
-        assert not [m for level, m in logs if level >= 40 and "Traceback" in m], (name, logs)
-        told = [m for _, m in logs if " FAILED " in m]
-        expected = models if name == "fleet" else (name,)
-        assert sorted(m.split("/")[0] for m in told) == sorted(expected), (name, told)
-        for message in told:
-            assert message.split(" FAILED ", 1)[1].startswith(line) and "\n" not in message, (name, message)
-            assert message.split(" FAILED ")[0].endswith("/" + ",".join(TARGETS)), message
-
-
-def test_redis_down_fails_each_model_in_one_line(deployment, tmp_path):
-    """The manifest's Redis (the stage locks) is down: every model fails at once with one
-    line naming the server, in every log and summary; nothing waits."""
-    models = ("mlp", "lifted_constant")
-    fleet = fleet_manifest(tmp_path / "store", models)
-    redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: Redis is down
-    fleet["locks"] = redis
-    manifest = tmp_path / "fleet.json"
-    manifest.write_text(json.dumps(fleet))
-    start = time.monotonic()
-    status, fleet_id, out = run_fleet(deployment, manifest)
-    print(f"Redis down: the fleet failed in {time.monotonic() - start:.1f} s")
-    assert status != 0 and read_run(deployment, fleet_id).state.is_failed(), out[-3000:]
-    line = f"cannot reach the stage locks' Redis {redis}"
-    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
-    assert summary["failed"] == list(models), summary["failed"]
-    for m in models:
-        assert summary["models"][m]["error"].startswith(line), summary["models"][m]
-        assert "Connection refused" in summary["models"][m]["error"]
-    assert_one_line_per_model(deployment, fleet_id, models, line)
-    report = latest_artifact(deployment, "lowerflow-fleet")
-    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
-    assert report.count(f"all: {line}") == 2, report
-
-
-def test_s3_down_fails_each_model_in_one_line(deployment, tmp_path):
-    """The S3 store's endpoint is down (moto stopped): every model fails with the CLI's
-    line naming the store and the endpoint, in the logs, the reports and the fleet's
-    state; no traceback at ERROR."""
-    models = ("mlp", "lifted_constant")
-    store = f"s3://{deployment.s3.bucket}/down"
-    manifest = tmp_path / "fleet.json"
-    manifest.write_text(json.dumps(fleet_manifest(store, models)))
-    deployment.s3.stop()
-    try:
-        start = time.monotonic()
-        status, fleet_id, out = run_fleet(deployment, manifest)
-        seconds = time.monotonic() - start
-    finally:
-        deployment.s3.start()
-    print(f"S3 down: the fleet failed in {seconds:.1f} s")
-    assert status != 0, out[-3000:]
-    endpoint = deployment.s3.env["AWS_ENDPOINT_URL_S3"]
-    line = f'cannot reach the artifact store {store}: Could not connect to the endpoint URL: "{endpoint}"; check'
-    fleet_run = read_run(deployment, fleet_id)
-    assert fleet_run.state.is_failed() and "2 of 2 models failed: mlp, lifted_constant; " + line \
-        in fleet_run.state.message, fleet_run.state.message
-    assert_one_line_per_model(deployment, fleet_id, models, line)
-    for m in models:  # each model's report, and the fleet's, say it once
-        assert f"**error:** `{line}" in latest_artifact(deployment, f"lowerflow-model-{m}".replace("_", "-"))
-    report = latest_artifact(deployment, "lowerflow-fleet")
-    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
-    assert report.count(line) == 2 and "objects/" not in report, report
