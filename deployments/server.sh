@@ -2,7 +2,8 @@
 # A Prefect server on PostgreSQL, on one host (issue 9).
 #
 #   deployments/server.sh start [ARGS]  the database (started if not running; initdb on first
-#                                       use), then `prefect server start [ARGS]` in the foreground
+#                                       use), then `prefect server start [ARGS]` in the foreground;
+#                                       once its API answers, `lowerflow automations install`
 #   deployments/server.sh db            only the database: start it if needed, print its URL
 #   deployments/server.sh stop          stop the server started by `start`, then the database
 #   deployments/server.sh status        is each running? (exit status 0 only if both are)
@@ -31,6 +32,12 @@
 #   PREFECT                 the prefect command              (default: prefect on PATH, else the repo's .venv)
 #   PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE, _FLUSH_INTERVAL
 #                           task runs written in batches     (default here: 200, 1 s; Prefect's: 1, 5 s)
+#
+#   LOWERFLOW_ZOMBIE_WINDOW seconds without a heartbeat before a run is Crashed (default: 90)
+#   LOWERFLOW_NOTIFY_URL    a webhook for failed nights, or LOWERFLOW_NOTIFY_BLOCK=TYPE/NAME a saved
+#                           notification block (default: none; an installed one is kept)
+#   LOWERFLOW_AUTOMATIONS   0: `start` installs no automation     (default: 1)
+#   LOWERFLOW               the lowerflow command                 (default: beside PREFECT, else on PATH)
 #
 # The database only ever listens on 127.0.0.1 (and on a Unix socket inside its data
 # directory, which only LOWERFLOW_PG_USER can open); the Prefect server is its only client.
@@ -242,6 +249,53 @@ api_url() {
   echo "http://$host:$PORT/api"
 }
 
+lowerflow_cmd() {
+  local beside
+  beside="$(dirname "$1")/lowerflow"
+  if [ -n "${LOWERFLOW:-}" ]; then echo "$LOWERFLOW"
+  elif [ -x "$beside" ]; then echo "$beside"
+  elif command -v lowerflow >/dev/null 2>&1; then command -v lowerflow
+  fi
+}
+
+# Does the API on this host answer HTTP yet?  (bash's /dev/tcp: no curl needed)
+api_answers() {
+  local line
+  { exec 3<>"/dev/tcp/$1/$PORT"; } 2>/dev/null || return 1
+  printf 'GET /api/health HTTP/1.0\r\nHost: %s\r\n\r\n' "$1" >&3
+  IFS= read -r -t 5 line <&3 || line=
+  exec 3<&- 3>&-
+  [[ $line == HTTP/* ]]
+}
+
+# In the background of `start` (its process group, so it ends with the server): once the
+# server answers, `lowerflow automations install` (idempotent: it replaces its own
+# automations) with LOWERFLOW_ZOMBIE_WINDOW and LOWERFLOW_NOTIFY_URL / _BLOCK.
+install_automations() {
+  local server=$1 lowerflow=$2 host=$HOST args=(automations install) i
+  case "$host" in 0.0.0.0|'') host=127.0.0.1 ;; ::) host=::1 ;; esac
+  [ -z "${LOWERFLOW_ZOMBIE_WINDOW:-}" ] || args+=(--zombie-window "$LOWERFLOW_ZOMBIE_WINDOW")
+  [ -z "${LOWERFLOW_NOTIFY_URL:-}" ] || args+=(--notify-url "$LOWERFLOW_NOTIFY_URL")
+  [ -z "${LOWERFLOW_NOTIFY_BLOCK:-}" ] || args+=(--notify-block "$LOWERFLOW_NOTIFY_BLOCK")
+  for i in $(seq 1 720); do   # up to 6 min: a first start migrates the database
+    alive "$server" || return 0
+    if api_answers "$host"; then
+      local url="http://$host:$PORT/api" out
+      [[ $host == *:* ]] && url="http://[$host]:$PORT/api"
+      if out=$(cd "$REPO" && PREFECT_API_URL=$url \
+               PREFECT_API_AUTH_STRING=${PREFECT_SERVER_API_AUTH_STRING:-${PREFECT_API_AUTH_STRING:-}} \
+               "$lowerflow" "${args[@]}" 2>&1); then
+        say "${out//$'\n'/; }"
+      else
+        say "warning: \`lowerflow ${args[*]}\` failed: ${out//$'\n'/; }"
+      fi
+      return 0
+    fi
+    sleep 0.5
+  done
+  say "warning: the Prefect API did not answer in 6 min: automations not installed (\`lowerflow automations install\`)"
+}
+
 cmd_start() {
   local prefect pid
   prefect=$(prefect_cmd)
@@ -259,6 +313,15 @@ cmd_start() {
   say "Prefect server on $HOST:$PORT, database postgresql://$PG_ROLE@127.0.0.1:$(running_port)/$PG_DATABASE"
   echo "export PREFECT_API_URL=$LOWERFLOW_API_URL"
   echo $$ >"$SERVER_PIDFILE"   # exec keeps the pid
+  if [ "${LOWERFLOW_AUTOMATIONS:-1}" != 0 ]; then
+    local lowerflow
+    lowerflow=$(lowerflow_cmd "$prefect")
+    if [ -n "$lowerflow" ]; then
+      install_automations $$ "$lowerflow" </dev/null &
+    else
+      say "warning: no lowerflow command (set LOWERFLOW): run \`lowerflow automations install\` yourself"
+    fi
+  fi
   exec "$prefect" server start --host "$HOST" --port "$PORT" "$@"
 }
 

@@ -7,13 +7,20 @@
     lower-fleet sees the model run Crashed ◄──────────────────────┘
         └─► resubmits it (crash_retries, flows/lower_fleet.py); it resumes at its stage
 
+    the fleet run itself Crashed (its worker machine lost) ──► "retry a lost fleet"
+        └─► Scheduled again (AwaitingRetry) for any fleet worker; the new try waits for
+            the model runs still out, skips the completed ones, and fails at once after
+            crash_retries lost tries (flows/lower_fleet.py)
+
     lower-fleet run ends Failed / Crashed / TimedOut ──► "fleet failed" automation
         └─► SendNotification through a notification block (a webhook made here from
             --notify-url, or any block the user saved: Slack, e-mail, ...)
 
-Both automations are Prefect's own (the server's triggers and actions services run
+The automations are Prefect's own (the server's triggers and actions services run
 them); this room only builds them.  :func:`install` is idempotent: an automation of
-the same name is replaced, so re-running it after an upgrade changes nothing else.
+the same name is replaced, so re-running it after an upgrade changes nothing else;
+``deployments/server.sh start`` runs it at every start (LOWERFLOW_ZOMBIE_WINDOW,
+LOWERFLOW_NOTIFY_URL / LOWERFLOW_NOTIFY_BLOCK).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 #: Names of the automations :func:`install` creates (and replaces).
 ZOMBIE_AUTOMATION = "lowerflow: crash zombie flow runs"
+LOST_FLEET_AUTOMATION = "lowerflow: retry a lost fleet"
 FAILED_FLEET_AUTOMATION = "lowerflow: fleet failed"
 #: The webhook block :func:`install` saves for ``--notify-url``.
 WEBHOOK_BLOCK = "lowerflow-nightly"
@@ -75,6 +83,34 @@ def zombie_automation(window: float = ZOMBIE_WINDOW):
         ),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
                                     message=f"no heartbeat for {window:g} s: its worker or machine was lost")],
+    )
+
+
+def lost_fleet_automation():
+    """A ``lower-fleet`` run that ends Crashed (its worker or machine lost; the zombie
+    automation's doing) is scheduled again at once, as ``prefect flow-run retry`` would:
+    any fleet worker picks it up and it carries on from the model runs of its lost try
+    (:func:`flows.lower_fleet.lower_on_pool`).  Bounded by the fleet itself, which fails
+    instead of running once it was lost more than ``crash_retries`` times."""
+    from prefect.automations import AutomationCore
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    return AutomationCore(
+        name=LOST_FLEET_AUTOMATION,
+        description="Schedules a lower-fleet run that crashed (its worker or machine was lost) again, for "
+                    "any fleet worker; it waits for its model runs still out.  Installed by lowerflow.",
+        trigger=EventTrigger(
+            expect={"prefect.flow-run.Crashed"},
+            match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+            match_related=ResourceSpecification({"prefect.resource.role": "flow",
+                                                 "prefect.resource.name": FLEET_FLOW}),
+            posture=Posture.Reactive, threshold=1, within=timedelta(0),
+        ),
+        actions=[ChangeFlowRunState(state=StateType.SCHEDULED, name="AwaitingRetry",
+                                    message="its worker or machine was lost: scheduled again by lowerflow")],
     )
 
 
@@ -131,11 +167,12 @@ def notification_block_id(client, notify_url: str | None, notify_block: str | No
 def install(zombie_window: float = ZOMBIE_WINDOW, notify_url: str | None = None,
             notify_block: str | None = None) -> dict[str, Any]:
     """Create (or replace) the automations on the server of ``PREFECT_API_URL``: the
-    zombie one always, the failed-fleet notification when a URL or block is given.
+    zombie one and the lost-fleet retry always, the failed-fleet notification when a URL
+    or block is given.
     Returns ``{automation name: id}``."""
     from prefect.client.orchestration import get_client
 
-    automations = [zombie_automation(zombie_window)]
+    automations = [zombie_automation(zombie_window), lost_fleet_automation()]
     with get_client(sync_client=True) as client:
         if notify_url or notify_block:
             if notify_url and notify_block:
@@ -155,7 +192,7 @@ def installed() -> list[str]:
 
     lines = []
     with get_client(sync_client=True) as client:
-        for name in (ZOMBIE_AUTOMATION, FAILED_FLEET_AUTOMATION):
+        for name in (ZOMBIE_AUTOMATION, LOST_FLEET_AUTOMATION, FAILED_FLEET_AUTOMATION):
             found = client.read_automations_by_name(name)
             lines.append(f"{name}: " + (", ".join(f"{'enabled' if a.enabled else 'disabled'} ({a.id})" for a in found)
                                         or "not installed"))

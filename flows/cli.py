@@ -260,6 +260,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
             failed.append(f"{target}: {entry.get('error') or 'failed'}")
     if manifest.get("store_error"):
         failed.append(manifest["store_error"])
+    if manifest.get("error"):  # one outside cause for every target, and what to do (flows/outages.py)
+        raise CLIError(f"{name}: {manifest['error']}")
     if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
         raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
@@ -381,7 +383,7 @@ def cmd_automations(args: argparse.Namespace) -> int:
         raise CLIError(str(exc), EXIT_USAGE) from None
     for name, automation_id in created.items():
         print(f"installed automation '{name}' ({automation_id})")
-    if len(created) == 1:
+    if automations.FAILED_FLEET_AUTOMATION not in created:
         say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
     return EXIT_OK
 
@@ -484,9 +486,10 @@ class FleetProgress(logging.Handler):
         if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
             return
         remaining = self.pending.get(name)
-        if remaining is None or target not in remaining:
+        targets = set(target.split(","))  # "cnn/portable,xnnpack FAILED ...": one cause for both
+        if remaining is None or not targets & remaining:
             return
-        remaining.discard(target)
+        remaining -= targets
         if outcome != "ok":
             self.failed.add(name)
         if not remaining:
@@ -616,8 +619,6 @@ def first_line(text: str) -> str:
     return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
 
 
-_STORE_DOWN = ("cannot reach the artifact store{store}: {cause}; check that it is up and reachable "
-               "(AWS_ENDPOINT_URL_S3 for S3), then run again: finished stages are reused")
 #: Failures whose cause is outside lowerflow, and what to do about them.
 HINTS = (
     ("ephemeral Prefect API server",
@@ -629,14 +630,16 @@ HINTS = (
     ("All connection attempts failed",
      "cannot reach the Prefect API at PREFECT_API_URL={api}; start it ('prefect server start') or unset "
      "PREFECT_API_URL to use a temporary server"),
-    # botocore's EndpointConnectionError / ConnectTimeoutError: the S3 store is down or unreachable.
-    ("Could not connect to the endpoint URL", _STORE_DOWN),
-    ("Connect timeout on endpoint URL", _STORE_DOWN),
 )
 
 
 def hint_for(text: str) -> str | None:
-    """What to do about a failure whose cause is outside lowerflow (:data:`HINTS`), or None."""
+    """What to do about a failure whose cause is outside lowerflow (:data:`HINTS`, an
+    unreachable store: :func:`flows.outages.store_down`), or None."""
+    from flows.outages import store_down
+
+    if (down := store_down(text, os.environ.get("LOWERFLOW_STORE"))) is not None:
+        return down
     for needle, hint in HINTS:
         if needle in text:
             cause = next((part.strip() for part in text.split("; ") if needle in part), first_line(text))

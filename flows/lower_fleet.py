@@ -20,7 +20,8 @@ Two ways to run the models' DAGs:
   reads each model's manifest from the store.  A retry of a failed fleet run
   (``prefect flow-run retry``) re-submits only the models whose run did not
   complete; a re-submitted model's finished stages are cache hits, so it resumes
-  where it failed.
+  where it failed.  A try whose own worker was lost (Crashed, then scheduled again
+  by flows/automations.py) waits for the model runs it left running.
 """
 
 from __future__ import annotations
@@ -37,16 +38,21 @@ from tasks.store import ArtifactStore
 
 from .lower_model import ModelLoweringFailed, lower_model, one_line, plan_model
 from .manifest import FleetManifest, ModelEntry, load_manifest
+from .outages import outage, store_down
 
 
 class FleetFailed(RuntimeError):
     """Some models failed; ``summary`` has every model's manifest (and ``timed_out``:
     the models still out when the fleet timed out)."""
 
+    explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+
     def __init__(self, summary: dict) -> None:
         message = f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}"
         if summary.get("timed_out"):
             message += f" (timed out waiting for {', '.join(summary['timed_out'])})"
+        if summary.get("store_error"):
+            message += f"; {summary['store_error']}"
         super().__init__(message)
         self.summary = summary
 
@@ -118,9 +124,15 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     if timed_out:
         summary["timed_out"] = timed_out
     summary["ok"] = not summary["failed"]
-    store.put_json("fleet.json", summary)
+    try:
+        store.put_json("fleet.json", summary)
+    except Exception as exc:  # the store went away: the fleet fails saying so, in one line
+        summary["ok"], summary["store_error"] = False, (
+            store_down(str(exc), store.url) or f"cannot write fleet.json to {store.url}: {type(exc).__name__}: "
+                                               f"{one_line(str(exc))}")
+        logger.error("%s", summary["store_error"])
     _publish_report(summary)
-    if summary["failed"]:
+    if not summary["ok"]:
         raise FleetFailed(summary)
     return summary
 
@@ -306,14 +318,18 @@ def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore,
     retried fleet run) are not submitted again."""
     logger = get_run_logger()
     deployment = model_deployment(pool)
-    done = completed_members(members)
+    lost_tries(crash_retries)
+    done, out = earlier_members(members)
     order, known = longest_first(list(members), deployment)
     runs = {}
     for name in order:
         if name in done:
             logger.info("%s: completed in an earlier try of this fleet run (%s)", name, done[name])
-            continue
-        runs[name] = submit_member(deployment, name, members[name])
+        elif name in out:  # submitted by a try whose worker was lost: waited for, not submitted again
+            logger.info("%s: waiting for its run of an earlier try of this fleet run (%s)", name, out[name])
+            runs[name] = out[name]
+        else:
+            runs[name] = submit_member(deployment, name, members[name])
     logger.info("submitted %d model runs to %s (%d done before), longest first (%d with a run time from an "
                 "earlier run)", len(runs), deployment, len(done), len(known))
     final = wait_for_runs(runs, members, store, timeout_seconds=timeout_seconds, crash_retries=crash_retries,
@@ -378,25 +394,52 @@ def longest_first(names: list[str], deployment: str) -> tuple[list[str], dict[st
     return unknown + sorted(seconds, key=lambda n: (-seconds[n], names.index(n))), seconds
 
 
-def completed_members(members: dict[str, dict]) -> dict[str, str]:
-    """name → id of the child run of this fleet run (earlier tries) that completed with
-    the same parameters.  Empty on a first try or outside a flow run."""
+def earlier_members(members: dict[str, dict]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The child runs of this fleet run's earlier tries with the same parameters:
+    (name → id of the one that completed, name → id of the latest still out: a try
+    whose worker was lost left it running).  Empty on a first try or outside a flow run."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
     from prefect.runtime import flow_run
 
     if flow_run.get_run_count() <= 1 or flow_run.get_id() is None:
-        return {}
+        return {}, {}
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.get_id()])))
-    done = {}
+    done, out = {}, {}
     for child in sorted(children, key=lambda r: r.created or 0):
         params = members.get(child.name)
-        if params is not None and child.state is not None and child.state.is_completed() \
-                and all(child.parameters.get(k) == v for k, v in params.items()):
+        if params is None or child.state is None or any(child.parameters.get(k) != v for k, v in params.items()):
+            continue
+        if child.state.is_completed():
             done[child.name] = str(child.id)
-    return done
+        elif not child.state.is_final():
+            out[child.name] = child.id
+    return done, {name: run_id for name, run_id in out.items() if name not in done}
+
+
+class FleetLost(RuntimeError):
+    """This fleet run was lost (Crashed) more often than it may be retried."""
+
+    explained = True  # its message says it all (flows/run_logs.py)
+
+
+def lost_tries(crash_retries: int) -> int:
+    """How often this fleet run ended Crashed before (its worker or machine lost, and
+    then scheduled again by the "retry a lost fleet" automation).  Raises
+    :class:`FleetLost` past ``crash_retries``: the retries end here."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    if flow_run.get_run_count() <= 1 or flow_run.get_id() is None:
+        return 0
+    with get_client(sync_client=True) as client:
+        crashed = sum(state.is_crashed() for state in client.read_flow_run_states(flow_run.get_id()))
+    if crashed > crash_retries:
+        raise FleetLost(f"this fleet run was lost {crashed} times (its worker or machine; crash_retries="
+                        f"{crash_retries}): not run again; see deployments/README.md, \"Unattended nights\"")
+    return crashed
 
 
 def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: ArtifactStore, *,
@@ -438,6 +481,10 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                                    run.id, one_line(run.state.message or ""), new, crashes[name], crash_retries)
                     continue
                 outcomes[name] = _finished(run, members[name], store)
+                if outcomes[name][1].get("error"):  # one cause for every target: one line
+                    logger.error("%s/%s FAILED %s", name, ",".join(outcomes[name][1]["targets"]),
+                                 outcomes[name][1]["error"])
+                    continue
                 for target, result in outcomes[name][1]["targets"].items():
                     logger.info("%s/%s %s", name, target, "ok" if result.get("ok") else f"FAILED {result.get('error')}")
             if pending and deadline is not None and time.monotonic() > deadline:
@@ -494,7 +541,9 @@ def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:
     if manifest is not None:
         return False, manifest
     message = one_line(run.state.message or "") or f"the model run ended {run.state.name}"
-    return False, failed_manifest(params, f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
+    # Its store (or Redis) unreachable, the model's manifest unread: the model's own line.
+    down = outage(message, store.url)
+    return False, failed_manifest(params, down[0] if down else f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
 
 
 def _read_manifest(store: ArtifactStore, name: str, run_id: str) -> dict | None:

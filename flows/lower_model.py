@@ -28,6 +28,7 @@ the cache (a dry run).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -45,6 +46,7 @@ from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_op
 
 from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
+from .outages import mark_outage
 from .quantized import NO_QUANTIZATION, QuantSettings
 
 heartbeats.install()
@@ -63,10 +65,14 @@ Run = Callable[..., Any]
 class ModelLoweringFailed(RuntimeError):
     """Some target of a model failed; ``manifest`` says which stage and why."""
 
+    explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+
     def __init__(self, manifest: dict) -> None:
         failed = [f"{t}: {r['error']}" for t, r in manifest["targets"].items() if not r["ok"]]
         if manifest.get("store_error"):
             failed.append(manifest["store_error"])
+        if manifest.get("error"):  # one cause for all (flows/outages.py)
+            failed = [manifest["error"]]
         super().__init__(f"model {manifest['name']!r}: " + "; ".join(failed))
         self.manifest = manifest
 
@@ -159,6 +165,7 @@ def run_model(
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
+    mark_outage(manifest, stages.store.url)
     _log(manifest)
     try:
         unpublish_failed(stages.store, manifest)
@@ -167,6 +174,9 @@ def run_model(
         _publish_report(manifest, stages.store)
     except Exception as exc:  # the store went away: report the targets' own errors, and this
         manifest["store_error"] = f"cannot write the manifest to {stages.store.url}: {type(exc).__name__}: {one_line(str(exc))}"
+        if mark_outage(manifest, stages.store.url):
+            with contextlib.suppress(Exception):  # the report is the run's artifact, not the store's
+                _publish_report(manifest, stages.store)
         raise ModelLoweringFailed(manifest) from exc
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
@@ -679,7 +689,7 @@ def _flow_run_id() -> str | None:
 
 def _log(manifest: dict) -> None:
     """A line per target (:func:`flows.run_logs.target_line`: outcome, stages run and
-    cached, seconds); each stage's own line at DEBUG."""
+    cached, seconds), or one for all when one cause failed them all; stages at DEBUG."""
     logger = get_run_logger()
     name = manifest["name"]
     if manifest.get("changed"):
@@ -688,12 +698,13 @@ def _log(manifest: dict) -> None:
         for r in result["stages"]:
             state = "cached" if r["cached"] else r["state"].lower()
             logger.debug("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
-        logger.info("%s", run_logs.target_line(name, target, result))
+        if not manifest.get("error"):
+            logger.info("%s", run_logs.target_line(name, target, result))
+    if manifest.get("error"):  # one cause for every target: one line (flows/outages.py)
+        logger.error("%s/%s FAILED %s", name, ",".join(manifest["targets"]), manifest["error"])
 
 
 def _publish_report(manifest: dict, store) -> None:
-    try:
-        from flows.reports import publish_model_report
-    except ImportError:  # reports land separately
-        return
+    from flows.reports import publish_model_report
+
     publish_model_report(manifest, store)

@@ -315,6 +315,8 @@ def model_report_markdown(
     lines = [f"# lowerflow: {_md_text(name)}", ""]
     if spec:
         lines += [f"model `{spec}`", ""]
+    if model_manifest.get("error"):  # one cause for every target (flows/outages.py)
+        lines += [f"**error:** `{first_line(model_manifest['error'], 400)}`", ""]
     if not targets:
         lines += ["no targets", ""]
     for target, entry in targets.items():
@@ -340,8 +342,17 @@ def fleet_rows(fleet_summary: Mapping[str, Any], *, compact: bool = False) -> li
 
 
 def fleet_errors(fleet_summary: Mapping[str, Any], limit: int = 400) -> list[tuple[str, str, str]]:
-    """(model, target, first line of the error) of each failed row of :func:`fleet_rows`."""
-    return [(name, target, first_line(error, limit)) for name, target, _, error in _fleet_entries(fleet_summary) if error]
+    """(model, target, first line of the error) of each failed row of :func:`fleet_rows`;
+    one row (target ``"all"``) for a model whose manifest has one error for every target."""
+    errors, told = [], set()
+    for name, target, _, error in _fleet_entries(fleet_summary):
+        whole = ((fleet_summary.get("models") or {}).get(name) or {}).get("error")
+        if whole and name not in told:
+            told.add(name)
+            errors.append((name, "all", first_line(whole, limit)))
+        elif error and not whole:
+            errors.append((name, target, first_line(error, limit)))
+    return errors
 
 
 def _fleet_entries(fleet_summary: Mapping[str, Any]):

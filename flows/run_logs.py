@@ -43,11 +43,63 @@ class StageFinishedToDebug(logging.Filter):
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
 
 
+#: The logger Prefect's flow engine writes each flow run's records to.
+FLOW_RUN_LOGGER = "prefect.flow_runs"
+
+
+class ExplainedTracebackToDebug(logging.Filter):
+    """An ERROR record of a failure lowerflow already explains in one line keeps its line
+    and loses its traceback, which goes to a DEBUG copy of the record instead::
+
+        before  ERROR  Encountered exception during execution: FleetFailed('1 of 2 models failed: cnn')
+                       Traceback (most recent call last): … 40 lines …
+        after   ERROR  Encountered exception during execution: FleetFailed('1 of 2 models failed: cnn')
+                DEBUG  (the same, with the traceback)
+
+    Explained: an exception whose class says ``explained = True`` (a model's or the
+    fleet's failure: their message is the summary), or an outage outside lowerflow
+    (the store or Redis unreachable, :func:`flows.outages.outage`).  A stage task's
+    ERROR records of an outage go to DEBUG whole: the model says it once, in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        logger = logging.getLogger(record.name)
+        if record.name == TASK_RUN_LOGGER and _outage(str(exc) if exc is not None else _message(record)):
+            record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+            return logger.isEnabledFor(logging.DEBUG)
+        if exc is None or not (getattr(exc, "explained", False) or _outage(str(exc))):
+            return True
+        if logger.isEnabledFor(logging.DEBUG):
+            copy = logging.makeLogRecord(record.__dict__)
+            copy.levelno, copy.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+            logger.handle(copy)
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _outage(text: str) -> bool:
+    from flows.outages import outage
+
+    return outage(text) is not None
+
+
+def _message(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except Exception:
+        return str(record.msg)
+
+
 def install() -> None:
-    """Put the filter on Prefect's task-run logger (once; Prefect's logging setup keeps it)."""
-    logger = logging.getLogger(TASK_RUN_LOGGER)
-    if not any(isinstance(f, StageFinishedToDebug) for f in logger.filters):
-        logger.addFilter(StageFinishedToDebug())
+    """Put the filters on Prefect's run loggers (once; Prefect's logging setup keeps them)."""
+    for name, filters in ((TASK_RUN_LOGGER, (StageFinishedToDebug, ExplainedTracebackToDebug)),
+                          (FLOW_RUN_LOGGER, (ExplainedTracebackToDebug,))):
+        logger = logging.getLogger(name)
+        for kind in filters:
+            if not any(isinstance(f, kind) for f in logger.filters):
+                logger.addFilter(kind())
 
 
 def target_line(name: str, target: str, result: Mapping[str, Any]) -> str:

@@ -67,6 +67,11 @@ class SourceWatch:
                 self._changed = bool(self.polled) and file_stamps(self.polled) != self.polled
         return self._changed
 
+    def changed_files(self) -> list[str]:
+        """The files whose stamp differs now (what :meth:`changed` saw), for the log."""
+        now = file_stamps(self.stamps)
+        return [f for f, stamp in self.stamps.items() if now[f] != stamp]
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)

@@ -190,6 +190,11 @@ def serve(path: str, extra: list[str] = ()) -> None:
             conn.close()
             continue
         if reload_pending or sources.changed():
+            if not reload_pending:  # why runs start cold until it has reloaded: said once
+                changed = sources.changed_files()
+                print(f"lowerflow warm parent: {', '.join(changed[:3]) or 'a source'}"
+                      f"{f' (+{len(changed) - 3})' if len(changed) > 3 else ''} changed: runs start cold "
+                      "until it has reloaded", file=sys.stderr, flush=True)
             reload_pending = True
             _close(fds)
             _send(conn, b"S\n")

@@ -14,7 +14,15 @@
 * a model worker's whole process group killed mid-run (a lost machine): Prefect's
   zombie automation marks the run Crashed, the fleet submits it again to the other
   worker, it resumes at its stage and the fleet completes;
-* a fleet that times out: it fails naming the model still out.
+* a fleet that times out: it fails naming the model still out;
+* the fleet worker's process group killed mid-night (a lost fleet machine): the fleet
+  run is Crashed, scheduled again by "retry a lost fleet", and its new try waits for the
+  model run left running and completes;
+* Redis down and S3 down (the moto server stopped): one line per model in every log,
+  report and summary, no traceback at ERROR.
+
+``server.sh start`` installs the automations (with a webhook to a real HTTP server of
+the test).
 
 Everything shares one module-scoped setup (~25 s).  Every process is killed with its
 process group, and the database stopped, in a ``finally``.
@@ -37,7 +45,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -87,6 +95,46 @@ def receiver() -> Iterator[tuple[list[dict], str]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@dataclass
+class S3:
+    """A moto S3 server on a loopback port, with one bucket; ``stop()`` is the outage."""
+    server: Any
+    port: int
+    bucket: str
+    env: dict[str, str]  # what a worker needs (deployments/README.md, step 5)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+
+@contextlib.contextmanager
+def s3_server() -> Iterator[S3]:
+    """A moto S3 server with the bucket ``lowerflow-nights``."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "lowerflow-test", "AWS_SECRET_ACCESS_KEY": "lowerflow-test-secret",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": f"http://{host}:{port}", "AWS_MAX_ATTEMPTS": "2"}
+    s3 = S3(server, port, "lowerflow-nights", env)
+    try:
+        boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL_S3"], region_name="us-east-1",
+                     aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"]
+                     ).create_bucket(Bucket=s3.bucket)
+        yield s3
+    finally:
+        with contextlib.suppress(Exception):
+            s3.server.stop()
 
 
 def postgres_bindir() -> str | None:
@@ -145,6 +193,7 @@ class Deployment:
     stack: contextlib.ExitStack
     notifications: list[dict]    # what the notification webhook received (JSON bodies)
     commands: dict[str, list[str]]  # how each worker was started
+    s3: "S3"                     # the moto S3 server of the workers' AWS_ENDPOINT_URL_S3
 
     def client(self):
         from prefect.client.orchestration import SyncPrefectClient
@@ -211,6 +260,13 @@ def deployment() -> Iterator[Deployment]:
                  "PORT": str(api_port), "HOST": "127.0.0.1"}
     with contextlib.ExitStack() as stack:
         notifications, webhook = stack.enter_context(receiver())
+        # As the README says: `start` installs the zombie-run automation, and failure
+        # notifications to a webhook (here the test's HTTP server).
+        start_env.update(LOWERFLOW_ZOMBIE_WINDOW=str(ZOMBIE_WINDOW), LOWERFLOW_NOTIFY_URL=webhook)
+        # The store of the S3 tests: a moto server with its bucket (step 3), and the
+        # workers' environment of step 5.
+        s3 = stack.enter_context(s3_server())
+        env.update(s3.env)
         stack.callback(shutil.rmtree, base, True)
         stack.callback(kill_postmaster, base / "pg")
         server = stack.enter_context(spawned([str(SERVER_SH), "start"], start_env))
@@ -237,11 +293,12 @@ def deployment() -> Iterator[Deployment]:
         # Meanwhile (the workers take seconds to start): deploy, from the repository root.
         status, out, err = cli(prefect("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)), env)
         assert status == 0, out + err
-        deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands)
-        # As the README says: the zombie-run automation, and failure notifications to a webhook.
-        status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "install",
-                                "--zombie-window", str(ZOMBIE_WINDOW), "--notify-url", webhook], env)
-        assert status == 0 and out.count("installed automation") == 2, out + err
+        deployed = Deployment(api, env, server_env, server, workers, base, stack, notifications, commands, s3)
+        from flows.automations import FAILED_FLEET_AUTOMATION, LOST_FLEET_AUTOMATION, ZOMBIE_AUTOMATION
+
+        installed = wait_until(lambda: re.findall(r"installed automation '([^']+)'", "".join(output_of(server))),
+                               "the automations installed by server.sh start", STARTUP, {"server.sh": server})
+        assert sorted(installed) == sorted([ZOMBIE_AUTOMATION, LOST_FLEET_AUTOMATION, FAILED_FLEET_AUTOMATION]), installed
 
         def online():
             with deployed.client() as client:
@@ -262,6 +319,14 @@ def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment)
     status, out, err = cli([str(SERVER_SH), "status"], deployment.server_env)
     assert status == 0 and "postgres: running" in out and "prefect:  running" in out, out + err
     assert f"PREFECT_API_URL={deployment.api}" in out and str(deployment.base / "pg") in out, out
+
+    # server.sh start installed the automations; installing them again replaces them.
+    status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "install", "--zombie-window",
+                            str(ZOMBIE_WINDOW)], deployment.env)
+    assert status == 0 and out.count("installed automation") == 2, out + err
+    status, out, err = cli([sys.executable, "-m", "flows.cli", "automations", "ls"], deployment.env)
+    assert status == 0 and len(out.splitlines()) == 3, out + err
+    assert all(line.count("enabled (") == 1 for line in out.splitlines()), out  # one of each
 
     with deployment.client() as client:
         fleet = client.read_deployment_by_name("lower-fleet/nightly-fleet")
@@ -558,6 +623,101 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
         assert (store / "outputs" / "sensor" / f"{t}.pte").read_bytes()[4:8] == b"ET12"
 
 
+# --------------------------------------------------------------------------- outages
+
+
+def flow_run_logs(deployment: Deployment, run_id) -> list[tuple[int, str]]:
+    """(level, message) of every log record of flow run ``run_id`` the server has."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+
+    with deployment.client() as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])),
+                                sort=LogSort.TIMESTAMP_ASC, limit=200)
+    return [(log.level, log.message) for log in logs]
+
+
+def latest_artifact(deployment: Deployment, key: str) -> str:
+    """The markdown of the latest artifact ``key``."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    with deployment.client() as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+                                      sort=ArtifactSort.CREATED_DESC, limit=1)
+    return found[0].data if found else ""
+
+
+def assert_one_line_per_model(deployment: Deployment, fleet_id: str, models: tuple[str, ...], line: str) -> None:
+    """The fleet's log and each model run's log say ``<model>/<targets> FAILED <line>…``
+    once per model, and neither has a traceback at ERROR."""
+    fleet_log = flow_run_logs(deployment, fleet_id)
+    for name, logs in [("fleet", fleet_log)] + [(r.name, flow_run_logs(deployment, r.id))
+                                                 for r in child_runs(deployment, fleet_id)]:
+        assert not [m for level, m in logs if level >= 40 and "Traceback" in m], (name, logs)
+        told = [m for _, m in logs if " FAILED " in m]
+        expected = models if name == "fleet" else (name,)
+        assert sorted(m.split("/")[0] for m in told) == sorted(expected), (name, told)
+        for message in told:
+            assert message.split(" FAILED ", 1)[1].startswith(line) and "\n" not in message, (name, message)
+            assert message.split(" FAILED ")[0].endswith("/" + ",".join(TARGETS)), message
+
+
+def test_redis_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The manifest's Redis (the stage locks) is down: every model fails at once with one
+    line naming the server, in every log and summary; nothing waits."""
+    models = ("mlp", "lifted_constant")
+    fleet = fleet_manifest(tmp_path / "store", models)
+    redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there: Redis is down
+    fleet["locks"] = redis
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet))
+    start = time.monotonic()
+    status, fleet_id, out = run_fleet(deployment, manifest)
+    print(f"Redis down: the fleet failed in {time.monotonic() - start:.1f} s")
+    assert status != 0 and read_run(deployment, fleet_id).state.is_failed(), out[-3000:]
+    line = f"cannot reach the stage locks' Redis {redis}"
+    summary = json.loads((tmp_path / "store" / "outputs" / "fleet.json").read_text())
+    assert summary["failed"] == list(models), summary["failed"]
+    for m in models:
+        assert summary["models"][m]["error"].startswith(line), summary["models"][m]
+        assert "Connection refused" in summary["models"][m]["error"]
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(f"all: {line}") == 2, report
+
+
+def test_s3_down_fails_each_model_in_one_line(deployment, tmp_path):
+    """The S3 store's endpoint is down (moto stopped): every model fails with the CLI's
+    line naming the store and the endpoint, in the logs, the reports and the fleet's
+    state; no traceback at ERROR."""
+    models = ("mlp", "lifted_constant")
+    store = f"s3://{deployment.s3.bucket}/down"
+    manifest = tmp_path / "fleet.json"
+    manifest.write_text(json.dumps(fleet_manifest(store, models)))
+    deployment.s3.stop()
+    try:
+        start = time.monotonic()
+        status, fleet_id, out = run_fleet(deployment, manifest)
+        seconds = time.monotonic() - start
+    finally:
+        deployment.s3.start()
+    print(f"S3 down: the fleet failed in {seconds:.1f} s")
+    assert status != 0, out[-3000:]
+    endpoint = deployment.s3.env["AWS_ENDPOINT_URL_S3"]
+    line = f'cannot reach the artifact store {store}: Could not connect to the endpoint URL: "{endpoint}"; check'
+    fleet_run = read_run(deployment, fleet_id)
+    assert fleet_run.state.is_failed() and "2 of 2 models failed: mlp, lifted_constant; " + line \
+        in fleet_run.state.message, fleet_run.state.message
+    assert_one_line_per_model(deployment, fleet_id, models, line)
+    for m in models:  # each model's report, and the fleet's, say it once
+        assert f"**error:** `{line}" in latest_artifact(deployment, f"lowerflow-model-{m}".replace("_", "-"))
+    report = latest_artifact(deployment, "lowerflow-fleet")
+    assert [l.split(": ", 1)[0] for l in report.splitlines() if l.startswith("- ")] == [f"- {m} / all" for m in models]
+    assert report.count(line) == 2 and "objects/" not in report, report
+
+
 HANG = textwrap.dedent(
     '''
     """A model whose eager forward (verify's) writes its process id to {pidfile}, then
@@ -697,6 +857,49 @@ def test_lost_worker_machine_the_fleet_resubmits_its_model(deployment, store, tm
         spawned([*deployment.commands[lost], "--name", lost], {**deployment.env, "TMPDIR": str(deployment.base / f"tmp-{lost}")}))
 
 
+def test_lost_fleet_worker_machine_the_fleet_is_retried_and_completes(deployment, store, tmp_path):
+    """SIGKILL of the fleet worker's process group, the fleet run included, while its model
+    runs are out (a lost fleet machine): the zombie automation marks the fleet run
+    Crashed, "retry a lost fleet" schedules it again, the fleet worker that comes back
+    takes it, and the new try waits for the model run left running (not submitted
+    again) and completes."""
+    manifest, flag, pidfile = hanging_fleet(store, tmp_path, "orphan")
+    try:
+        with start_fleet(deployment, manifest) as proc:
+            fleet_id = wait_until(lambda: fleet_run_id(proc), "the fleet run's id", 60, {"fleet": proc})
+            wait_until(lambda: pidfile.exists() and pidfile.read_text(), "the model hanging in verify",
+                       FLEET_TIMEOUT, {"fleet": proc})
+            worker = deployment.workers["fleet"]
+            os.killpg(worker.pid, signal.SIGKILL)  # lowerflow worker's runs are in its group
+            killed, killed_at = time.monotonic(), datetime.datetime.now(datetime.timezone.utc)
+            worker.wait(timeout=30)
+            flag.unlink()  # the model run, on its own machine, carries on and completes
+            # The machine comes back (or a fleet worker on another machine polls), its
+            # temporary directory fresh: the killed worker could not remove its socket.
+            for leftover in (deployment.base / "tmp-fleet").glob("lowerflow-warm-*"):
+                shutil.rmtree(leftover)
+            deployment.workers["fleet"] = deployment.stack.enter_context(spawned(
+                [*deployment.commands["fleet"], "--name", "fleet"],
+                {**deployment.env, "TMPDIR": str(deployment.base / "tmp-fleet")}))
+            run = wait_until(lambda: (r := read_run(deployment, fleet_id)).state.is_final() and r.run_count > 1 and r,
+                             "the retried fleet's end", FLEET_TIMEOUT, deployment.workers)
+            recovered = time.monotonic() - killed
+    finally:
+        flag.unlink(missing_ok=True)
+    assert run.state.is_completed(), run.state
+    with deployment.client() as client:
+        states = client.read_flow_run_states(fleet_id)
+    crashed = [s for s in states if s.is_crashed()]
+    assert len(crashed) == 1 and "no heartbeat" in crashed[0].message, [(s.name, s.message) for s in states]
+    print(f"fleet worker killed; the fleet run was Crashed {(crashed[0].timestamp - killed_at).total_seconds():.1f} s "
+          f"later, and completed {recovered:.1f} s after the kill (zombie window {ZOMBIE_WINDOW} s)")
+    assert recovered < ZOMBIE_WINDOW + 30 + 60, recovered
+    [orphan] = child_runs(deployment, fleet_id)  # waited for, never submitted again
+    assert orphan.state.is_completed() and run.run_count == 2
+    summary = json.loads((store / "outputs" / "fleet.json").read_text())
+    assert summary["ok"] and summary["models"]["orphan"]["flow_run"] == str(orphan.id), summary
+
+
 # Last in the module: by now the server's scheduler has had minutes to schedule the nightly.
 # (Prefect 3.8.8's scheduler creates no run with SQLAlchemy >= 2.1: pinned in pyproject.toml.)
 def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
@@ -725,14 +928,16 @@ def test_nightly_schedule_creates_the_0200_utc_runs(deployment):
 @pytest.mark.skipif(not os.environ.get("LOWERFLOW_MEASURE_NIGHTS"),
                     reason="a measurement (~1 min): LOWERFLOW_MEASURE_NIGHTS=1 runs it")
 def test_demo_fleet_cold_and_warm_night(deployment, tmp_path):
-    """The demo fleet (examples/fleet.yaml, 12 .pte) through the nightly deployment, on a
+    """The demo fleet (examples/fleet.yaml, a .pte per model and target) through the nightly deployment, on a
     fresh store (cold) and again (warm: every stage cached); prints both times."""
     import yaml
 
     fleet = yaml.safe_load((ROOT / "examples" / "fleet.yaml").read_text())
     fleet["store"] = str(tmp_path / "store")
-    for entry in fleet["models"]:
-        entry["model"] = str(ROOT / "examples" / entry["model"])
+    for entry in fleet["models"]:  # model and calibration specs are relative to the manifest
+        for key in ("model", "calibration"):
+            if key in entry:
+                entry[key] = str(ROOT / "examples" / entry[key])
     manifest = tmp_path / "fleet.yaml"
     manifest.write_text(yaml.safe_dump(fleet))
     times = []
@@ -746,7 +951,7 @@ def test_demo_fleet_cold_and_warm_night(deployment, tmp_path):
     ptes = list((tmp_path / "store" / "outputs").glob("*/*.pte"))
     print(f"demo fleet through `prefect deployment run --watch`: cold {times[0]:.1f} s, warm {times[1]:.1f} s "
           f"({sum(r['cached'] for r in stages)}/{len(stages)} stages cached), {len(ptes)} .pte")
-    assert len(ptes) == 12 and all(r["cached"] for r in stages)
+    assert len(ptes) == sum(len(m["targets"]) for m in summary["models"].values()) and all(r["cached"] for r in stages)
 
 
 def test_sigterm_stops_a_lowerflow_worker_cleanly(deployment):

@@ -4,6 +4,8 @@
   ``stop`` given only ``LOWERFLOW_HOME``: they act on what ``db`` started (remembered in
   ``$LOWERFLOW_HOME/server.env``), and ``stop`` stops PostgreSQL;
 * a first start whose initdb fails leaves no data directory behind;
+* ``start`` installs the automations (``lowerflow automations install``, with
+  LOWERFLOW_ZOMBIE_WINDOW and LOWERFLOW_NOTIFY_URL) once the API answers, at every start;
 * the unit files of deployments/systemd pass ``systemd-analyze verify`` (with the
   checkout's paths in place of /opt/lowerflow) with no warning.
 
@@ -94,6 +96,61 @@ def test_a_failed_first_start_leaves_no_data_directory(home):
     result = server_sh(home, "db", LOWERFLOW_PGDATA=str(pgdata), LOWERFLOW_PG_PORT=str(free_port()))
     assert result.returncode == 0, result.stderr
     assert (pgdata / "PG_VERSION").exists()
+
+
+FAKE_PREFECT = """#!{python}
+# `prefect server start --host H --port P` standing in for Prefect: its API answers after a second.
+import http.server, sys, time
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+time.sleep(1)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"true")
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+@needs_postgres
+def test_start_installs_the_automations_once_the_api_answers(home):
+    import sys
+    import time
+
+    record = home / "lowerflow.calls"
+    (home / "prefect").write_text(FAKE_PREFECT.format(python=sys.executable))
+    # The lowerflow command beside prefect (as in a venv), recording how it was called.
+    (home / "lowerflow").write_text(f"#!/bin/sh\necho \"$PREFECT_API_URL $*\" >>'{record}'\n"
+                                    "echo \"installed automation 'lowerflow: crash zombie flow runs' (1)\"\n")
+    for tool in ("prefect", "lowerflow"):
+        (home / tool).chmod(0o755)
+    port = free_port()
+    settings = dict(LOWERFLOW_PGDATA=str(home / "pg"), LOWERFLOW_PG_PORT=str(free_port()), PORT=str(port),
+                    PREFECT=str(home / "prefect"))
+    expected = []
+    for extra, args in (({"LOWERFLOW_NOTIFY_URL": "http://hooks.test/night", "LOWERFLOW_ZOMBIE_WINDOW": "45"},
+                         "automations install --zombie-window 45 --notify-url http://hooks.test/night"),
+                        ({}, "automations install")):  # the second start: again (install is idempotent)
+        server = subprocess.Popen([str(SERVER_SH), "start"], env=_env(home, **settings, **extra),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        expected.append(f"http://127.0.0.1:{port}/api {args}")
+        deadline = time.monotonic() + 120
+        while not (record.exists() and len(record.read_text().splitlines()) == len(expected)):
+            assert server.poll() is None and time.monotonic() < deadline, server.communicate(timeout=10)
+            time.sleep(0.2)
+        assert record.read_text().splitlines() == expected
+        stopped = server_sh(home, "stop")
+        assert stopped.returncode == 0, stopped.stderr
+        _, err = server.communicate(timeout=30)
+        assert "server.sh: installed automation 'lowerflow: crash zombie flow runs' (1)" in err, err
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed (no systemd)")
