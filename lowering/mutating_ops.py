@@ -17,6 +17,8 @@ raises).  Imports no stage.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._higher_order_ops.auto_functionalize import auto_functionalized, auto_functionalized_v2
 
@@ -74,3 +76,76 @@ def out_variant(node: torch.fx.Node) -> str | None:
     op = mutating_op(node)
     packet = getattr(getattr(torch.ops, op.namespace), op._schema.name.partition("::")[2])
     return f"{op._schema.name}.out" if "out" in packet.overloads() else None
+
+
+# --------------------------------------------------------------------------- write-first caches
+
+#: The in-place cache write and the only reader that reads nothing it was not written first.
+_CACHE_WRITE = "llama::update_cache"
+_CACHE_READ = "llama::custom_sdpa"
+
+
+def write_first_buffers(graph: torch.fx.Graph, buffer_mutations: set[str]) -> set[str]:
+    """Placeholders of mutated buffers whose initial value no call ever reads.
+
+    A KV cache of the custom-attention decoder is one::
+
+        %afv2 = auto_functionalized_v2(llama.update_cache, value=%k, start_pos=%s, _all_bases=[%b_key_cache_0])
+        %new = getitem(%afv2, 1)                                 # a BUFFER_MUTATION output
+        %o = llama.custom_sdpa(%q, %new, %v_new, %s, None, ...)  # reads rows < s + S only
+
+    ``update_cache`` writes rows ``[s, s+S)`` and ``custom_sdpa`` (no mask) reads
+    rows ``< s+S`` at the same ``s``; rows ``< s`` were written by the runner's
+    earlier calls.  So the buffer needs no stored initial value (ExecuTorch
+    stores none).  Conservative: any other user (another op, a mask, a user
+    output, a different ``start_pos``) keeps the buffer out of the set.
+    ``buffer_mutations`` names the graph's BUFFER_MUTATION output nodes.
+    """
+    found = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.users and all(
+                _writes_then_reads(user, node, buffer_mutations) for user in node.users):
+            found.add(node.name)
+    return found
+
+
+def _schema_name(node: torch.fx.Node) -> str:
+    schema = getattr(node.target, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
+def _writes_then_reads(write: torch.fx.Node, base: torch.fx.Node, buffer_mutations: set[str]) -> bool:
+    """Whether ``write`` updates ``base`` with ``llama::update_cache`` and only custom_sdpa reads the result."""
+    if not is_auto_functionalized(write) or mutating_op(write)._schema.name != _CACHE_WRITE:
+        return False
+    args = op_arguments(write)
+    if args.get("cache") is not base or args.get("value") is base:
+        return False
+    new_value = num_op_results(write)  # the cache is the op's only mutated base
+    for item in write.users:
+        if item.target is not operator.getitem or item.args[1] != new_value:
+            return False
+        for reader in item.users:
+            if reader.op == "output":
+                outputs = torch.fx.node.map_aggregate(reader.args, lambda a: a)
+                if item.name not in buffer_mutations or _count(outputs, item) != 1:
+                    return False
+            elif not _reads_prefix(reader, item, args.get("start_pos")):
+                return False
+    return True
+
+
+def _reads_prefix(reader: torch.fx.Node, cache: torch.fx.Node, start_pos: object) -> bool:
+    """``llama::custom_sdpa(q, k_cache, v_cache, start_pos, None, ...)`` with ``cache`` as k or v only."""
+    if _schema_name(reader) != _CACHE_READ or reader.kwargs:
+        return False
+    args = reader.args
+    if len(args) < 4 or args[0] is cache or args[3] is not start_pos:
+        return False
+    return (len(args) < 5 or args[4] is None) and all(a is not cache for a in args[5:])
+
+
+def _count(tree: object, node: torch.fx.Node) -> int:
+    if isinstance(tree, (list, tuple)):
+        return sum(_count(t, node) for t in tree)
+    return int(tree is node)

@@ -225,3 +225,23 @@ def test_last_token_program_outputs_one_row(tmp_path):
         [logits] = program.run("forward", [ids, pos])
         assert logits.shape == (1, 1, VOCAB)
         torch.testing.assert_close(logits[0, 0], reference("llama")[0, b - 1], atol=1e-5, rtol=1e-4)
+
+
+def _cache_tensors(pte: bytes) -> tuple[list, list[bytes]]:
+    """The planned tensors shaped like a KV cache ([1, MAX_SEQ_LEN, kv heads, head dim]) and the mutable data."""
+    data = deserialize(pte)
+    [plan] = data.program.executionPlan
+    tensors = [v.val for v in plan.values if getattr(v.val, "allocationInfo", None) is not None
+               and list(v.val.sizes) == [1, MAX_SEQ_LEN, 2, 16]]
+    return tensors, data.mutable_data
+
+
+def test_custom_program_stores_no_initial_cache_bytes():
+    # The caches are written (update_cache) before custom_sdpa reads them: no initial value stored,
+    # as ExecuTorch stores none; test_custom_program_runs_in_lowerflow_and_executorch runs such programs.
+    caches, mutable_data = _cache_tensors(lowered("llama", "custom", "xnnpack"))
+    assert len(caches) == 4 and all(t.dataBufferIdx == 0 for t in caches)
+    assert not mutable_data
+    # The standard attention reads the whole cache through a mask: its zeros stay in the program.
+    _, mutable_data = _cache_tensors(lowered("llama", "standard", "xnnpack"))
+    assert sum(len(b) for b in mutable_data) >= 4 * MAX_SEQ_LEN * 2 * 16 * 4  # 2 layers x (k, v), fp32

@@ -6,7 +6,9 @@ One method, ``forward``, one chain.  The program is walked in graph order:
   constant tensors (deduplicated bytes in the constant segment); user inputs
   and mutated buffers become planned tensors (a mutated buffer's initial value
   goes to the mutable data segment, which the runtime copies into the planned
-  memory when the method is loaded);
+  memory when the method is loaded; a buffer every call writes before it reads
+  it, a KV cache of ``llama::update_cache`` + ``llama::custom_sdpa``
+  (:func:`lowering.mutating_ops.write_first_buffers`), gets none, as in ExecuTorch);
 - ATen calls become KernelCalls of the out variant chosen by the memory plan
   (``aten::add`` + overload ``out``) with args in out-variant schema order,
   followed by the out tensor (or a TensorList of the out tensors), as

@@ -19,7 +19,8 @@ from torch.utils._pytree import treespec_dumps
 from ..control_flow_graph import is_control_flow
 from ..dynamic import SYM_OPS, DynamicShapeError, is_sym_op
 from ..errors import EmitError, LoweringError
-from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments
+from ..memory_plan import SHARED_STATE_MEM_ID
+from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments, write_first_buffers
 from ..pte import PteData, schema, serialize
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
@@ -122,6 +123,9 @@ class MethodEmitter:
         self.mutated_targets = {
             spec.target for spec in signature.output_specs if spec.kind == OutputKind.BUFFER_MUTATION
         }
+        mutations = {spec.arg.name for spec in signature.output_specs if spec.kind == OutputKind.BUFFER_MUTATION}
+        #: Mutated buffers written before every read (KV caches): planned, no initial value.
+        self.write_first = write_first_buffers(self.ep.graph, mutations)
         for node in self.ep.graph.nodes:
             self.node = node
             if node.op == "placeholder":
@@ -182,7 +186,9 @@ class MethodEmitter:
             # State: mutated here, or planned as state shared with another method.
             initial = self._state_tensor(spec.target)
             value = self.planned_tensor(node.name, node.meta["val"])
-            self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
+            shared = self.values[value].val.allocationInfo.memoryId == SHARED_STATE_MEM_ID
+            if node.name not in self.write_first or shared:
+                self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
             self.node_values[node] = value
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             self.node_values[node] = self._constant_tensor(self._state_tensor(spec.target))
