@@ -8,10 +8,9 @@
     lowerflow gc STORE [--keep-days N] [--dry-run]
     lowerflow ui [--port P]
 
-With no configuration the flows use Prefect's ephemeral server (nothing to
-start) and the store ``$LOWERFLOW_STORE`` or ``./.lowerflow``.  Prefect's own
-console logging is quieted to warnings unless ``--verbose``; its logs still go
-to the Prefect API.  A failure prints one line ``lowerflow: error: <reason>`` on
+With no configuration the flows use Prefect's ephemeral server and the store
+``$LOWERFLOW_STORE`` or ``./.lowerflow``.  Prefect's console logging is quieted to
+warnings unless ``--verbose`` (its logs still go to the Prefect API).  A failure prints one line ``lowerflow: error: <reason>`` on
 stderr (the traceback too with ``--debug``) and exits non-zero: 1 for a failed
 lowering or verification, 2 for bad usage or a bad manifest.
 """

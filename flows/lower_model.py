@@ -39,7 +39,6 @@ from prefect import flow, get_run_logger
 from lowering.methods import check_no_shared_state, check_shared_state_names
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
-from tasks.fingerprint import Fingerprint
 from tasks.model_spec import ModelSpec, holding, load_model
 from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
@@ -47,6 +46,7 @@ from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_op
 from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
 from .outages import mark_outage
+from .published import changed_since_last, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
 
 heartbeats.install()
@@ -181,79 +181,6 @@ def run_model(
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
-
-
-def unpublish_failed(store, manifest: dict) -> None:
-    """Remove what an earlier run published for each target that failed now: outputs/
-    holds the latest run's programs only, never a stale one beside a failed manifest."""
-    from flows.reports import plan_image_name
-
-    for target, result in manifest["targets"].items():
-        if not result["ok"]:
-            store.remove_named(f"{manifest['name']}/{target}.pte")
-            store.remove_named(plan_image_name(manifest["name"], target))
-
-
-def keep_published(store, manifest: dict) -> None:
-    """Targets of the model's published manifest that this run did not lower (``lowerflow
-    lower -t portable`` after a fleet published portable and reference) stay in it while
-    their ``.pte`` stays in outputs/: a published program always has its record.
-
-    A record is kept only for the same model (same fingerprint): the ``.pte`` of a model
-    that changed since is stale, and is removed from outputs/ with its record (as a
-    failed target's is, :func:`unpublish_failed`).  The kept record says
-    ``"kept_from"``: the flow run that lowered it.
-    """
-    from flows.reports import plan_image_name
-    from tasks.store import ArtifactRef
-
-    try:
-        previous = store.get_json(f"{manifest['name']}/manifest.json")
-    except Exception:  # none yet (or unreadable): nothing to keep
-        return
-    same_model = (previous.get("fingerprint") or {}).get("digest") == (manifest.get("fingerprint") or {}).get("digest")
-    for target, record in (previous.get("targets") or {}).items():
-        pte = (record or {}).get("pte")
-        if target in manifest["targets"] or not pte:
-            continue
-        if not store.exists(ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")):
-            continue  # its program is gone (or was replaced): nothing published to keep a record of
-        if same_model and record.get("ok"):
-            manifest["targets"][target] = {**record, "kept_from": record.get("kept_from") or previous.get("flow_run")}
-        else:
-            store.remove_named(f"{manifest['name']}/{target}.pte")
-            store.remove_named(plan_image_name(manifest["name"], target))
-
-
-def changed_since_last(store, manifest: dict) -> list[str] | None:
-    """Which fingerprint parts (weights, code, attributes, inputs, options) differ from the
-    model's previous manifest in the store; None on a first lowering."""
-    if "fingerprint" not in manifest:
-        return None
-    try:
-        previous = store.get_json(f"{manifest['name']}/manifest.json")
-    except Exception:  # no previous manifest (or an unreadable one): nothing to compare
-        return None
-    changed = Fingerprint.changed(previous.get("fingerprint"), manifest["fingerprint"])
-    if changed is None:
-        return None
-    return changed + quantize_changes(previous, manifest)
-
-
-def quantize_changes(previous: dict, manifest: dict) -> list[str]:
-    """``quantize`` when a target's recipe differs from the previous manifest's, ``calibration``
-    when the calibration data (its digest) does."""
-    def recipes(m: dict) -> dict:
-        return {t: (r.get("quantize") or {}).get("recipe") for t, r in (m.get("targets") or {}).items()}
-
-    before, after = recipes(previous), recipes(manifest)
-    changes = []
-    if any(before.get(t) != after[t] for t in after if t in before):
-        changes.append("quantize")
-    old, new = (previous.get("calibration") or {}).get("digest"), (manifest.get("calibration") or {}).get("digest")
-    if old and new and old != new:
-        changes.append("calibration")
-    return changes
 
 
 def plan_model(
