@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
+from .console import first_line, verify_line
 from .load_options import add_load_arguments, load_arguments
 
 PROG = "lowerflow"
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
+    add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
 
     gc = sub.add_parser("gc", parents=[common], help="remove store objects and cache records nothing uses",
@@ -542,8 +544,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     .pte has exactly those); exit 1 on a mismatch."""
     from tasks.model_spec import ModelSpecError, load_model
 
-    spec = parse_spec(args.model)
+    spec = parse_spec(args.model, args)
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
+    options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
     if spec.kind == "pt2":
         raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
     try:
@@ -551,7 +554,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
-        loaded = load_model(spec, None if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})
+        loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
     from lowering.verify import method_names, verify, verify_methods
@@ -562,7 +565,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         else:
             present = set(method_names(pte))
             dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
-            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic})
+            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic},
+                                     constants=loaded.constants)
             for n, sub in dynamic.items():
                 reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
     except Exception as exc:  # not a .pte at all
@@ -576,18 +580,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if bad:
         raise CLIError(f"{args.pte} does not match {args.model} in {', '.join(bad)}")
     return EXIT_OK
-
-
-def verify_line(check: Any) -> str:
-    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck; a check at
-    dynamic sizes says which (``"... 2.4e-07  (batch=32)"``)."""
-    sizes = "" if getattr(check, "inputs", "example") == "example" else f"  ({check.inputs})"
-    if check.ok is None:
-        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip() + sizes
-    diff = "" if check.max_abs_diff is None else f"max |diff| {check.max_abs_diff:.3g}"
-    status = "ok" if check.ok else "MISMATCH"
-    error = "" if check.ok or not check.error else f"  {first_line(check.error)}"
-    return f"{check.runtime:<11} {status:<8} {diff}".rstrip() + sizes + error
 
 
 # --------------------------------------------------------------------------- gc
@@ -611,11 +603,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def first_line(text: str) -> str:
-    """The first non-empty line of ``text``."""
-    return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
 
 
 #: Failures whose cause is outside lowerflow, and what to do about them.

@@ -1,7 +1,7 @@
 """The console and environment of lowerflow's commands (``lowerflow``, ``./run demo``).
 
 Settings Prefect reads when it is imported (so set first), and a console that shows
-lowerflow's own lines only unless ``--verbose``.
+lowerflow's own lines only unless ``--verbose``, and the lines of ``lowerflow verify``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import Any
 
 
 #: Seconds Prefect's ephemeral API server gets to start (Prefect's default is 20):
@@ -86,3 +87,20 @@ def quiet_console(verbose: bool) -> None:
 def say(line: str = "") -> None:
     """One line of our output on stdout (flushed: Prefect writes to stderr meanwhile)."""
     print(line, flush=True)
+
+
+def first_line(text: str) -> str:
+    """The first non-empty line of ``text``."""
+    return next((l.strip() for l in str(text).splitlines() if l.strip()), "")
+
+
+def verify_line(check: Any) -> str:
+    """``"lowerflow   ok       max |diff| 2.4e-07"`` for one RuntimeCheck; a check at
+    dynamic sizes says which (``"... 2.4e-07  (batch=32)"``)."""
+    sizes = "" if getattr(check, "inputs", "example") == "example" else f"  ({check.inputs})"
+    if check.ok is None:
+        return f"{check.runtime:<11} skipped  {check.skipped or ''}".rstrip() + sizes
+    diff = "" if check.max_abs_diff is None else f"max |diff| {check.max_abs_diff:.3g}"
+    status = "ok" if check.ok else "MISMATCH"
+    error = "" if check.ok or not check.error else f"  {first_line(check.error)}"
+    return f"{check.runtime:<11} {status:<8} {diff}".rstrip() + sizes + error

@@ -133,17 +133,22 @@ def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[li
 
 
 def verify_methods(
-    pte: bytes, methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]], **kwargs: Any
+    pte: bytes, methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]], constants: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> dict[str, VerifyReport]:
     """:func:`verify` each method of a several-method ``pte`` against its eager module.
 
-    ``methods``: ``{name: (module, example_inputs)}``; a method the program lacks
-    (or has beyond these) is a failed report, not a skipped one.
+    ``methods``: ``{name: (module, example_inputs)}``; ``constants``: the constant methods
+    ``{name: value}`` (an hf: model's metadata), checked on lowerflow's runtime.  A method the
+    program lacks (or has beyond these) is a failed report, not a skipped one.
     """
     names = set(method_names(pte))
+    constants = {} if constants is None else constants
     reports = {}
-    for name in sorted(set(methods) | names):
-        if name not in methods:
+    for name in sorted(set(methods) | set(constants) | names):
+        if name in constants and name in names:
+            reports[name] = _verify_constant(pte, name, constants[name])
+        elif name not in methods and name not in constants:
             reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"method {name!r} is not in the model")])
         elif name not in names:
             reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"the program has no method {name!r}")])
@@ -151,6 +156,13 @@ def verify_methods(
             module, inputs = methods[name]
             reports[name] = verify(pte, module, inputs, method=name, **kwargs)
     return reports
+
+
+def _verify_constant(pte: bytes, name: str, value: Any) -> VerifyReport:
+    """The constant method ``name`` returns ``value`` (a list: its items) on lowerflow's runtime."""
+    got = [v.item() if isinstance(v, torch.Tensor) else v for v in load(pte).run(name, [])]
+    ok = got == (list(value) if isinstance(value, (list, tuple)) else [value])
+    return VerifyReport([RuntimeCheck("lowerflow", ok, error=None if ok else f"{name} is {got}, expected {value!r}")])
 
 
 def verify_call_sequence(

@@ -328,6 +328,26 @@ def test_lowerflow_lower_hf_text_generation_writes_a_runner_program(cli, prefect
     assert again[0] == 0 and "export[forward]     cached" in again[1], again
 
 
+def test_lowerflow_verify_hf_text_generation_checks_forward_and_the_constant_methods(cli, hf_dirs, tmp_path):
+    """``verify --model hf:DIR --task ...`` takes lower's hf: flags: forward on both runtimes at
+    the Dim's min and max, and each constant method's value; a flag the .pte was not lowered
+    with is a mismatch (exit 1) naming the constant method."""
+    hf = load_hf(str(hf_dirs["llama"]), "text-generation", max_seq_len=MAX_SEQ_LEN)
+    pte = tmp_path / "llama.pte"
+    pte.write_bytes(lower(hf.lower_input()).pte)
+    spec = f"hf:{hf_dirs['llama']}"
+    code, out, errors = cli("verify", pte, "--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN)
+    assert code == 0, (out, errors)
+    assert "forward     executorch  ok" in out and "(seq_length_dim=31)" in out
+    assert "get_eos_ids lowerflow   ok" in out and "get_max_seq_len lowerflow   ok" in out
+    code, out, errors = cli("verify", pte, "--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,
+                            "--attn", "standard")
+    assert code == 1 and "use_sdpa_with_kv_cache is [True], expected False" in out
+    assert errors == [f"lowerflow: error: {pte} does not match {spec} in lowerflow (use_sdpa_with_kv_cache)"]
+    code, _, errors = cli("verify", pte, "--model", spec)
+    assert code == 2 and "task None is not one of" in errors[0]
+
+
 def test_lowerflow_lower_hf_without_a_task_or_with_a_bad_one_is_exit_2(cli, hf_dirs, tmp_path, monkeypatch):
     spec = f"hf:{hf_dirs['bert']}"
     code, _, errors = cli("lower", spec, "--store", tmp_path / "store")
