@@ -68,6 +68,7 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from .control_flow_graph import iter_scopes
+from .delegation import SHARED_WITH_TOP_LEVEL
 from .errors import LoweringError
 from .quant_ops import register_quantized_ops
 
@@ -88,6 +89,11 @@ _DTYPES: dict[str, torch.dtype] = {
 }  # fmt: skip
 
 _GRAPH_ID = re.compile(r'"graph_id": -?\d+')
+
+#: Placeholder metadata the lowering stages set and a later stage reads, which
+#: torch's graph JSON drops (it keeps no metadata on graph inputs): written as the
+#: manifest's ``"placeholder_meta"`` (only when some placeholder has one).
+KEPT_PLACEHOLDER_META = (SHARED_WITH_TOP_LEVEL,)
 
 
 class SerializationError(LoweringError):
@@ -269,7 +275,34 @@ def serialize_program(
         "example_inputs": _example_inputs_to_json(ep.example_inputs, add),
         "blobs": sorted(blobs),
     }
+    kept = placeholder_meta_of(ep.graph)
+    if kept:  # absent otherwise: the bytes of every other program stay as they were
+        manifest["placeholder_meta"] = kept
     return Serialized(canonical_json(manifest), blobs)
+
+
+def placeholder_meta_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
+    """``{placeholder name: {key: value}}`` for the :data:`KEPT_PLACEHOLDER_META` keys set.
+
+    E.g. a tied LM head's weight copy in an XNNPACK partition carries
+    ``shared_with_top_level: True`` (:func:`lowering.partition.duplicate_shared_constants`),
+    which tells preprocess to read the top level's bytes rather than store them twice.
+    """
+    kept = {}
+    for node in graph.find_nodes(op="placeholder"):
+        meta = {k: node.meta[k] for k in KEPT_PLACEHOLDER_META if node.meta.get(k) is not None}
+        if meta:
+            kept[node.name] = meta
+    return kept
+
+
+def apply_placeholder_meta(graph: torch.fx.Graph, kept: Mapping[str, Mapping[str, Any]]) -> None:
+    """Set the metadata :func:`placeholder_meta_of` recorded on a reloaded graph."""
+    placeholders = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    for name, meta in kept.items():
+        if name not in placeholders:
+            raise SerializationError(f"placeholder_meta names {name!r}, which is not an input of the graph")
+        placeholders[name].meta.update(meta)
 
 
 def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
@@ -318,6 +351,7 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
         raise SerializationError(
             f"graph {obj['graph'][:12]}: torch cannot deserialize it: {type(exc).__name__}: {exc}"
         ) from exc
+    apply_placeholder_meta(program.graph, obj.get("placeholder_meta", {}))
     drop_unused_output_getitems(program)
     return program
 

@@ -68,10 +68,10 @@ from .store import ArtifactRef, ArtifactStore
 STAGE_VERSIONS = {
     "export": "2",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops)
     "quantize": "1",
-    "partition": "3",
+    "partition": "4",  # 4: a shared constant's copy keeps shared_with_top_level in the store
     "lower_control_flow": "1",
     "create_submodule": "2",
-    "build_programs": "2",
+    "build_programs": "3",  # 3: as partition 4 (a tied LM head stored once when read back)
     "preprocess": "1",
     "adjust": "2",
     "memory_plan": "2",

@@ -294,3 +294,30 @@ def test_a_program_holding_lowered_modules_is_refused_clearly():
     delegated = to_backend(copy.deepcopy(edge_program("mlp")[0]), ReferencePartitioner())
     with pytest.raises(SerializationError, match="calls a lowered module"):
         serialize_program(delegated)
+
+
+def test_shared_with_top_level_survives_the_store():
+    """A partition's copy of a tied weight keeps ``shared_with_top_level`` through the store
+    (torch's graph JSON keeps no placeholder metadata): read back, XNNPACK preprocess still
+    stores the tied LM head once.  Programs without it write no ``placeholder_meta``."""
+    from lowering.delegation import SHARED_WITH_TOP_LEVEL
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 8))
+
+        def forward(self, ids):
+            return torch.nn.functional.embedding(ids, self.w) @ self.w.t()
+
+    program = export(Tied(), (torch.tensor([1, 2]),))
+    plain = serialize_program(program, keep_stack_traces=False)
+    assert "placeholder_meta" not in json.loads(plain.manifest)
+    weight = next(iter(program.graph.find_nodes(op="placeholder")))
+    weight.meta[SHARED_WITH_TOP_LEVEL] = True
+    flagged = serialize_program(program, keep_stack_traces=False)
+    assert json.loads(flagged.manifest)["placeholder_meta"] == {weight.name: {SHARED_WITH_TOP_LEVEL: True}}
+    back = deserialize_program(flagged.manifest, flagged.get_blob)
+    marked = [n.name for n in back.graph.find_nodes(op="placeholder") if n.meta.get(SHARED_WITH_TOP_LEVEL)]
+    assert marked == [weight.name]
+    assert serialize_program(back, keep_stack_traces=False).manifest == flagged.manifest
