@@ -27,7 +27,11 @@ unchanged; only its cache and (``attn="custom"``) its attention function differ:
   twice, so non-strict export and decomposition work).
 
 Models with sliding-window layers shorter than ``max_seq_len`` are refused by the
-custom variant (its attention is full-causal).
+custom variant (its attention is full-causal).  Layers with attention logit
+soft-capping (Gemma 2: ``tanh(scores / cap) * cap`` before the mask, which
+``custom_sdpa`` cannot apply) still write their caches with ``update_cache`` but
+attend in aten ops over the whole cache, rows after each query's position masked
+(:func:`softcapped_cache_attention`); those caches keep their stored zeros.
 """
 
 from __future__ import annotations
