@@ -19,9 +19,9 @@ Each side lowers in a fresh subprocess (ExecuTorch's custom-ops library aborts a
 where lowerflow already defined the llama ops; lowerflow's lowering time is also measured
 with its own op definitions, as a user gets them), after a warm-up lowering of a small MLP
 (one-time costs).  Lowering seconds include export.  The measuring process loads ExecuTorch's
-custom-ops library first and runs both programs: per round and program, an 8-token prefill
-then ``--decode`` greedy decode steps; rounds interleave the programs; the first round is
-dropped; medians.  Columns: lowering seconds, .pte bytes, prefill and decode tokens/s, the
+custom-ops library first and runs both programs: per round, ten 8-token prefills then
+``--decode`` greedy decode steps, the two programs interleaved call by call (:func:`measure`);
+the first round is dropped; tokens/s of the median call.  Columns: lowering seconds, .pte bytes, prefill and decode tokens/s, the
 prefill logits' max |Δ| against eager transformers (no cache), and whether both programs
 generate the same tokens.
 
@@ -176,41 +176,52 @@ def _lower_main(side: str, max_seq_len: int, tied: bool, out: Path) -> None:
 # --------------------------------------------------------------------------- measuring
 
 
-def generate(method, prompt: torch.Tensor, steps: int) -> tuple[float, float, list[int], torch.Tensor]:
-    """An 8-token prefill then ``steps`` greedy steps: (prefill s, decode s, tokens, prefill logits)."""
-    start = time.perf_counter()
-    (logits,) = method.execute([prompt, torch.arange(prompt.shape[1], dtype=torch.long)])
-    prefilled = time.perf_counter()
-    first = logits.clone()
-    token = int(logits[0, -1].argmax())
-    tokens = [token]
-    for i in range(steps):
-        position = torch.tensor([prompt.shape[1] + i], dtype=torch.long)
-        (logits,) = method.execute([torch.tensor([[token]], dtype=torch.long), position])
-        token = int(logits[0, -1].argmax())
-        tokens.append(token)
-    return prefilled - start, time.perf_counter() - prefilled, tokens, first
+def _call(method, ids: torch.Tensor, start: int) -> tuple[float, torch.Tensor]:
+    """One ``forward(input_ids, cache_position)`` call: (seconds, logits)."""
+    positions = torch.arange(start, start + ids.shape[1], dtype=torch.long)
+    begin = time.perf_counter()
+    (logits,) = method.execute([ids, positions])
+    return time.perf_counter() - begin, logits
 
 
-def measure(ptes: list[bytes], prompt: torch.Tensor, steps: int, rounds: int) -> list[dict]:
-    """Per program: median prefill and decode tokens/s over interleaved rounds (first dropped)."""
+def measure(ptes: list[bytes], prompt: torch.Tensor, steps: int, rounds: int, prefills: int = 10) -> list[dict]:
+    """Per program: prefill and decode tokens/s from the median call.
+
+    Interleaved call by call, so a burst of load from elsewhere falls on both
+    programs alike: per round, ``prefills`` prefills of each program in turn (the
+    same positions, rewritten), then decode step ``i`` of each program in turn
+    (the order flips every call); the first round is dropped.
+    """
     from executorch.runtime import Runtime
 
     runtime = Runtime.get()
     programs = [runtime.load_program(p) for p in ptes]  # kept alive: a Method needs its Program
     methods = [p.load_method("forward") for p in programs]
+    order = list(range(len(methods)))
     prefill: list[list[float]] = [[] for _ in methods]
     decode: list[list[float]] = [[] for _ in methods]
     results: list[dict] = [{} for _ in methods]
     for r in range(rounds):
-        for i, method in enumerate(methods):
-            p_s, d_s, tokens, first = generate(method, prompt, steps)
-            if r:
-                prefill[i].append(prompt.shape[1] / p_s)
-                decode[i].append(steps / d_s)
-            results[i].update(tokens=tokens, logits=first)
+        tokens: list[list[int]] = [[] for _ in methods]
+        for _ in range(prefills):
+            order.reverse()
+            for i in order:
+                seconds, logits = _call(methods[i], prompt, 0)
+                prefill[i] += [seconds] * bool(r)
+                results[i]["logits"] = logits.clone()
+        for i in order:
+            tokens[i].append(int(results[i]["logits"][0, -1].argmax()))
+        for step in range(steps):
+            order.reverse()
+            for i in order:
+                seconds, logits = _call(methods[i], torch.tensor([[tokens[i][-1]]]), prompt.shape[1] + step)
+                decode[i] += [seconds] * bool(r)
+                tokens[i].append(int(logits[0, -1].argmax()))
+        for i, result in enumerate(results):
+            result["tokens"] = tokens[i]
     for i, result in enumerate(results):
-        result.update(prefill=statistics.median(prefill[i]), decode=statistics.median(decode[i]))
+        result.update(prefill=prompt.shape[1] / statistics.median(prefill[i]),
+                      decode=1 / statistics.median(decode[i]))
     return results
 
 
@@ -234,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         expected = hf_model(args.tied)(input_ids=prompt, use_cache=False).logits
     print(f"Llama {CONFIG}, tied={args.tied}, fp32 XNNPACK; {PROMPT}-token prefill + {args.decode} greedy steps; "
-          f"medians of {args.rounds - 1} interleaved rounds\n")
+          f"median calls of {args.rounds - 1} rounds, interleaved call by call\n")
     header = (f"{'cache':>5}   {'ET s':>6} {'LF s':>6} {'time':>6}   {'ET bytes':>10} {'LF bytes':>10} {'bytes':>6}   "
               f"{'ET pre/s':>8} {'LF pre/s':>8} {'ET dec/s':>8} {'LF dec/s':>8} {'decode':>6}   "
               f"{'ET |Δ|':>8} {'LF |Δ|':>8} same")
