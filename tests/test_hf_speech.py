@@ -129,14 +129,17 @@ def test_whisper_decodes_greedily_with_a_kv_cache_on_both_runtimes_equal_to_eage
     assert hf.constants["decoder_start_token_id"] == 1 and hf.constants["max_hidden_seq_length"] == 32
     paths = []
     for target, partitioner in (("portable", None), ("xnnpack", XnnpackPartitioner())):
-        result = lower(hf.lower_input(), partitioner=partitioner)
-        graph = result.exported_programs["text_decoder"].graph
-        targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
-        assert targets.count("llama.custom_sdpa.default") == 2  # one per decoder layer
-        ep = result.exported_programs["text_decoder"]
-        assert sorted(ep.graph_signature.buffers_to_mutate.values()) == sorted(
-            f"{kind}_cache_{i}" for kind in ("key", "value") for i in range(2))
-        check_equal_to_eager(whisper_dir, load(result.pte).run)
+        result = lower(hf.lower_input(), partitioner=partitioner, share_mutable_buffers=hf.share_mutable_buffers)
+        decoder, encoder = result.exported_programs["text_decoder"], result.exported_programs["encoder"]
+        targets = [str(n.target) for n in decoder.graph.nodes if n.op == "call_function"]
+        assert targets.count("llama.custom_sdpa.default") == 4  # self- and cross-attention per layer
+        hidden = [n for n in decoder.graph.nodes if n.op == "placeholder"][-2]  # cross K/V come from encoder
+        assert hidden.name == "encoder_hidden_states" and not hidden.users
+        assert sorted(decoder.graph_signature.buffers_to_mutate.values()) == [
+            f"{kind}_cache_{i}" for kind in ("key", "value") for i in range(2)]
+        assert sorted(encoder.graph_signature.buffers_to_mutate.values()) == [
+            f"cross.{kind}_{i}" for kind in ("key", "value") for i in range(2)]
+        check_equal_to_eager(whisper_dir, load(result.pte).load_all().run)  # both methods loaded first, as the runner does
         paths.append(tmp_path / f"whisper-{target}.pte")
         paths[-1].write_bytes(result.pte)
     expected = [eager_greedy(whisper_dir, features) for features in utterances()] * len(paths)
@@ -149,7 +152,7 @@ def test_whisper_decodes_greedily_with_a_kv_cache_on_both_runtimes_equal_to_eage
 def test_whisper_standard_attn_runs_on_executorch_in_process_with_its_metadata(whisper_dir):
     """attn standard: transformers' static cache (index_copy_) and aten SDPA, no llama ops."""
     hf = load_hf(str(whisper_dir), TASK, max_seq_len=MAX_SEQ_LEN, attn="standard")
-    result = lower(hf.lower_input())
+    result = lower(hf.lower_input(), share_mutable_buffers=hf.share_mutable_buffers)
     targets = {str(n.target) for n in result.exported_programs["text_decoder"].graph.nodes}
     assert not any("llama" in t for t in targets)
     program = runtime.Runtime.get().load_program(result.pte)

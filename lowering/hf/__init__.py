@@ -151,7 +151,9 @@ def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dt
             methods = speech_methods(source, model, max_seq_len, attn=attn)
             constants = metadata.speech_seq2seq(model, max_seq_len=max_seq_len, frames=frames(source, model.config),
                                                 attn=attn, dtype=dtype_)
-    return HFProgram(source, directory, task, dict(sorted(methods.items())), constants, options)
+    # automatic-speech-recognition: the encoder writes the cross-attention cache text_decoder reads
+    share = task == "automatic-speech-recognition" and options.get("attn") == "custom"
+    return HFProgram(source, directory, task, dict(sorted(methods.items())), constants, options, share)
 
 
 def _default_max_seq_len(model: Any) -> int:

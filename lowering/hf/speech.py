@@ -56,11 +56,12 @@ def speech_methods(source: str, model: Any, max_seq_len: int, attn: str = "custo
     with torch.no_grad():
         hidden = encoder(features)
     try:
-        decoder = seq2seq_decoder_module(model, max_seq_len=max_seq_len, attn=attn)
+        decoder = seq2seq_decoder_module(model, max_seq_len=max_seq_len, attn=attn,
+                                         encoder_length=hidden.shape[1] if attn == "custom" else None)
     except ValueError as exc:  # e.g. max_seq_len beyond the decoder's positions
         raise HFError(f"hf:{source}: {str(exc).removeprefix('seq2seq_decoder_module: ')}") from exc
     start = getattr(config, "decoder_start_token_id", None) or 0
     return {
-        "encoder": (encoder, (features,), None),
+        "encoder": (decoder.encoder_module(encoder).eval() if attn == "custom" else encoder, (features,), None),
         "text_decoder": (decoder.eval(), seq2seq_decoder_example(hidden, start), None),
     }

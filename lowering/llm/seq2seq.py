@@ -36,14 +36,17 @@ from .decoder import ATTN_CHOICES, Step, custom_layer_class, custom_sdpa_attenti
 ATTN_IMPLEMENTATION = "lowerflow_custom_sdpa_seq2seq"
 
 
-def seq2seq_decoder_module(hf_model: torch.nn.Module, *, max_seq_len: int, attn: str = "custom") -> torch.nn.Module:
+def seq2seq_decoder_module(hf_model: torch.nn.Module, *, max_seq_len: int, attn: str = "custom",
+                           encoder_length: int | None = None) -> "Seq2SeqDecoder":
     """``hf_model`` (a transformers ``WhisperForConditionalGeneration``-style encoder-decoder)
-    as ``forward(decoder_input_ids[1,1], encoder_hidden_states, cache_position[1]) -> logits``."""
+    as ``forward(decoder_input_ids[1,1], encoder_hidden_states, cache_position[1]) -> logits``.
+    With ``encoder_length`` (the encoder's output length T) the cross-attention keys/values
+    are cached: see :meth:`Seq2SeqDecoder.encoder_module`."""
     if attn not in ATTN_CHOICES:
         raise ValueError(f"seq2seq_decoder_module: attn must be one of {ATTN_CHOICES}, got {attn!r}")
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise ValueError(f"seq2seq_decoder_module: max_seq_len must be an int >= 2, got {max_seq_len!r}")
-    return Seq2SeqDecoder(hf_model, max_seq_len=max_seq_len, custom=attn == "custom")
+    return Seq2SeqDecoder(hf_model, max_seq_len=max_seq_len, custom=attn == "custom", encoder_length=encoder_length)
 
 
 def seq2seq_decoder_example(hidden: torch.Tensor, start_token: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -54,7 +57,8 @@ def seq2seq_decoder_example(hidden: torch.Tensor, start_token: int) -> tuple[tor
 class Seq2SeqDecoder(torch.nn.Module):
     """See the module docstring; built by :func:`seq2seq_decoder_module`."""
 
-    def __init__(self, hf_model: torch.nn.Module, *, max_seq_len: int, custom: bool = True):
+    def __init__(self, hf_model: torch.nn.Module, *, max_seq_len: int, custom: bool = True,
+                 encoder_length: int | None = None):
         super().__init__()
         config = hf_model.config
         layers = getattr(hf_model.get_decoder(), "layers", None)
@@ -74,6 +78,10 @@ class Seq2SeqDecoder(torch.nn.Module):
         self._self_attention = attentions
         dtype = next(hf_model.parameters()).dtype
         heads, dims = [int(a.num_heads) for a in attentions], [int(a.head_dim) for a in attentions]
+        if encoder_length and not custom:
+            raise ValueError("seq2seq_decoder_module: the cross-attention cache (encoder_length) needs attn 'custom'")
+        self._cross_attention = [layer.encoder_attn for layer in layers] if encoder_length else []
+        self.cross = CrossState(self._cross_attention, encoder_length, dtype) if encoder_length else None
         if custom:
             ensure_llama_ops()
             _register_attention()
@@ -106,8 +114,12 @@ class Seq2SeqDecoder(torch.nn.Module):
             self._step.start_pos = cache_position[0].item()
             for module in self._self_attention:  # the cross-attentions carry no step
                 module.__dict__["_lowerflow_step"] = self._step
-        cache = EncoderDecoderCache(Cache(layers=self._layers),
-                                    Cache(layers=[_cross_layer_class()() for _ in self._layers]))
+            for module in self._cross_attention:
+                module.__dict__["_lowerflow_cross"] = True
+        cross = [_cross_layer_class()() for _ in self._layers]
+        for i, layer in enumerate(cross if self.cross is not None else ()):  # the encoder method's keys/values
+            layer.keys, layer.values, layer.is_initialized = self.cross.keys(i), self.cross.values(i), True
+        cache = EncoderDecoderCache(Cache(layers=self._layers), Cache(layers=cross))
         previous = self._config._attn_implementation
         if self.custom:
             self._config._attn_implementation = ATTN_IMPLEMENTATION
@@ -123,10 +135,61 @@ class Seq2SeqDecoder(torch.nn.Module):
     def _release(self) -> None:
         """No tensor or SymInt stays on the layers between calls (see lowering.llm.decoder)."""
         self._step.start_pos = 0
+        for module in self._cross_attention:
+            module.__dict__.pop("_lowerflow_cross", None)
         for layer in self._layers:
             layer.keys = layer.values = None
             if not self.custom:
                 layer.cumulative_length = None
+
+
+    def encoder_module(self, encoder: torch.nn.Module) -> torch.nn.Module:
+        """``encoder`` (``features -> encoder_hidden_states``) that also writes the cross-attention
+        keys/values this decoder reads (needs ``encoder_length``; the two methods share their
+        mutable buffers: ``lower(..., share_mutable_buffers=True)``)."""
+        if self.cross is None:
+            raise ValueError("seq2seq_decoder_module: no cross-attention cache (encoder_length not given)")
+        return CrossWriter(encoder, self.cross)
+
+
+class CrossState(torch.nn.Module):
+    """The cross-attention keys/values of every decoder layer, ``[1, T, H, D]`` buffers
+    ``key_i`` / ``value_i`` (``llama::custom_sdpa``'s layout), and how to compute them from
+    the encoder's output (the layers' own ``k_proj`` / ``v_proj``, as Whisper's attention)."""
+
+    def __init__(self, attentions: list, length: int, dtype: torch.dtype):
+        super().__init__()
+        self.attentions = torch.nn.ModuleList(attentions)  # the decoder's own (shared parameters)
+        for i, attention in enumerate(attentions):
+            shape = (1, int(length), int(attention.num_heads), int(attention.head_dim))
+            self.register_buffer(f"key_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+            self.register_buffer(f"value_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def keys(self, i: int) -> torch.Tensor:
+        return getattr(self, f"key_{i}")
+
+    def values(self, i: int) -> torch.Tensor:
+        return getattr(self, f"value_{i}")
+
+    def write(self, hidden: torch.Tensor) -> None:
+        for i, attention in enumerate(self.attentions):
+            shape = (hidden.shape[0], -1, attention.num_heads, attention.head_dim)
+            self.keys(i).copy_(attention.k_proj(hidden).view(shape))
+            self.values(i).copy_(attention.v_proj(hidden).view(shape))
+
+
+class CrossWriter(torch.nn.Module):
+    """``forward(features) -> encoder_hidden_states``, writing the decoder's cross keys/values."""
+
+    def __init__(self, encoder: torch.nn.Module, cross: CrossState):
+        super().__init__()
+        self.encoder = encoder
+        self.cross = cross
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.encoder(*inputs)
+        self.cross.write(hidden)
+        return hidden
 
 
 @functools.cache
@@ -143,10 +206,18 @@ def _cross_layer_class():
 
 def seq2seq_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Self-attention (a module carrying the step): ``llama::custom_sdpa`` over the cache.
-    Cross-attention: ``softmax(q @ k^T * scale [+ mask]) @ v`` over all encoder frames
-    (``query`` [B, H, S, D], ``key``/``value`` [B, H, T, D]; returns [B, S, H, D], None)."""
+    Cached cross-attention (``key``/``value`` the [B, T, H, D] buffers of :class:`CrossState`):
+    ``llama::custom_sdpa`` over all T frames, not causal (``start_pos + S = T``); the
+    buffers' only users are then llama ops, which no delegate takes, so no backend copies
+    the state another method writes into its own weights.  Recomputed cross-attention:
+    ``softmax(q @ k^T * scale [+ mask]) @ v`` (``key``/``value`` [B, H, T, D]).
+    ``query`` [B, H, S, D]; returns [B, S, H, D], None."""
     if "_lowerflow_step" in module.__dict__:
         return custom_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if "_lowerflow_cross" in module.__dict__:
+        start = key.shape[1] - query.shape[2]
+        out = torch.ops.llama.custom_sdpa(query.transpose(1, 2), key, value, start, None, 0.0, False, scaling)
+        return out, None
     scores = query @ key.transpose(-1, -2)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
