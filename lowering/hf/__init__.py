@@ -6,7 +6,7 @@ network allows) and returns the methods of one program plus its constant
 (metadata) methods, ready for :func:`lowering.lower`::
 
     hf = load_hf("./tiny-llama", "text-generation", max_seq_len=128)
-    lower(hf.lower_input(), partitioner=XnnpackPartitioner())
+    lower(hf.lower_input(), partitioner=XnnpackPartitioner(), share_mutable_buffers=hf.share_mutable_buffers)
 
     task                           Auto class                        methods
     text-generation                AutoModelForCausalLM              forward(input_ids[1,S], cache_position[S]) + get_max_seq_len, ...
@@ -82,7 +82,8 @@ class HFProgram:
     constants: dict[str, Any]
     #: The options as resolved (defaults filled in): part of the model's fingerprint.
     options: dict[str, Any]
-    #: The methods share their mutable buffers.
+    #: The methods share their mutable buffers (pass it to ``lower``): automatic-speech-recognition
+    #: with attn custom, whose encoder writes the cross-attention cache text_decoder reads.
     share_mutable_buffers: bool = False
 
     def lower_input(self) -> dict[str, Any]:

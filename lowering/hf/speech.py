@@ -9,9 +9,11 @@ The encoder's input is static (Whisper's is fixed at ``2 * max_source_positions`
 frames).  The decoder takes one token per call: its self-attention keys/values live
 in a static cache of ``max_seq_len`` positions in mutable buffers, written in place
 with ``llama::update_cache`` and read by ``llama::custom_sdpa`` (``attn="custom"``, the
-default; ``"standard"``: transformers' static cache and aten SDPA); cross-attention
-keys/values are computed from ``encoder_hidden_states`` on each call
-(:mod:`lowering.llm.seq2seq`).  The runner's loop::
+default).  With ``custom`` the encoder method also computes every decoder layer's
+cross-attention keys/values once into buffers ``text_decoder`` reads (the methods
+share their mutable buffers: ``HFProgram.share_mutable_buffers``); with ``"standard"``
+(transformers' static cache, aten SDPA, no llama ops) they are recomputed from
+``encoder_hidden_states`` on every call (:mod:`lowering.llm.seq2seq`).  The runner's loop::
 
     hidden = encoder(features)
     for pos in 0, 1, ...:  logits = text_decoder([[token]], hidden, [pos]);  token = argmax(logits)

@@ -1,6 +1,6 @@
 """A transformers encoder-decoder's decoder (Whisper) as ExecuTorch's ASR runner calls it.
 
-``seq2seq_decoder_module(hf_model, max_seq_len=L)`` returns a module with
+``seq2seq_decoder_module(hf_model, max_seq_len=L, encoder_length=T)`` returns a module with
 
     forward(decoder_input_ids: i64[1, 1], encoder_hidden_states: f32[1, T, H], cache_position: i64[1])
         -> logits f32[1, 1, V]
@@ -11,16 +11,24 @@ decoder's self-attention keys/values in ``[1, L, H, D]`` buffers ``key_cache_i``
 unchanged; only its cache and its attention function differ (registered as
 ``"lowerflow_custom_sdpa_seq2seq"`` for the call)::
 
-    before (no cache): text_decoder(ids[1, S], hidden) reran the whole prefix, O(S) per token
+    before (no cache): text_decoder(ids[1, S], hidden) reran the whole prefix and every
+                       layer's k_proj/v_proj over all T encoder frames, per token
     after, per decoder layer and token:
       %k_t = permute_copy(%k, [0, 2, 1, 3])                                    # [1, 1, H, D]
       %afv2 = auto_functionalized_v2(llama.update_cache, value=%k_t, start_pos=%s, _all_bases=[%b_key_cache_0])
       %o = llama.custom_sdpa(%q_t, %afv2[1], %afv2_1[1], %s, None, 0.0, True, 1.0)   # causal over 0..s
-      %ck = linear(%encoder_hidden_states, k_proj) ... softmax(q @ ck^T) @ cv            # cross-attention
+      %c = llama.custom_sdpa(%cq_t, %b_cross_key_0, %b_cross_value_0, T-1, None, 0.0, False, 1.0)  # all T
+    and the encoder method (:meth:`Seq2SeqDecoder.encoder_module`), once per utterance:
+      %hidden = <encoder>(%input_features)
+      copy_(%b_cross_key_0, view(linear(%hidden, encoder_attn.k_proj), [1, T, H, D]))  ... per layer
 
-with ``%s = cache_position[0].item()``.  Cross-attention keys/values are computed from
-``encoder_hidden_states`` on every call (as optimum-executorch's ``DynamicCache`` does):
-a fresh pass-through cross cache per call, so no state goes stale between utterances.
+with ``%s = cache_position[0].item()``.  The cross buffers are state the two methods
+share (``lower(..., share_mutable_buffers=True)``): ``text_decoder`` attends to the
+frames of the last ``encoder`` call, as the runner calls them (its
+``encoder_hidden_states`` input is then unused).  Without ``encoder_length`` (and with
+``attn="standard"``: transformers' ``StaticLayer`` cache, aten SDPA), cross-attention
+keys/values are computed from ``encoder_hidden_states`` on every call, as
+optimum-executorch's ``DynamicCache`` does.
 """
 
 from __future__ import annotations
