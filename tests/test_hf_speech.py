@@ -102,7 +102,8 @@ _FRESH_EXECUTORCH = textwrap.dedent("""
             hidden = methods["encoder"].execute([features])[0]
             tokens, logits = [request["start"]], []
             for position in range(request["steps"]):
-                out = methods["text_decoder"].execute([torch.tensor([[tokens[-1]]]), hidden, torch.tensor([position])])[0]
+                ids, pos = torch.tensor([[tokens[-1]]]), torch.tensor([position])
+                out = methods["text_decoder"].execute([ids, hidden, pos])[0]
                 logits.append(out[0, -1].clone())
                 tokens.append(int(logits[-1].argmax()))
             results.append((tokens, torch.stack(logits)))
@@ -139,7 +140,8 @@ def test_whisper_decodes_greedily_with_a_kv_cache_on_both_runtimes_equal_to_eage
             f"{kind}_cache_{i}" for kind in ("key", "value") for i in range(2)]
         assert sorted(encoder.graph_signature.buffers_to_mutate.values()) == [
             f"cross.{kind}_{i}" for kind in ("key", "value") for i in range(2)]
-        check_equal_to_eager(whisper_dir, load(result.pte).load_all().run)  # both methods loaded first, as the runner does
+        # both methods loaded first, as the runner does (loading a method writes its initial state)
+        check_equal_to_eager(whisper_dir, load(result.pte).load_all().run)
         paths.append(tmp_path / f"whisper-{target}.pte")
         paths[-1].write_bytes(result.pte)
     expected = [eager_greedy(whisper_dir, features) for features in utterances()] * len(paths)

@@ -6,14 +6,16 @@ network allows) and returns the methods of one program plus its constant
 (metadata) methods, ready for :func:`lowering.lower`::
 
     hf = load_hf("./tiny-llama", "text-generation", max_seq_len=128)
-    lower(hf.lower_input(), partitioner=XnnpackPartitioner(), share_mutable_buffers=hf.share_mutable_buffers)
+    lower(hf.lower_input(), partitioner=XnnpackPartitioner(),
+          share_mutable_buffers=hf.share_mutable_buffers)
 
     task                           Auto class                        methods
     text-generation                AutoModelForCausalLM              forward(input_ids[1,S], cache_position[S]) + get_max_seq_len, ...
     feature-extraction             AutoModel                         forward(input_ids[1,S], attention_mask[1,S])
     fill-mask                      AutoModelForMaskedLM              forward(input_ids[1,S], attention_mask[1,S])
     image-classification           AutoModelForImageClassification   forward(pixel_values[1,C,H,W])
-    automatic-speech-recognition   AutoModelForSpeechSeq2Seq         encoder(input_features), text_decoder(ids[1,1], hidden, cache_position[1])
+    automatic-speech-recognition   AutoModelForSpeechSeq2Seq         encoder(input_features),
+                                                                     text_decoder(ids[1,1], hidden, cache_position[1])
 
 Options: ``max_seq_len`` (KV cache / longest input; default the config's
 ``max_position_embeddings`` capped at 2048), ``dtype`` (``float32``, ``float16``,

@@ -46,7 +46,8 @@ def frames(source: str, config: Any) -> int:
     return 2 * int(positions)
 
 
-def speech_methods(source: str, model: Any, max_seq_len: int, attn: str = "custom") -> dict[str, tuple[torch.nn.Module, tuple, Any]]:
+def speech_methods(source: str, model: Any, max_seq_len: int,
+                   attn: str = "custom") -> dict[str, tuple[torch.nn.Module, tuple, Any]]:
     """``{"encoder": ..., "text_decoder": ...}``, each ``(module, example_inputs, dynamic_shapes)``."""
     from ..llm import seq2seq_decoder_example, seq2seq_decoder_module
 

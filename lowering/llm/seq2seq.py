@@ -34,7 +34,6 @@ optimum-executorch's ``DynamicCache`` does.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
