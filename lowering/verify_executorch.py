@@ -44,14 +44,19 @@ request = torch.load(sys.argv[1], weights_only=False)
 for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
-with open(request["pte"], "rb") as f:
-    program = runtime.load_program(f.read())
-for name in request["names"]:
-    if name not in program.method_names:
-        raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
-methods = {name: program.load_method(name) for name in request["names"]}
-outputs = [list(methods[name].execute(list(inputs))) for name, inputs in request["calls"]]
-torch.save(outputs, sys.argv[2])
+results = []
+for job in request["programs"]:
+    with open(job["pte"], "rb") as f:
+        program = runtime.load_program(f.read())
+    for name in job["names"]:
+        if name not in program.method_names:
+            raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+    try:
+        methods = {name: program.load_method(name) for name in job["names"]}
+        results.append([list(methods[name].execute(list(inputs))) for name, inputs in job["calls"]])
+    except Exception as exc:  # this job's error; the others still run
+        results.append(f"{type(exc).__name__}: {exc}")
+torch.save(results, sys.argv[2])
 """
 
 
@@ -89,6 +94,24 @@ class ExecutorchRunner:
                     raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
             methods = {name: program.load_method(name) for name in names}
             return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
+
+    def sequences(self, pte: bytes, jobs: list[tuple[list[str], list]]) -> list:
+        """:meth:`sequence` of each ``(names, calls)`` on a freshly loaded program, all in one
+        fresh interpreter where one is needed (one start-up, not one per job): each job's
+        outputs, or the exception it raised."""
+        sets = needed_sets(program_operators(pte))
+        if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
+            try:
+                return run_programs_in_fresh_interpreter([(pte, names, calls) for names, calls in jobs], sets)
+            except RuntimeError as exc:  # the interpreter itself failed: every job did
+                return [exc] * len(jobs)
+        results = []
+        for names, calls in jobs:
+            try:
+                results.append(self.sequence(pte, names, calls))
+            except Exception as exc:  # reported by the caller, per job
+                results.append(exc)
+        return results
 
     def missing_operators(self, operators: Iterable[str]) -> list[str]:
         """Operators of namespaces the stock runtime has none of (a backend's own ops,
@@ -131,21 +154,36 @@ def run_in_fresh_interpreter(pte: bytes, names: list[str], calls: list, sets: It
     """:meth:`ExecutorchRunner.sequence` in a fresh Python (the same interpreter) that loads
     the libraries of ``sets`` ("llm" first) before the runtime; its error, if any, is
     raised here as a RuntimeError quoting its last line."""
+    [result] = run_programs_in_fresh_interpreter([(pte, names, calls)], sets)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def run_programs_in_fresh_interpreter(programs: list, sets: Iterable[str]) -> list[list[list[torch.Tensor]]]:
+    """:func:`run_in_fresh_interpreter` of several ``(pte, names, calls)`` in one fresh
+    interpreter (one start-up for all): each program's outputs, or a RuntimeError naming
+    the exception it raised, in order.  A failure of the interpreter itself (an abort) is
+    raised."""
     modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
     with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
-        paths = {name: os.path.join(tmp, name) for name in ("program.pte", "request.pt", "outputs.pt")}
-        with open(paths["program.pte"], "wb") as f:
-            f.write(pte)
-        torch.save({"pte": paths["program.pte"], "modules": modules, "names": list(names),
-                    "calls": [(name, list(inputs)) for name, inputs in calls]}, paths["request.pt"])
-        done = subprocess.run([sys.executable, "-c", _CHILD, paths["request.pt"], paths["outputs.pt"]],
+        jobs = []
+        for i, (pte, names, calls) in enumerate(programs):
+            path = os.path.join(tmp, f"program{i}.pte")
+            with open(path, "wb") as f:
+                f.write(pte)
+            jobs.append({"pte": path, "names": list(names), "calls": [(name, list(inputs)) for name, inputs in calls]})
+        request, outputs = os.path.join(tmp, "request.pt"), os.path.join(tmp, "outputs.pt")
+        torch.save({"modules": modules, "programs": jobs}, request)
+        done = subprocess.run([sys.executable, "-c", _CHILD, request, outputs],
                               capture_output=True, text=True, timeout=900)
         if done.stderr.strip():
             log.debug("executorch runtime output (fresh interpreter):\n%s", done.stderr.strip())
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             raise RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
-        return torch.load(paths["outputs.pt"], weights_only=False)
+        results = torch.load(outputs, weights_only=False)
+        return [RuntimeError(r) if isinstance(r, str) else r for r in results]
 
 
 @contextlib.contextmanager

@@ -434,3 +434,25 @@ def test_folded_pte_is_byte_identical_across_processes(folded):
     assert runs[0] == runs[1]
     in_process = {name: hashlib.sha256(folded[name][1].pte).hexdigest() for name in ("mlp", "buffer_mutation", "lstm")}
     assert dict(line.split() for line in runs[0].splitlines()) == in_process
+
+
+def test_a_permute_undone_by_the_next_one_goes():
+    """``transpose(1, 2)`` then ``transpose(1, 2)`` again is the value itself (ExecuTorch's LLM
+    export removes such pairs too); a pair whose result is an output stays."""
+
+    class Pairs(torch.nn.Module):
+        def forward(self, x):
+            t = x.transpose(1, 2)
+            back = t.transpose(1, 2)  # undoes t: the pair goes
+            other = x.permute(0, 2, 3, 1).permute(0, 3, 1, 2)  # undoes too, but is an output
+            return back * 2, other, t.permute(0, 2, 1, 3).contiguous() + 1
+
+    x = torch.randn(1, 4, 3, 8)
+    program = to_edge(torch.export.export(Pairs(), (x,)))
+    permutes = [n for n in program.graph.nodes if n.target is torch.ops.aten.permute_copy.default]
+    # left: t's (read by the third output's pair, which is undone: its add reads x) -> gone too;
+    # the output pair's two permutes stay
+    assert len(permutes) == 2, program.graph
+    mul = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
+    assert mul.args[0].op == "placeholder"
+    assert_all_close(flatten(program.module()(x)), flatten(Pairs()(x)))

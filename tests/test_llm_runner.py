@@ -4,7 +4,7 @@
 and generates greedily the same tokens as the checkpoint's own eager model::
 
     save_pretrained dir (tiny random Llama + ByteLevel BPE tokenizer.json)
-        ─► load_hf(dir, "text-generation", attn=custom|standard) ─► lower(xnnpack) ─► model.pte
+        ─► load_hf(dir, "text-generation", attn=custom|standard) ─► lower(xnnpack | portable) ─► model.pte
         ─► TextLLMRunner(model.pte, tokenizer.json).generate(prompt, temperature=0)   (fresh process)
         == eager greedy loop over LlamaForCausalLM (stops at eos, as the runner does)
 
@@ -17,6 +17,7 @@ the 12-token budget is cut by eos at the 8th token on both sides.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -31,32 +32,37 @@ tokenizers = pytest.importorskip("tokenizers")
 from lowering import lower  # noqa: E402
 from lowering.backends.xnnpack import XnnpackPartitioner  # noqa: E402
 from lowering.hf import load_hf  # noqa: E402
+from lowering.verify import delegate_backend_ids  # noqa: E402
 
 MAX_SEQ_LEN = 32
 MAX_NEW_TOKENS = 12
 PROMPT = "hello world"
 BOS, EOS = 1, 2
 
+#: The lowered variants the runner runs: (attn, target).
+VARIANTS = [("custom", "xnnpack"), ("standard", "xnnpack"), ("custom", "portable")]
+
 #: Run in a fresh interpreter: ExecuTorch's custom-ops library first (llama::*.out kernels;
-#: loading it after lowerflow's llama op definitions aborts the process), then the runner.
+#: loading it after lowerflow's llama op definitions aborts the process), then the runner
+#: over every program given (one start-up for all); the generated pieces as JSON, one list
+#: per program, or {"unavailable": why} when the runner cannot be imported.
 _RUNNER = textwrap.dedent("""
     import json, sys
-    import executorch.extension.llm.custom_ops.custom_ops
-    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
-    pte, tokenizer, prompt, max_new = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    pieces = []
-    config = GenerationConfig(echo=False, max_new_tokens=max_new, temperature=0.0, num_bos=0)
-    TextLLMRunner(pte, tokenizer).generate(prompt, config, token_callback=pieces.append)
-    print(json.dumps(pieces))
+    try:
+        import executorch.extension.llm.custom_ops.custom_ops
+        from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    except ImportError as exc:
+        print(json.dumps({"unavailable": str(exc)}))
+        sys.exit(0)
+    tokenizer, prompt, max_new, ptes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+    results = []
+    for pte in ptes:
+        pieces = []
+        config = GenerationConfig(echo=False, max_new_tokens=max_new, temperature=0.0, num_bos=0)
+        TextLLMRunner(pte, tokenizer).generate(prompt, config, token_callback=pieces.append)
+        results.append(pieces)
+    print(json.dumps(results))
 """)
-
-
-@pytest.fixture(scope="module")
-def runner_available():
-    probe = subprocess.run([sys.executable, "-c", "import executorch.extension.llm.runner"],
-                           capture_output=True, text=True, timeout=300)
-    if probe.returncode != 0:
-        pytest.skip(f"executorch's LLM runner is not importable: {probe.stderr.strip().splitlines()[-1:]}")
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +91,8 @@ def llama_dir(tmp_path_factory):
     return directory
 
 
-def eager_greedy(directory, prompt_ids: list[int], max_new: int) -> list[int]:
+@functools.cache
+def eager_greedy(directory, prompt_ids: tuple[int, ...], max_new: int) -> list[int]:
     """Greedy decoding with the checkpoint's own model (no cache), stopping after eos."""
     model = transformers.AutoModelForCausalLM.from_pretrained(str(directory)).eval()
     tokens, generated = list(prompt_ids), []
@@ -99,22 +106,39 @@ def eager_greedy(directory, prompt_ids: list[int], max_new: int) -> list[int]:
     return generated
 
 
-def run_text_llm_runner(pte, tokenizer_json) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", _RUNNER, str(pte), str(tokenizer_json), PROMPT, str(MAX_NEW_TOKENS)],
-                          capture_output=True, text=True, timeout=600)
+def run_text_llm_runner(tokenizer_json, *ptes) -> list[list[str]]:
+    done = subprocess.run([sys.executable, "-c", _RUNNER, str(tokenizer_json), PROMPT, str(MAX_NEW_TOKENS),
+                           *map(str, ptes)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if isinstance(result, dict):
+        pytest.skip(f"executorch's LLM runner is not importable: {result['unavailable']}")
+    return result
 
 
-@pytest.mark.parametrize("attn", ["custom", "standard"])
-def test_pip_text_llm_runner_generates_the_eager_greedy_tokens(runner_available, llama_dir, tmp_path, attn):
-    hf = load_hf(str(llama_dir), "text-generation", max_seq_len=MAX_SEQ_LEN, attn=attn)
-    assert hf.constants["get_eos_ids"] == [EOS] and hf.constants["get_bos_id"] == BOS
-    pte = tmp_path / f"llama-{attn}.pte"
-    pte.write_bytes(lower(hf.lower_input(), partitioner=XnnpackPartitioner()).pte)
+@pytest.fixture(scope="module")
+def runner_output(llama_dir, tmp_path_factory) -> dict[tuple[str, str], tuple[bytes, list[str]]]:
+    """``{(attn, target): (.pte, the runner's pieces)}``: every variant lowered from ``hf:<dir>``,
+    all run by the pip runner in one fresh interpreter."""
+    root = tmp_path_factory.mktemp("runner-ptes")
+    ptes = {}
+    for attn, target in VARIANTS:
+        hf = load_hf(str(llama_dir), "text-generation", max_seq_len=MAX_SEQ_LEN, attn=attn)
+        assert hf.constants["get_eos_ids"] == [EOS] and hf.constants["get_bos_id"] == BOS
+        ptes[attn, target] = lower(hf.lower_input(), partitioner=XnnpackPartitioner() if target == "xnnpack" else None).pte
+    paths = []
+    for (attn, target), pte in ptes.items():
+        paths.append(root / f"llama-{attn}-{target}.pte")
+        paths[-1].write_bytes(pte)
+    pieces = run_text_llm_runner(llama_dir / "tokenizer.json", *paths)
+    return {variant: (ptes[variant], out) for variant, out in zip(ptes, pieces)}
 
+
+@pytest.mark.parametrize("attn, target", VARIANTS)
+def test_pip_text_llm_runner_generates_the_eager_greedy_tokens(runner_output, llama_dir, attn, target):
+    pte, pieces = runner_output[attn, target]
+    assert bool(delegate_backend_ids(pte)) == (target == "xnnpack")  # portable: nothing delegated
     tokenizer = tokenizers.Tokenizer.from_file(str(llama_dir / "tokenizer.json"))
-    expected = eager_greedy(llama_dir, tokenizer.encode(PROMPT).ids, MAX_NEW_TOKENS)
+    expected = eager_greedy(llama_dir, tuple(tokenizer.encode(PROMPT).ids), MAX_NEW_TOKENS)
     assert len(set(expected)) > 2  # a real sequence, not one repeated token
-    pieces = run_text_llm_runner(pte, llama_dir / "tokenizer.json")
     assert pieces == [tokenizer.decode([token], skip_special_tokens=False) for token in expected]

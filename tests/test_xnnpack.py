@@ -745,3 +745,33 @@ def test_gelu_tanh_is_its_formula_inside_the_delegate():
     assert "XNNGelu" not in kinds and kinds["XNNSigmoid"] == 1 and kinds["XNNSquare"] == 1, kinds
     _assert_close(_run_executorch(result.pte, inputs)[0], expected, "gelu tanh executorch")
     _assert_close(load(result.pte).run("forward", list(inputs)), expected, "gelu tanh ours")
+
+
+def test_linear_on_a_3d_input_reads_and_writes_3d_without_reshapes():
+    """``linear`` on ``[B, S, K]`` decomposes to view -> mm -> view; the FullyConnected takes the
+    N-D input and writes the N-D output itself (as ExecuTorch lowers ``linear``): no StaticReshape.
+    A reshape to other dims after it stays."""
+
+    class Mlp3d(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 8, bias=False)
+
+        def forward(self, x):
+            return self.down(F.gelu(self.up(x))), self.up(x).reshape(4, 3, 32)
+
+    torch.manual_seed(0)
+    model, inputs = Mlp3d().eval(), (torch.randn(2, 6, 16),)
+    result = _lower(model, inputs)
+    _, payloads = _payloads(result.pte)
+    graphs = [P.deserialize_payload(p)[0] for p in payloads]
+    kinds = sum((_node_kinds(p) for p in payloads), Counter())
+    assert kinds["XNNFullyConnected"] == 3, kinds
+    assert kinds["XNNStaticReshape"] == 1, kinds  # [2, 6, 32] -> [4, 3, 32]: the second output's own
+    for graph in graphs:
+        dims = {v.xvalueUnion.idOut: list(v.xvalueUnion.dims) for v in graph.xvalues}
+        fcs = [n.xnodeUnion for n in graph.xnodes if n.xnodeUnionType == fbx.NodeUnion.XNNFullyConnected]
+        assert all(len(dims[fc.input1Id]) == 3 and len(dims[fc.outputId]) == 3 for fc in fcs), dims
+    expected = [t.detach() for t in model(*inputs)]
+    _assert_close(_run_executorch(result.pte, inputs)[0], expected, "executorch")
+    _assert_close(load(result.pte).run("forward", list(inputs)), expected, "lowerflow")

@@ -67,7 +67,13 @@ from torch.export import ExportedProgram
 from ..dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
 from ..errors import ExportError, first_line
 from .aliases import buffers_kept, merge_aliased_constants
-from .cleanups import infer_symbolic_view_size, remove_asserts, remove_unused_constants, replace_view_ops_with_copies
+from .cleanups import (
+    cancel_inverse_permutes,
+    infer_symbolic_view_size,
+    remove_asserts,
+    remove_unused_constants,
+    replace_view_ops_with_copies,
+)
 from .control_flow import check_control_flow
 from .decompose import decompose_to_core
 from .fallback import Fallback, slow_core_aten
@@ -239,6 +245,7 @@ def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -
     graph = program.graph_module.graph
     changed = sym_scalars_to_tensors(graph)
     changed += infer_symbolic_view_size(graph)
+    changed += cancel_inverse_permutes(graph)
     if fold_constants:
         try:
             changed += fold_constant_views(program)
@@ -254,6 +261,7 @@ def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -
 __all__ = [
     "FAST_PATH",
     "FOLD_CONSTANTS",
+    "cancel_inverse_permutes",
     "PATH_META",
     "decompose_to_core",
     "export",

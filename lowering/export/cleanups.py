@@ -6,7 +6,8 @@
   library, no data) go;
 - :func:`remove_unused_constants`: parameters, buffers and constants no node
   reads go;
-- :func:`infer_symbolic_view_size`: a view's one symbolic size becomes ``-1``.
+- :func:`infer_symbolic_view_size`: a view's one symbolic size becomes ``-1``;
+- :func:`cancel_inverse_permutes`: a permute undone by the next one goes.
 
 Each rewrites a graph in place and returns how many nodes it changed.
 """
@@ -145,5 +146,32 @@ def infer_symbolic_view_size(graph: torch.fx.Graph) -> int:
         node.args = (node.args[0], [-1 if i == source else s for i, s in enumerate(sizes)], *node.args[2:])
         if not size_node.users and size_node.target in (torch.ops.aten.sym_size.int,):
             graph.erase_node(size_node)
+        count += 1
+    return count
+
+
+def cancel_inverse_permutes(graph: torch.fx.Graph) -> int:
+    """A ``permute_copy`` that undoes the ``permute_copy`` it reads is its source; returns the count
+    (ExecuTorch's LLM export runs ``RemoveRedundantTransposes`` for the same pairs).
+
+    Before: ``%t = permute_copy(%v, [0, 2, 1, 3])``   ``%u = permute_copy(%t, [0, 2, 1, 3])``   ``f(%u)``
+    After:  ``f(%v)``  (``%t`` goes once nothing else reads it)
+
+    A pair whose result is a graph output stays: an output never aliases another value.
+    """
+    permute = torch.ops.aten.permute_copy.default
+    count = 0
+    for node in list(graph.nodes):
+        inner = node.args[0] if node.op == "call_function" and node.target is permute else None
+        if not (isinstance(inner, torch.fx.Node) and inner.op == "call_function" and inner.target is permute):
+            continue
+        rank = len(inner.args[1])
+        first, second = [int(p) % rank for p in inner.args[1]], [int(p) % rank for p in node.args[1]]
+        if [first[p] for p in second] != list(range(rank)) or any(u.op == "output" for u in node.users):
+            continue
+        node.replace_all_uses_with(inner.args[0])
+        graph.erase_node(node)
+        if not inner.users:
+            graph.erase_node(inner)
         count += 1
     return count

@@ -27,7 +27,11 @@ unchanged; only its cache and (``attn="custom"``) its attention function differ:
   twice, so non-strict export and decomposition work).
 
 Models with sliding-window layers shorter than ``max_seq_len`` are refused by the
-custom variant (its attention is full-causal).
+custom variant (its attention is full-causal).  Layers with attention logit
+soft-capping (Gemma 2: ``tanh(scores / cap) * cap`` before the mask, which
+``custom_sdpa`` cannot apply) still write their caches with ``update_cache`` but
+attend in aten ops over the whole cache, rows after each query's position masked
+(:func:`softcapped_cache_attention`); those caches keep their stored zeros.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class Step:
     """Python state of one call: the start position (an int, or an unbacked SymInt when traced)."""
 
     start_pos: Any = 0
+    #: The call's cache positions [S] (a tensor while running).
+    positions: Any = None
 
 
 class Decoder(torch.nn.Module):
@@ -121,6 +127,7 @@ class Decoder(torch.nn.Module):
         kwargs: dict[str, Any] = {}
         if self.custom:
             self._step.start_pos = cache_position[0].item()
+            self._step.positions = cache_position
             for module in self._attention_modules:
                 module.__dict__["_lowerflow_step"] = self._step
             kwargs["position_ids"] = cache_position.unsqueeze(0)
@@ -139,7 +146,7 @@ class Decoder(torch.nn.Module):
     def _release(self) -> None:
         """The layers and the step hold no tensor between calls: after a (non-strict) export
         they would hold its fake tensors and SymInts, and the module could not be deep-copied."""
-        self._step.start_pos = 0
+        self._step.start_pos, self._step.positions = 0, None
         for layer in self.cache.layers:
             layer.keys = layer.values = None
             if not self.custom:
@@ -182,13 +189,33 @@ def custom_layer_class():
 def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: ``query`` [B, Hq, S, D]; ``key``/``value`` the whole
     ``[B, L, H_kv, D]`` caches of :class:`CustomLayer`.  Returns ([B, S, Hq, D], None)."""
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("lowerflow_custom_sdpa: attention logit softcapping is not supported")
     step = module.__dict__.get("_lowerflow_step")
     if step is None:
         raise RuntimeError(f"lowerflow_custom_sdpa: {type(module).__name__} was not prepared by decoder_module")
+    if kwargs.get("softcap") is not None:  # Gemma 2: tanh-capped scores, which custom_sdpa cannot apply
+        return softcapped_cache_attention(query, key, value, step.positions, scaling, kwargs["softcap"]), None
     out = torch.ops.llama.custom_sdpa(query.transpose(1, 2), key, value, step.start_pos, None, 0.0, True, scaling)
     return out, None
+
+
+def softcapped_cache_attention(query, key, value, positions, scaling, softcap: float) -> torch.Tensor:
+    """Causal attention with Gemma 2's logit soft-capping in aten ops, over the whole
+    ``[B, L, H_kv, D]`` caches (rows after ``positions`` masked): ``query`` [B, Hq, S, D],
+    ``positions`` [S] -> [B, S, Hq, D].  The caches keep their stored zeros (read here)::
+
+        %s = mul(matmul(%q, transpose(%k)), scale); %s = mul(tanh(div(%s, cap)), cap)
+        %s = masked_fill(%s, arange(L) > positions[:, None], -inf); matmul(softmax(%s), %v)
+    """
+    keys, values = key.transpose(1, 2), value.transpose(1, 2)     # [B, H_kv, L, D]
+    groups = query.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.tanh(torch.matmul(query, keys.transpose(2, 3)) * scale / softcap) * softcap
+    future = torch.arange(keys.shape[2], device=query.device)[None, :] > positions[:, None]   # [S, L]
+    scores = scores.masked_fill(future, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, values).transpose(1, 2).contiguous()
 
 
 def _register_attention() -> None:

@@ -70,8 +70,8 @@ class GraphBuilder:
     Lowerings (:mod:`.ops`) read values with :meth:`get` (in a layout, transposed
     once if needed) or :meth:`constant`, define results with :meth:`output` /
     :meth:`define` and append nodes with :meth:`add_node`.  The plans
-    (:data:`.ops.PLANS`) fill ``bn_folds``, ``pad_folds``, ``weight_views`` and
-    ``skip`` before the walk.
+    (:data:`.ops.PLANS`) fill ``bn_folds``, ``pad_folds``, ``weight_views``,
+    ``batched_inputs`` and ``skip`` before the walk.
     """
 
     ep: ExportedProgram
@@ -96,6 +96,7 @@ class GraphBuilder:
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
         self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
+        self.batched_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}  # mm -> (N-D x, y)
         self.skip: set[torch.fx.Node] = set()  # nodes a pattern lowers with another node (PReLU's gt, mul)
         self.node: torch.fx.Node | None = None
         self.qplan = plan_quantization(self.ep.graph, self.ctx)

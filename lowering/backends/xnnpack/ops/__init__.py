@@ -135,6 +135,7 @@ PLANS: tuple[Callable[[GraphBuilder], None], ...] = (
     convolution.plan_batch_norm_folds,
     convolution.plan_pad_folds,
     linear.plan_weight_views,
+    linear.plan_batched_inputs,
     elementwise.plan_prelu,
 )
 

@@ -2,8 +2,9 @@
 
 A static weight is a constant in ``[K, N]`` read with the transpose-weights
 flag; a runtime weight that is a transpose of a delegate input is read
-untransposed (:func:`plan_weight_views`).  ``bmm`` by a static weight repeated
-over the batch is a FullyConnected too.
+untransposed (:func:`plan_weight_views`).  An N-D input flattened for the
+product and unflattened after it is read and written N-D (:func:`plan_batched_inputs`).
+``bmm`` by a static weight repeated over the batch is a FullyConnected too.
 """
 
 from __future__ import annotations
@@ -62,10 +63,47 @@ def plan_weight_views(b: GraphBuilder) -> None:
             b.weight_views.add(node)
 
 
+def plan_batched_inputs(b: GraphBuilder) -> None:
+    """An fp32 product whose input is an N-D value flattened to 2-D, and whose only
+    user unflattens the result to the same leading dims, reads and writes N-D
+    (FullyConnected takes every dim but the last as its batch, as ExecuTorch lowers ``linear``).
+
+    Before::  %flat = view_copy(%x, [S, K])   %mm = mm(%flat, %w)   %y = view_copy(%mm, [1, S, N])
+              (%x: [1, S, K]; %flat and %mm have no other users)
+    After::   FullyConnected(x [1, S, K], w) -> y [1, S, N]: no StaticReshape before or after
+    """
+    input_arg = {aten.mm.default: 0, **dict.fromkeys(ADDMM_LIKE, 1)}
+    for node in b.ep.graph.nodes:
+        index = input_arg.get(node.target)
+        if index is None or b.qplan.quantized(node) or node in b.qplan.dynamic_parts:
+            continue
+        flat = node.args[index]
+        if not _is_view(flat) or len(flat.users) != 1 or b.ctx.is_static(flat) or len(node.users) != 1:
+            continue
+        (unflat,) = node.users
+        x = flat.args[0]
+        x_dims, flat_dims = val(x).shape, val(flat).shape
+        if not (_is_view(unflat) and isinstance(x, torch.fx.Node) and len(x_dims) > 2 and len(flat_dims) == 2):
+            continue
+        y_dims = val(unflat).shape
+        if (
+            str(x_dims[-1]) == str(flat_dims[-1])
+            and len(y_dims) == len(x_dims)
+            and [str(d) for d in y_dims[:-1]] == [str(d) for d in x_dims[:-1]]
+        ):
+            b.batched_inputs[node] = (x, unflat)
+            b.skip.update((flat, unflat))
+
+
+def _is_view(node: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is aten.view_copy.default
+
+
 def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     """``addmm(bias, x, W[in,out])`` -> FullyConnected(x, W, bias, TRANSPOSE_WEIGHTS)."""
     is_addmm = node.target in ADDMM_LIKE
     x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
+    x_node, result_node = b.batched_inputs.get(node, (x_node, node))  # plan_batched_inputs
     if b.qplan.quantized(node):  # the quantized weight [N, K] read through permute_copy
         quantized.fully_connected(b, node, x_node, w_node.args[0], node.args[0] if is_addmm else None)
         return
@@ -88,13 +126,13 @@ def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
             bias_id = b.constant(b.static_tensor(bias_node).reshape(-1))
         else:
             add_bias = bias_node
-    out = b.output(node) if add_bias is None else b.define(shape(node))
+    out = b.output(result_node) if add_bias is None else b.define(shape(result_node))
     body = fbx.XNNFullyConnectedT()
     body.input1Id, body.filterId, body.biasId, body.outputId = x, filter_id, bias_id, out
     body.flags = flags
     b.add_node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out if add_bias is None else None)
     if add_bias is not None:
-        result = b.output(node)
+        result = b.output(result_node)
         b.add_node(fbx.NodeUnion.XNNAdd, node2x1(out, b.get(add_bias, NCHW), result), fusable_output=result)
 
 
