@@ -42,7 +42,8 @@ def add_load_arguments(parser: Any) -> None:
     parser.add_argument("--max-seq-len", type=int, metavar="N",
                         help="an hf: model's KV cache length / longest input (default: the config's, at most 2048)")
     parser.add_argument("--dtype", metavar="DTYPE", help="an hf: model's dtype: float32 (default), float16, bfloat16")
-    parser.add_argument("--attn", metavar="ATTN", help="text-generation's attention: standard (aten SDPA) or custom")
+    parser.add_argument("--attn", metavar="ATTN", help="the decoder's attention (text-generation, automatic-speech-"
+                        "recognition): custom (llama ops, the default) or standard (aten SDPA)")
 
 
 def load_arguments(args: Any, spec: str) -> dict[str, Any]:

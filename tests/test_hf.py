@@ -6,6 +6,7 @@ Models: random-weight ``save_pretrained`` directories made once per session (Lla
 BERT, ViT, Whisper; hidden 32-64, 2 layers, vocabulary <= 256).  Also: transformers' own
 ``TorchExportableModuleWithStaticCache`` returned by a factory (the issue's failure),
 constant methods, strict export, the fingerprint of a directory, and the one-line errors.
+Whisper's greedy decode with its KV cache: ``tests/test_hf_speech.py``.
 """
 
 from __future__ import annotations
@@ -236,21 +237,6 @@ def test_image_classification_runs_on_executorch_equal_to_eager(hf_dirs):
         expected = module(pixels)
     assert expected.shape == (1, 5)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
-
-
-def test_speech_recognition_encoder_and_decoder_are_methods_of_one_program(hf_dirs):
-    hf = load_hf(str(hf_dirs["whisper"]), "automatic-speech-recognition")
-    program = et_program(lower(hf.lower_input()).pte)
-    assert {"encoder", "text_decoder", "get_max_seq_len", "decoder_start_token_id"} <= set(program.method_names)
-    (encoder, (features,), _), (decoder, (_, _), _) = hf.methods["encoder"], hf.methods["text_decoder"]
-    hidden = program.load_method("encoder").execute([features])[0]
-    with torch.no_grad():
-        torch.testing.assert_close(hidden, encoder(features), atol=1e-5, rtol=1e-4)
-        step = program.load_method("text_decoder")
-        for tokens in ([[1]], [[1, 5, 9]], [[1, 5, 9, 20, 21]]):
-            ids = torch.tensor(tokens)
-            torch.testing.assert_close(step.execute([ids, hidden])[0], decoder(ids, hidden), atol=1e-5, rtol=1e-4)
-    assert program.load_method("decoder_start_token_id").execute([]) == [1]
 
 
 # --------------------------------------------------------------------------- fingerprint and errors

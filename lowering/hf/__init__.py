@@ -6,19 +6,22 @@ network allows) and returns the methods of one program plus its constant
 (metadata) methods, ready for :func:`lowering.lower`::
 
     hf = load_hf("./tiny-llama", "text-generation", max_seq_len=128)
-    lower(hf.lower_input(), partitioner=XnnpackPartitioner())
+    lower(hf.lower_input(), partitioner=XnnpackPartitioner(),
+          share_mutable_buffers=hf.share_mutable_buffers)
 
     task                           Auto class                        methods
     text-generation                AutoModelForCausalLM              forward(input_ids[1,S], cache_position[S]) + get_max_seq_len, ...
     feature-extraction             AutoModel                         forward(input_ids[1,S], attention_mask[1,S])
     fill-mask                      AutoModelForMaskedLM              forward(input_ids[1,S], attention_mask[1,S])
     image-classification           AutoModelForImageClassification   forward(pixel_values[1,C,H,W])
-    automatic-speech-recognition   AutoModelForSpeechSeq2Seq         encoder(input_features), text_decoder(ids, hidden)
+    automatic-speech-recognition   AutoModelForSpeechSeq2Seq         encoder(input_features),
+                                                                     text_decoder(ids[1,1], hidden, cache_position[1])
 
 Options: ``max_seq_len`` (KV cache / longest input; default the config's
 ``max_position_embeddings`` capped at 2048), ``dtype`` (``float32``, ``float16``,
-``bfloat16``), ``attn`` (text-generation: ``standard`` aten SDPA or ``custom``
-ExecuTorch's ``llama::custom_sdpa`` + ``llama::update_cache``).  ``transformers``
+``bfloat16``), ``attn`` (text-generation and automatic-speech-recognition's decoder:
+``standard`` aten SDPA or ``custom`` ExecuTorch's ``llama::custom_sdpa`` +
+``llama::update_cache``).  ``transformers``
 is the product extra ``hf``; without it every entry point fails with one line
 naming the model and ``pip install 'lowerflow[hf]'``.
 
@@ -61,6 +64,9 @@ TASKS = {
 #: The options of an hf: model (besides its task).
 OPTIONS = ("max_seq_len", "dtype", "attn")
 
+#: The tasks whose decoder has a KV cache, and so an ``attn`` option.
+ATTN_TASKS = ("text-generation", "automatic-speech-recognition")
+
 #: Longest default max_seq_len (the config's max_position_embeddings when smaller).
 DEFAULT_MAX_SEQ_LEN = 2048
 
@@ -78,7 +84,8 @@ class HFProgram:
     constants: dict[str, Any]
     #: The options as resolved (defaults filled in): part of the model's fingerprint.
     options: dict[str, Any]
-    #: The methods share their mutable buffers.
+    #: The methods share their mutable buffers (pass it to ``lower``): automatic-speech-recognition
+    #: with attn custom, whose encoder writes the cross-attention cache text_decoder reads.
     share_mutable_buffers: bool = False
 
     def lower_input(self) -> dict[str, Any]:
@@ -104,8 +111,8 @@ def check_options(source: str, task: str | None, options: dict[str, Any] | None 
     if options.get("attn") is not None:
         if options["attn"] not in ATTN:
             raise HFError(f"hf:{source}: attn {options['attn']!r} is not one of {list(ATTN)}")
-        if task != "text-generation":
-            raise HFError(f"hf:{source}: attn is an option of text-generation, not {task}")
+        if task not in ATTN_TASKS:
+            raise HFError(f"hf:{source}: attn is an option of {' and '.join(ATTN_TASKS)}, not {task}")
 
 
 def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
@@ -140,10 +147,16 @@ def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dt
             constants = {}
         else:
             from .speech import frames, speech_methods
+            from .text_generation import default_attn
 
-            methods = speech_methods(source, model, max_seq_len)
-            constants = metadata.speech_seq2seq(model, max_seq_len=max_seq_len, frames=frames(source, model.config))
-    return HFProgram(source, directory, task, dict(sorted(methods.items())), constants, options)
+            attn = attn or default_attn()
+            options["attn"] = attn
+            methods = speech_methods(source, model, max_seq_len, attn=attn)
+            constants = metadata.speech_seq2seq(model, max_seq_len=max_seq_len, frames=frames(source, model.config),
+                                                attn=attn, dtype=dtype_)
+    # automatic-speech-recognition: the encoder writes the cross-attention cache text_decoder reads
+    share = task == "automatic-speech-recognition" and options.get("attn") == "custom"
+    return HFProgram(source, directory, task, dict(sorted(methods.items())), constants, options, share)
 
 
 def _default_max_seq_len(model: Any) -> int:

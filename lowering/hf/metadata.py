@@ -62,18 +62,28 @@ def encoder(model: Any, *, max_seq_len: int | None) -> dict[str, Any]:
     return _drop_none({"get_max_seq_len": int(max_seq_len) if max_seq_len else None})
 
 
-def speech_seq2seq(model: Any, *, max_seq_len: int, frames: int) -> dict[str, Any]:
-    """The constant methods of an encoder-decoder speech model's program."""
+def speech_seq2seq(model: Any, *, max_seq_len: int, frames: int, attn: str = "custom",
+                   dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The constant methods of an encoder-decoder speech model's program (optimum's seq2seq
+    set: the decoder's KV cache length, ``decoder_start_token_id``, ``max_hidden_seq_length``)."""
     config = model.config
     generation = getattr(model, "generation_config", None)
+    bos = token_ids(getattr(generation, "bos_token_id", None), getattr(config, "bos_token_id", None))
     eos = token_ids(getattr(generation, "eos_token_id", None), getattr(config, "eos_token_id", None))
     start = token_ids(getattr(generation, "decoder_start_token_id", None),
                       getattr(config, "decoder_start_token_id", None))
     return _drop_none({
         "get_max_seq_len": int(max_seq_len),
+        "get_max_context_len": int(max_seq_len),
+        "get_max_batch_size": 1,
         "get_vocab_size": int(config.vocab_size),
+        "get_bos_id": bos[0] if bos else None,
         "get_eos_ids": eos,
+        "get_n_layers": getattr(config, "decoder_layers", None),
+        "get_dtype": DTYPE_CODES.get(dtype, 6),
         "decoder_start_token_id": start[0] if start else None,
         "max_hidden_seq_length": int(frames),
-        "use_kv_cache": False,
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": attn == "custom",
+        "enable_dynamic_shape": False,
     })

@@ -1,12 +1,22 @@
 """The ``automatic-speech-recognition`` task: an encoder-decoder (Whisper) as two
-methods of one program::
+methods of one program, as ExecuTorch's ASR runner (``extension/asr/runner``) and
+optimum-executorch's ``Seq2SeqLMExportableModule`` make it::
 
     encoder(input_features[1, mel_bins, frames]) -> encoder_hidden_states[1, F, H]
-    text_decoder(decoder_input_ids[1, T], encoder_hidden_states[1, F, H]) -> logits[1, T, V]
+    text_decoder(decoder_input_ids[1, 1], encoder_hidden_states[1, F, H], cache_position[1]) -> logits[1, 1, V]
 
 The encoder's input is static (Whisper's is fixed at ``2 * max_source_positions``
-frames); the decoder takes the tokens decoded so far, any length up to
-``max_seq_len`` (no KV cache: each step runs the whole prefix).
+frames).  The decoder takes one token per call: its self-attention keys/values live
+in a static cache of ``max_seq_len`` positions in mutable buffers, written in place
+with ``llama::update_cache`` and read by ``llama::custom_sdpa`` (``attn="custom"``, the
+default).  With ``custom`` the encoder method also computes every decoder layer's
+cross-attention keys/values once into buffers ``text_decoder`` reads (the methods
+share their mutable buffers: ``HFProgram.share_mutable_buffers``); with ``"standard"``
+(transformers' static cache, aten SDPA, no llama ops) they are recomputed from
+``encoder_hidden_states`` on every call (:mod:`lowering.llm.seq2seq`).  The runner's loop::
+
+    hidden = encoder(features)
+    for pos in 0, 1, ...:  logits = text_decoder([[token]], hidden, [pos]);  token = argmax(logits)
 """
 
 from __future__ import annotations
@@ -27,17 +37,6 @@ class SpeechEncoder(torch.nn.Module):
         return self.encoder(input_features=input_features, return_dict=True).last_hidden_state
 
 
-class SpeechDecoder(torch.nn.Module):
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, decoder_input_ids: torch.Tensor, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=decoder_input_ids,
-                         use_cache=False, return_dict=True)
-        return out.logits
-
-
 def frames(source: str, config: Any) -> int:
     """The encoder's input length (frames), from the config."""
     positions = getattr(config, "max_source_positions", None)
@@ -47,8 +46,11 @@ def frames(source: str, config: Any) -> int:
     return 2 * int(positions)
 
 
-def speech_methods(source: str, model: Any, max_seq_len: int) -> dict[str, tuple[torch.nn.Module, tuple, Any]]:
+def speech_methods(source: str, model: Any, max_seq_len: int,
+                   attn: str = "custom") -> dict[str, tuple[torch.nn.Module, tuple, Any]]:
     """``{"encoder": ..., "text_decoder": ...}``, each ``(module, example_inputs, dynamic_shapes)``."""
+    from ..llm import seq2seq_decoder_example, seq2seq_decoder_module
+
     config = model.config
     length = frames(source, config)
     generator = torch.Generator().manual_seed(0)
@@ -56,11 +58,13 @@ def speech_methods(source: str, model: Any, max_seq_len: int) -> dict[str, tuple
     encoder = SpeechEncoder(model).eval()
     with torch.no_grad():
         hidden = encoder(features)
+    try:
+        decoder = seq2seq_decoder_module(model, max_seq_len=max_seq_len, attn=attn,
+                                         encoder_length=hidden.shape[1] if attn == "custom" else None)
+    except ValueError as exc:  # e.g. max_seq_len beyond the decoder's positions
+        raise HFError(f"hf:{source}: {str(exc).removeprefix('seq2seq_decoder_module: ')}") from exc
     start = getattr(config, "decoder_start_token_id", None) or 0
-    tokens = torch.tensor([[start, 3, 4]], dtype=torch.long).remainder(int(config.vocab_size))
-    seq = torch.export.Dim("decoder_seq_length", max=max_seq_len)
     return {
-        "encoder": (encoder, (features,), None),
-        "text_decoder": (SpeechDecoder(model).eval(), (tokens, hidden), {"decoder_input_ids": {1: seq},
-                                                                          "encoder_hidden_states": None}),
+        "encoder": (decoder.encoder_module(encoder).eval() if attn == "custom" else encoder, (features,), None),
+        "text_decoder": (decoder.eval(), seq2seq_decoder_example(hidden, start), None),
     }

@@ -65,7 +65,7 @@ def decoder_example(max_seq_len: int) -> tuple[tuple[torch.Tensor, torch.Tensor]
     return example, {"input_ids": {1: seq}, "cache_position": {0: seq}}
 
 
-class _Step:
+class Step:
     """Python state of one call: the start position (an int, or an unbacked SymInt when traced)."""
 
     start_pos: Any = 0
@@ -89,7 +89,7 @@ class Decoder(torch.nn.Module):
         config = hf_model.config.get_text_config()
         self._config = config
         num_heads, head_dim = get_head_shapes(config)
-        self._step = _Step()
+        self._step = Step()
         n_layers = config.num_hidden_layers
         heads = num_heads if isinstance(num_heads, list) else [num_heads] * n_layers
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * n_layers
@@ -98,7 +98,7 @@ class Decoder(torch.nn.Module):
             _check_no_short_window(config, max_seq_len)
             ensure_llama_ops()
             _register_attention()
-            layers = [_custom_layer_class()(max_seq_len, self._step) for _ in range(n_layers)]
+            layers = [custom_layer_class()(max_seq_len, self._step) for _ in range(n_layers)]
             self.cache = StaticCache(max_cache_len=max_seq_len, config=config)
             self.cache.layers = layers
             for i, layer in enumerate(layers):
@@ -165,13 +165,13 @@ def _check_no_short_window(config, max_seq_len: int) -> None:
 
 
 @functools.cache
-def _custom_layer_class():
+def custom_layer_class():
     """transformers' StaticLayer on ``[1, L, H, D]`` buffers written by ``llama::update_cache``
     (a class made on first use: transformers is imported only by a decoder)."""
     from transformers.cache_utils import StaticLayer
 
     class CustomLayer(StaticLayer):
-        def __init__(self, max_cache_len: int, step: _Step):
+        def __init__(self, max_cache_len: int, step: Step):
             super().__init__(max_cache_len)
             self.step = step
             self.is_initialized = True
