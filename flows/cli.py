@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose SQNR against fp32 eager is below DB")
     lower.add_argument("--max-error", type=float, metavar="E",
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
+    lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
+                       "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -208,6 +210,16 @@ def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, An
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
+def parse_runtime_ops(text: str | None, targets: list[str]) -> dict[str, Any]:
+    """``--runtime-ops portable,quantized`` as lower_model's ``runtime_ops``; a bad set name is exit status 2."""
+    from flows.manifest import ManifestError, profiles_by_target
+
+    try:
+        return {} if text is None else {"runtime_ops": profiles_by_target(text, targets, "--runtime-ops")}
+    except ManifestError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
+
+
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
@@ -232,7 +244,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
-    quantize = parse_quantize(args, targets)
+    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
