@@ -569,18 +569,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import method_names, verify, verify_methods
+    from lowering.verify import verify, verify_methods
 
     try:
         if not loaded.methods:
             reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
-        else:
-            present = set(method_names(pte))
-            dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
-            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic},
+        else:  # every method at once: one fresh interpreter for a program of llama:: ops
+            reports = verify_methods(pte, {n: (m.module, m.inputs, m.dynamic_shapes) for n, m in loaded.methods.items()},
                                      constants=loaded.constants)
-            for n, sub in dynamic.items():
-                reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []

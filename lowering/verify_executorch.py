@@ -13,6 +13,9 @@ The "llm" set runs in a fresh interpreter (unless this process loaded ExecuTorch
 custom-ops library already): loading that library into a process where lowerflow
 defined its own ``llama::`` ops aborts the process (the library registers the same
 ops again in a static initializer; a C++ exception no Python code can catch).
+Starting one costs seconds (importing torch and ExecuTorch: ~18 s on a loaded machine),
+so :meth:`ExecutorchRunner.batch` runs every job of one verify call (each input set,
+each method) in ONE fresh interpreter, each job on a program loaded for it alone.
 """
 
 from __future__ import annotations
@@ -37,21 +40,29 @@ log = logging.getLogger("lowering.verify")
 #: (seen with two models verified concurrently in a fleet): one call at a time.
 _EXECUTORCH_LOCK = threading.Lock()
 
-#: The fresh interpreter's program: load the libraries, run the calls, save the outputs.
+#: The fresh interpreter's program: load the libraries, then per job load the program and
+#: its methods, run the calls; save each job's outputs, or the last line of its error.
 _CHILD = """
-import importlib, sys, torch
+import importlib, sys, traceback, torch
 request = torch.load(sys.argv[1], weights_only=False)
 for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
 with open(request["pte"], "rb") as f:
-    program = runtime.load_program(f.read())
-for name in request["names"]:
-    if name not in program.method_names:
-        raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
-methods = {name: program.load_method(name) for name in request["names"]}
-outputs = [list(methods[name].execute(list(inputs))) for name, inputs in request["calls"]]
-torch.save(outputs, sys.argv[2])
+    pte = f.read()
+results = []
+for names, calls in request["jobs"]:
+    try:
+        program = runtime.load_program(pte)
+        for name in names:
+            if name not in program.method_names:
+                raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+        methods = {name: program.load_method(name) for name in names}
+        results.append([list(methods[name].execute(list(inputs))) for name, inputs in calls])
+    except Exception as exc:
+        lines = [line for line in "".join(traceback.format_exception_only(exc)).splitlines() if line.strip()]
+        results.append({"error": lines[-1]})
+torch.save(results, sys.argv[2])
 """
 
 
@@ -77,9 +88,24 @@ class ExecutorchRunner:
 
     def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
         """``calls`` ``[(method, flat inputs)]`` on one program, every method of ``names`` loaded first."""
+        return batch_outputs(self.batch(pte, [(names, calls)])[0])
+
+    def batch(self, pte: bytes, jobs: list[tuple[list[str], list]]) -> list:
+        """Every job ``(names, calls)`` as :meth:`sequence` runs it, each on a program loaded
+        for it alone (fresh state); a program that needs the "llm" set runs them all in
+        one fresh interpreter.  Per job: its outputs, or the exception it raised."""
         sets = needed_sets(program_operators(pte))
         if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
-            return run_in_fresh_interpreter(pte, names, calls, sets)
+            return run_in_fresh_interpreter(pte, jobs, sets)
+        results = []
+        for names, calls in jobs:
+            try:
+                results.append(self._run_here(pte, sets, names, calls))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _run_here(self, pte: bytes, sets: set[str], names: list[str], calls: list) -> list[list[torch.Tensor]]:
         with _EXECUTORCH_LOCK, native_output_to_log():
             for name in sorted(sets):
                 _load_library(name)
@@ -127,25 +153,36 @@ def _load_library(name: str) -> None:
         pass
 
 
-def run_in_fresh_interpreter(pte: bytes, names: list[str], calls: list, sets: Iterable[str]) -> list[list[torch.Tensor]]:
-    """:meth:`ExecutorchRunner.sequence` in a fresh Python (the same interpreter) that loads
-    the libraries of ``sets`` ("llm" first) before the runtime; its error, if any, is
-    raised here as a RuntimeError quoting its last line."""
+def run_in_fresh_interpreter(pte: bytes, jobs: list[tuple[list[str], list]], sets: Iterable[str]) -> list:
+    """:meth:`ExecutorchRunner.batch` in ONE fresh Python (the same interpreter) that loads
+    the libraries of ``sets`` ("llm" first) before the runtime.  A job's error comes back
+    as a RuntimeError quoting the last line of its traceback; when the interpreter itself
+    fails (e.g. aborts), every job's is a RuntimeError quoting its last line of stderr."""
     modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
     with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
         paths = {name: os.path.join(tmp, name) for name in ("program.pte", "request.pt", "outputs.pt")}
         with open(paths["program.pte"], "wb") as f:
             f.write(pte)
-        torch.save({"pte": paths["program.pte"], "modules": modules, "names": list(names),
-                    "calls": [(name, list(inputs)) for name, inputs in calls]}, paths["request.pt"])
+        torch.save({"pte": paths["program.pte"], "modules": modules,
+                    "jobs": [(list(names), [(name, list(inputs)) for name, inputs in calls]) for names, calls in jobs]},
+                   paths["request.pt"])
         done = subprocess.run([sys.executable, "-c", _CHILD, paths["request.pt"], paths["outputs.pt"]],
                               capture_output=True, text=True, timeout=900)
         if done.stderr.strip():
             log.debug("executorch runtime output (fresh interpreter):\n%s", done.stderr.strip())
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            raise RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
-        return torch.load(paths["outputs.pt"], weights_only=False)
+            failed = RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
+            return [failed] * len(jobs)
+        results = torch.load(paths["outputs.pt"], weights_only=False)
+        return [RuntimeError(r["error"]) if isinstance(r, dict) else r for r in results]
+
+
+def batch_outputs(result: "list | Exception") -> list:
+    """A :meth:`ExecutorchRunner.batch` entry: its outputs, or its exception raised."""
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 @contextlib.contextmanager
