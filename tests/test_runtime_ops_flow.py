@@ -144,3 +144,21 @@ def test_manifest_runtime_ops_are_validated_per_target(tmp_path):
         load_manifest(entry(runtime_ops={"portable": ["xnn"]}))
     with pytest.raises(ManifestError, match=r"'runtime_ops': names targets not lowered: \['reference'\]"):
         load_manifest(entry(runtime_ops={"reference": "portable"}))
+
+
+def test_runtime_ops_reach_emit_methods_of_a_text_generation_program(tmp_path):
+    """An hf: text-generation program (forward and constant methods: emit_methods) calls
+    llama::custom_sdpa / update_cache, which a profile without "llm" refuses."""
+    transformers = pytest.importorskip("transformers")
+    directory = tmp_path / "llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64)).eval().save_pretrained(directory)
+    manifest, ran = executions_during(run, f"hf:{directory}", tmp_path / "store", targets=["portable"], verify=False,
+                                      hf={"task": "text-generation", "max_seq_len": 16},
+                                      runtime_ops=["quantized", "portable"])
+    result = manifest["targets"]["portable"]
+    assert ran["emit_methods"] == 1 and result["ok"] is False and result["pte"] is None
+    assert re.match(r"^emit_methods: MissingOperatorError: method 'forward': operator llama::\w+\.out "
+                    r"\(node '\w+'\) needs the stock runtime's 'llm' kernels, which the profile leaves out \(runtime_ops: portable, quantized\)$",
+                    result["error"]), result["error"]
