@@ -160,5 +160,6 @@ def test_runtime_ops_reach_emit_methods_of_a_text_generation_program(tmp_path):
     result = manifest["targets"]["portable"]
     assert ran["emit_methods"] == 1 and result["ok"] is False and result["pte"] is None
     assert re.match(r"^emit_methods: MissingOperatorError: method 'forward': operator llama::\w+\.out "
-                    r"\(node '\w+'\) needs the stock runtime's 'llm' kernels, which the profile leaves out \(runtime_ops: portable, quantized\)$",
+                    r"\(node '\w+'\) needs the stock runtime's 'llm' kernels, which the profile leaves out "
+                    r"\(runtime_ops: portable, quantized\)$",
                     result["error"]), result["error"]
