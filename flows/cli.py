@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose SQNR against fp32 eager is below DB")
     lower.add_argument("--max-error", type=float, metavar="E",
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
+    lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
+                       "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -208,6 +210,16 @@ def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, An
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
+def parse_runtime_ops(text: str | None, targets: list[str]) -> dict[str, Any]:
+    """``--runtime-ops portable,quantized`` as lower_model's ``runtime_ops``; a bad set name is exit status 2."""
+    from flows.manifest import ManifestError, profiles_by_target
+
+    try:
+        return {} if text is None else {"runtime_ops": profiles_by_target(text, targets, "--runtime-ops")}
+    except ManifestError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
+
+
 def check_targets(targets: Sequence[str]) -> None:
     """Every target names ``portable`` or a known backend; otherwise exit status 2."""
     from lowering.errors import BackendError
@@ -232,7 +244,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
-    quantize = parse_quantize(args, targets)
+    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
@@ -557,18 +569,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import method_names, verify, verify_methods
+    from lowering.verify import verify, verify_methods
 
     try:
         if not loaded.methods:
             reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
-        else:
-            present = set(method_names(pte))
-            dynamic = {n: sub for n, sub in loaded.methods.items() if sub.dynamic_shapes is not None and n in present}
-            reports = verify_methods(pte, {n: (m.module, m.inputs) for n, m in loaded.methods.items() if n not in dynamic},
+        else:  # every method at once: one fresh interpreter for a program of llama:: ops
+            reports = verify_methods(pte, {n: (m.module, m.inputs, m.dynamic_shapes) for n, m in loaded.methods.items()},
                                      constants=loaded.constants)
-            for n, sub in dynamic.items():
-                reports[n] = verify(pte, sub.module, sub.inputs, method=n, dynamic_shapes=sub.dynamic_shapes)
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []

@@ -45,6 +45,7 @@ from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_op
 
 from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
+from .manifest import profiles_by_target
 from .outages import mark_outage
 from .published import changed_since_last, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
@@ -94,12 +95,15 @@ def lower_model(
     max_error: float | None = None,
     strict: bool = False,
     hf: dict[str, Any] | None = None,
+    runtime_ops: Any = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
     ``strict``: export with torch.export's strict mode.  ``hf``: an ``hf:`` model's
     task and options (``{"task": "text-generation", "max_seq_len": 1024, "dtype": ...,
-    "attn": ...}``; see :mod:`tasks.hf_spec`).
+    "attn": ...}``; see :mod:`tasks.hf_spec`).  ``runtime_ops``: the op sets the ``.pte``
+    may call (:func:`flows.manifest.profiles_by_target`: ``"portable,quantized"``, a list, or
+    ``{target: ...}``; None: all); emit fails a target that calls an op outside them.
 
     ``quantize``: a recipe (``"int8"``, ``"int8-dynamic"``, ``"8da4w"`` or its mapping
     form) for every target, or ``{target: recipe or None}``; ``calibration``: int8's
@@ -115,7 +119,7 @@ def lower_model(
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
-                     quantize, calibration, min_sqnr, max_error, strict, hf)
+                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops)
 
 
 def run_model(
@@ -134,6 +138,7 @@ def run_model(
     max_error: float | None = None,
     strict: bool = False,
     hf: dict[str, Any] | None = None,
+    runtime_ops: Any = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -161,7 +166,7 @@ def run_model(
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                         load_extras(strict, hf))
+                         load_extras(strict, hf), profiles_by_target(runtime_ops, targets))
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -199,17 +204,20 @@ def plan_model(
     max_error: float | None = None,
     strict: bool = False,
     hf: dict[str, Any] | None = None,
+    runtime_ops: Any = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                     load_extras(strict, hf))
+                     load_extras(strict, hf), profiles_by_target(runtime_ops, targets))
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
-              quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None) -> dict:
-    """Load and fingerprint the model, export it, then each target's stages.
+              quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None,
+              runtime_ops: dict | None = None) -> dict:
+    """Load and fingerprint the model, export it, then each target's stages
+    (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`).
 
     The factory runs on every run, cached or not: the model's fingerprint (its
     weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
@@ -249,7 +257,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         manifest["methods"] = list(loaded.methods)
         with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
-                                     export_options(version, None, extras))
+                                     export_options(version, None, extras), runtime_ops or {})
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets) if publish is None else None
         try:
@@ -268,6 +276,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     options.get(target, {}), list(export_records), verify,
                     quantized=quantize_step(quant, target, calibration),
                     load_options=export_options(version, dynamic_shapes, extras), dry=dry,
+                    runtime_ops=(runtime_ops or {}).get(target),
                 )
     return manifest
 
@@ -283,7 +292,7 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify,
                  quantized: dict | None = None, load_options: dict | None = None,
-                 dry: "DryRun | None" = None) -> dict:
+                 dry: "DryRun | None" = None, runtime_ops: list[str] | None = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
@@ -291,6 +300,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None,
+        **({"runtime_ops": runtime_ops} if runtime_ops else {}),
     }
     reference = None
     try:
@@ -310,7 +320,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
-        emitted = run("emit", records, program=program, plan=planned["plan"])
+        emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops)
         if verify:
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
@@ -327,7 +337,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
 
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify,
-                      load_options: dict | None = None) -> dict:
+                      load_options: dict | None = None, runtime_ops: dict | None = None) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages.  ``load_options``: what the
     model was loaded with (default: its ``version``), for a stage retried in another process."""
@@ -358,13 +368,15 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                 run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
                 verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
                 version=version, load_options=load_options, constants=loaded.constants,
+                runtime_ops=(runtime_ops or {}).get(target),
             )
     return manifest
 
 
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
                          shared: str | None = None, stateful: bool = False, version: str | None = None,
-                         load_options: dict | None = None, constants: dict | None = None) -> dict:
+                         load_options: dict | None = None, constants: dict | None = None,
+                         runtime_ops: list[str] | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -378,6 +390,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
+        **({"runtime_ops": runtime_ops} if runtime_ops else {}),
     }
     try:
         planned, delegated = {}, {}
@@ -397,7 +410,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
         if target != PORTABLE:
             result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
-        emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}))
+        emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
+                      runtime_ops=runtime_ops)
         if verify:
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(

@@ -21,6 +21,9 @@
         min_sqnr: 20                         # optional: fail a quantized target below this SQNR (dB)
         max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
         strict: true                         # optional: torch.export's strict mode (default false)
+        runtime_ops: [portable, quantized]   # optional: the op sets the .pte may call (lowering.stock_ops;
+                                             #   default all: portable, quantized, llm, fused), a list or
+                                             #   "portable,quantized", for every target or per target
       - model: hf:./tiny-llama               # a Hugging Face model directory (or hub id) ...
         task: text-generation                # ... with its task (required for hf:) and options:
         max_seq_len: 1024                    #   max_seq_len, dtype (float32/float16/bfloat16), attn (standard/custom)
@@ -55,7 +58,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: An hf: model's keys: its task and the options of lowering.hf (load_hf).
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
-               "quantize", "calibration", "min_sqnr", "max_error", "strict", *HF_KEYS}
+               "quantize", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -84,6 +87,8 @@ class ModelEntry:
     strict: bool = False
     #: An hf: model's task and options (``{"task": ..., "max_seq_len": ...}``), or None.
     hf: Mapping[str, Any] | None = None
+    #: Target -> runtime profile (a list of op sets) or None (the default): :func:`profiles_by_target`.
+    runtime_ops: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +260,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
                                 "carries its own")
         dynamic_shapes = canonical_dynamic_shapes(dynamic_shapes, f"{where}: 'dynamic_shapes'")
     quantize = recipes_by_target(raw.get("quantize"), targets, f"{where}: 'quantize'")
+    runtime_ops = profiles_by_target(raw.get("runtime_ops"), targets, f"{where}: 'runtime_ops'")
     calibration = raw.get("calibration")
     if calibration is not None:
         if isinstance(calibration, str) and ".py:" in calibration and "://" not in calibration:
@@ -282,6 +288,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         **thresholds,
         strict=strict,
         hf=hf,
+        runtime_ops=runtime_ops,
     )
 
 
@@ -324,6 +331,48 @@ def recipes_by_target(value: Any, targets: list[str] | tuple[str, ...], where: s
     except QuantizeError as exc:
         raise ManifestError(f"{where}: {exc}") from None
     return recipes if any(r is not None for r in recipes.values()) else None
+
+
+def profiles_by_target(value: Any, targets: list[str] | tuple[str, ...], where: str = "runtime_ops") -> dict | None:
+    """A ``runtime_ops`` setting as ``{target: profile or None}`` (None: every target has
+    the default profile, all op sets).
+
+    ``value``: None; op set names (``"portable,quantized"`` or a list) for every target;
+    or per target ``{"portable": "portable", "xnnpack": None}`` (targets not named keep the
+    default).  A profile comes back as its sets in canonical order, and the default one as
+    None, so equal profiles give equal emit keys and the default keeps the old ones.
+    """
+    from lowering.stock_ops import DEFAULT_PROFILE
+
+    if value is None:
+        return None
+    per_target = isinstance(value, Mapping)
+    if per_target:
+        stray = sorted(set(map(str, value)) - set(targets))
+        if stray:
+            raise ManifestError(f"{where}: names targets not lowered: {stray} (lowered: {list(targets)})")
+    profiles = {t: (value.get(t) if per_target else value) for t in targets}
+    profiles = {t: None if v is None else _profile(v, f"{where}{f' ({t})' if per_target else ''}")
+                for t, v in profiles.items()}
+    profiles = {t: None if p is None or tuple(p) == DEFAULT_PROFILE else p for t, p in profiles.items()}
+    return profiles if any(p is not None for p in profiles.values()) else None
+
+
+def _profile(value: Any, where: str) -> list[str]:
+    """Op set names (a comma list or a list of strings) as a canonical profile."""
+    from lowering.stock_ops import DEFAULT_PROFILE, runtime_profile
+
+    allowed = ", ".join(DEFAULT_PROFILE)
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ManifestError(f"{where}: expected op set names (a list or 'portable,quantized'), got {value!r}; "
+                            f"allowed: {allowed}")
+    names = [n.strip() for n in names if n.strip()]
+    unknown = [n for n in names if n not in DEFAULT_PROFILE]
+    if unknown or not names:
+        what = f"unknown op set {unknown[0]!r}" if unknown else f"{value!r} names no op set"
+        raise ManifestError(f"{where}: {what}; allowed: {allowed}")
+    return list(runtime_profile(names))
 
 
 def _threshold(where: str, key: str, value: Any) -> float | None:

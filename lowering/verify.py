@@ -4,13 +4,14 @@ lowerflow's own executor always runs the program.  When the ExecuTorch runtime
 happens to be installed (it is the test oracle, never a dependency), it runs the
 program too, with the kernel libraries the program needs
 (:mod:`lowering.verify_executorch`); it is looked up by name at call time so
-nothing here depends on it.
+nothing here depends on it.  One verify call hands ExecuTorch's runtime all its runs
+at once (every input set, every method: :meth:`~lowering.verify_executorch.ExecutorchRunner.batch`),
+so a program that needs a fresh interpreter (``llama::`` ops) starts one per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import Any, Sequence
 
@@ -19,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
 from .runtime import load
-from .verify_executorch import executorch_runner, program_operators
+from .verify_executorch import batch_outputs, executorch_runner, program_operators
 
 log = logging.getLogger(__name__)
 
@@ -84,22 +85,28 @@ def verify(
     every dynamic dim at its min and at its max
     (:func:`lowering.dynamic.inputs_at_sizes`), each on a freshly loaded method.
     """
+    cases, reference_accuracy = _cases(model, example_inputs, calls, method, dynamic_shapes, reference,
+                                       min_sqnr, max_error)
+    return VerifyReport([c for checks in _run_cases(pte, cases, calls, atol, rtol) for c in checks], reference_accuracy)
+
+
+@dataclasses.dataclass
+class _Case:
+    """One input set of one method: what each runtime runs, and eager's outputs."""
+
+    method: str
+    label: str
+    flat_inputs: list
+    expected: list
+    quantized: dict | None = None
+
+
+def _cases(model, example_inputs, calls, method, dynamic_shapes, reference, min_sqnr, max_error):
+    """(the input sets :func:`verify` runs, with eager's outputs; the quantized reference's accuracy)."""
     from .dynamic import inputs_at_sizes
 
-    backend_ids = delegate_backend_ids(pte)
-    missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
-    runner = executorch_runner()
-    missing_executorch = runner.missing_backends(backend_ids) if runner is not None else None
-    missing_ops = runner.missing_operators(program_operators(pte)) if runner is not None else None
-    checks = []
-    reference_accuracy = None
-    input_sets = inputs_at_sizes(model, example_inputs, dynamic_shapes)
-    executorch_results = None  # every input set in one go (one fresh interpreter for the "llm" set)
-    if runner is not None and not missing_executorch and not missing_ops:
-        executorch_results = runner.sequences(pte, [([method], [(method, pytree.tree_leaves(tuple(inputs)))] * calls)
-                                                    for _, inputs in input_sets])
-    for i, (label, inputs) in enumerate(input_sets):
-        flat_inputs = pytree.tree_leaves(tuple(inputs))
+    cases, reference_accuracy = [], None
+    for label, inputs in inputs_at_sizes(model, example_inputs, dynamic_shapes):
         expected = _eager(model, inputs, calls)
         quantized = None
         if reference is not None:
@@ -107,32 +114,51 @@ def verify(
             quantized = {"fp32": fp32, "min_sqnr": min_sqnr, "max_error": max_error}
             if reference_accuracy is None:
                 reference_accuracy = outputs_error(expected[0], fp32[0])
-        if missing_lowerflow:
-            check = RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing_lowerflow}")
-        else:
-            check = _check("lowerflow", lambda: _run_lowerflow(pte, flat_inputs, calls, method), expected, atol, rtol,
-                           quantized)
-        checks.append(dataclasses.replace(check, inputs=label))
-        if runner is None:
-            continue
+        cases.append(_Case(method, label, pytree.tree_leaves(tuple(inputs)), expected, quantized))
+    return cases, reference_accuracy
+
+
+def _run_cases(pte: bytes, cases: list[_Case], calls: int, atol: float, rtol: float) -> list[list[RuntimeCheck]]:
+    """Per case, its checks: lowerflow's executor, then ExecuTorch's runtime (which runs
+    every case in one :meth:`~lowering.verify_executorch.ExecutorchRunner.batch`)."""
+    backend_ids = delegate_backend_ids(pte)
+    missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
+    runner = executorch_runner()
+    skipped = None
+    if runner is not None:
+        missing_executorch = runner.missing_backends(backend_ids)
+        missing_ops = runner.missing_operators(program_operators(pte))
         if missing_executorch:
-            check = RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing_executorch}")
+            skipped = f"backends not in this runtime: {missing_executorch}"
         elif missing_ops:
             # E.g. a backend's fused op no backend took (lowering.backend_ops): ExecuTorch
             # refuses to load the method ("Missing operator", error 0x14); lowerflow's
-            # executor ran it above through the op's own kernel.
-            check = RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}")
+            # executor runs it through the op's own kernel.
+            skipped = f"operators not in this runtime: {missing_ops}"
+    executorch = []
+    if runner is not None and skipped is None:
+        jobs = [([case.method], [(case.method, case.flat_inputs)] * calls) for case in cases]
+        try:
+            executorch = runner.batch(pte, jobs)
+        except Exception as exc:  # e.g. bytes that are no program
+            executorch = [exc] * len(jobs)
+    out = []
+    for i, case in enumerate(cases):
+        if missing_lowerflow:
+            check = RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing_lowerflow}")
         else:
-            check = _check("executorch", functools.partial(_result, executorch_results[i]), expected, atol, rtol,
-                           quantized)
-        checks.append(dataclasses.replace(check, inputs=label))
-    return VerifyReport(checks, reference_accuracy)
-
-
-def _result(outputs_or_error: Any) -> Any:
-    if isinstance(outputs_or_error, Exception):
-        raise outputs_or_error
-    return outputs_or_error
+            check = _check("lowerflow", lambda: _run_lowerflow(pte, case.flat_inputs, calls, case.method),
+                           case.expected, atol, rtol, case.quantized)
+        checks = [dataclasses.replace(check, inputs=case.label)]
+        if runner is not None:
+            if skipped is not None:
+                check = RuntimeCheck("executorch", None, skipped=skipped)
+            else:
+                check = _check("executorch", lambda: batch_outputs(executorch[i]), case.expected, atol, rtol,
+                               case.quantized)
+            checks.append(dataclasses.replace(check, inputs=case.label))
+        out.append(checks)
+    return out
 
 
 def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[list[torch.Tensor]]:
@@ -145,18 +171,20 @@ def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[li
 
 
 def verify_methods(
-    pte: bytes, methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]], constants: dict[str, Any] | None = None,
-    **kwargs: Any,
+    pte: bytes, methods: dict[str, tuple[Any, ...]], constants: dict[str, Any] | None = None,
+    *, atol: float = 1e-4, rtol: float = 1e-4, calls: int = 2,
 ) -> dict[str, VerifyReport]:
     """:func:`verify` each method of a several-method ``pte`` against its eager module.
 
-    ``methods``: ``{name: (module, example_inputs)}``; ``constants``: the constant methods
-    ``{name: value}`` (an hf: model's metadata), checked on lowerflow's runtime.  A method the
-    program lacks (or has beyond these) is a failed report, not a skipped one.
+    ``methods``: ``{name: (module, example_inputs[, dynamic_shapes])}``; ``constants``: the
+    constant methods ``{name: value}`` (an hf: model's metadata), checked on lowerflow's
+    runtime.  A method the program lacks (or has beyond these) is a failed report, not a
+    skipped one.  ExecuTorch's runtime gets every method's runs at once (one batch).
     """
     names = set(method_names(pte))
     constants = {} if constants is None else constants
-    reports = {}
+    reports: dict[str, VerifyReport | None] = {}
+    cases: dict[str, list[_Case]] = {}
     for name in sorted(set(methods) | set(constants) | names):
         if name in constants and name in names:
             reports[name] = _verify_constant(pte, name, constants[name])
@@ -165,8 +193,12 @@ def verify_methods(
         elif name not in names:
             reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"the program has no method {name!r}")])
         else:
-            module, inputs = methods[name]
-            reports[name] = verify(pte, module, inputs, method=name, **kwargs)
+            module, inputs, *dynamic_shapes = methods[name]
+            cases[name] = _cases(module, inputs, calls, name, (dynamic_shapes or [None])[0], None, None, None)[0]
+            reports[name] = None  # its place in name order
+    checks = iter(_run_cases(pte, [case for each in cases.values() for case in each], calls, atol, rtol))
+    for name, each in cases.items():
+        reports[name] = VerifyReport([check for _ in each for check in next(checks)])
     return reports
 
 

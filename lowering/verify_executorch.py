@@ -13,6 +13,9 @@ The "llm" set runs in a fresh interpreter (unless this process loaded ExecuTorch
 custom-ops library already): loading that library into a process where lowerflow
 defined its own ``llama::`` ops aborts the process (the library registers the same
 ops again in a static initializer; a C++ exception no Python code can catch).
+Starting one costs seconds (importing torch and ExecuTorch: ~18 s on a loaded machine),
+so :meth:`ExecutorchRunner.batch` runs every job of one verify call (each input set,
+each method) in ONE fresh interpreter, each job on a program loaded for it alone.
 """
 
 from __future__ import annotations
@@ -37,25 +40,30 @@ log = logging.getLogger("lowering.verify")
 #: (seen with two models verified concurrently in a fleet): one call at a time.
 _EXECUTORCH_LOCK = threading.Lock()
 
-#: The fresh interpreter's program: load the libraries, run the calls, save the outputs.
+#: The fresh interpreter's program: load the libraries, then per job load its program and
+#: methods, run the calls; save each job's outputs, or the last line of its error.
 _CHILD = """
-import importlib, sys, torch
+import importlib, sys, traceback, torch
 request = torch.load(sys.argv[1], weights_only=False)
 for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
+ptes = {}
+for path in request["ptes"]:
+    with open(path, "rb") as f:
+        ptes[path] = f.read()
 results = []
-for job in request["programs"]:
-    with open(job["pte"], "rb") as f:
-        program = runtime.load_program(f.read())
-    for name in job["names"]:
-        if name not in program.method_names:
-            raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+for path, names, calls in request["jobs"]:
     try:
-        methods = {name: program.load_method(name) for name in job["names"]}
-        results.append([list(methods[name].execute(list(inputs))) for name, inputs in job["calls"]])
-    except Exception as exc:  # this job's error; the others still run
-        results.append(f"{type(exc).__name__}: {exc}")
+        program = runtime.load_program(ptes[path])
+        for name in names:
+            if name not in program.method_names:
+                raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
+        methods = {name: program.load_method(name) for name in names}
+        results.append([list(methods[name].execute(list(inputs))) for name, inputs in calls])
+    except Exception as exc:
+        lines = [line for line in "".join(traceback.format_exception_only(exc)).splitlines() if line.strip()]
+        results.append({"error": lines[-1]})
 torch.save(results, sys.argv[2])
 """
 
@@ -82,9 +90,24 @@ class ExecutorchRunner:
 
     def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
         """``calls`` ``[(method, flat inputs)]`` on one program, every method of ``names`` loaded first."""
+        return batch_outputs(self.batch(pte, [(names, calls)])[0])
+
+    def batch(self, pte: bytes, jobs: list[tuple[list[str], list]]) -> list:
+        """Every job ``(names, calls)`` as :meth:`sequence` runs it, each on a program loaded
+        for it alone (fresh state); a program that needs the "llm" set runs them all in
+        one fresh interpreter.  Per job: its outputs, or the exception it raised."""
         sets = needed_sets(program_operators(pte))
         if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
-            return run_in_fresh_interpreter(pte, names, calls, sets)
+            return run_in_fresh_interpreter(pte, jobs, sets)
+        results = []
+        for names, calls in jobs:
+            try:
+                results.append(self._run_here(pte, sets, names, calls))
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _run_here(self, pte: bytes, sets: set[str], names: list[str], calls: list) -> list[list[torch.Tensor]]:
         with _EXECUTORCH_LOCK, native_output_to_log():
             for name in sorted(sets):
                 _load_library(name)
@@ -94,24 +117,6 @@ class ExecutorchRunner:
                     raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
             methods = {name: program.load_method(name) for name in names}
             return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
-
-    def sequences(self, pte: bytes, jobs: list[tuple[list[str], list]]) -> list:
-        """:meth:`sequence` of each ``(names, calls)`` on a freshly loaded program, all in one
-        fresh interpreter where one is needed (one start-up, not one per job): each job's
-        outputs, or the exception it raised."""
-        sets = needed_sets(program_operators(pte))
-        if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
-            try:
-                return run_programs_in_fresh_interpreter([(pte, names, calls) for names, calls in jobs], sets)
-            except RuntimeError as exc:  # the interpreter itself failed: every job did
-                return [exc] * len(jobs)
-        results = []
-        for names, calls in jobs:
-            try:
-                results.append(self.sequence(pte, names, calls))
-            except Exception as exc:  # reported by the caller, per job
-                results.append(exc)
-        return results
 
     def missing_operators(self, operators: Iterable[str]) -> list[str]:
         """Operators of namespaces the stock runtime has none of (a backend's own ops,
@@ -150,40 +155,46 @@ def _load_library(name: str) -> None:
         pass
 
 
-def run_in_fresh_interpreter(pte: bytes, names: list[str], calls: list, sets: Iterable[str]) -> list[list[torch.Tensor]]:
-    """:meth:`ExecutorchRunner.sequence` in a fresh Python (the same interpreter) that loads
-    the libraries of ``sets`` ("llm" first) before the runtime; its error, if any, is
-    raised here as a RuntimeError quoting its last line."""
-    [result] = run_programs_in_fresh_interpreter([(pte, names, calls)], sets)
-    if isinstance(result, Exception):
-        raise result
-    return result
+def run_in_fresh_interpreter(pte: bytes, jobs: list[tuple[list[str], list]], sets: Iterable[str]) -> list:
+    """:meth:`ExecutorchRunner.batch` in ONE fresh Python (the same interpreter) that loads
+    the libraries of ``sets`` ("llm" first) before the runtime.  A job's error comes back
+    as a RuntimeError quoting the last line of its traceback; when the interpreter itself
+    fails (e.g. aborts), every job's is a RuntimeError quoting its last line of stderr."""
+    return run_programs_in_fresh_interpreter([(pte, names, calls) for names, calls in jobs], sets)
 
 
-def run_programs_in_fresh_interpreter(programs: list, sets: Iterable[str]) -> list[list[list[torch.Tensor]]]:
-    """:func:`run_in_fresh_interpreter` of several ``(pte, names, calls)`` in one fresh
-    interpreter (one start-up for all): each program's outputs, or a RuntimeError naming
-    the exception it raised, in order.  A failure of the interpreter itself (an abort) is
-    raised."""
+def run_programs_in_fresh_interpreter(jobs: list[tuple[bytes, list[str], list]], sets: Iterable[str]) -> list:
+    """:func:`run_in_fresh_interpreter` of ``(pte, method names, calls)`` jobs of several
+    programs (each distinct program written once): one interpreter start-up for all."""
     modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
     with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
-        jobs = []
-        for i, (pte, names, calls) in enumerate(programs):
-            path = os.path.join(tmp, f"program{i}.pte")
-            with open(path, "wb") as f:
-                f.write(pte)
-            jobs.append({"pte": path, "names": list(names), "calls": [(name, list(inputs)) for name, inputs in calls]})
+        paths: dict[bytes, str] = {}
+        for pte, _, _ in jobs:
+            if pte not in paths:
+                paths[pte] = os.path.join(tmp, f"program{len(paths)}.pte")
+                with open(paths[pte], "wb") as f:
+                    f.write(pte)
         request, outputs = os.path.join(tmp, "request.pt"), os.path.join(tmp, "outputs.pt")
-        torch.save({"modules": modules, "programs": jobs}, request)
+        torch.save({"ptes": list(paths.values()), "modules": modules,
+                    "jobs": [(paths[pte], list(names), [(name, list(inputs)) for name, inputs in calls])
+                             for pte, names, calls in jobs]}, request)
         done = subprocess.run([sys.executable, "-c", _CHILD, request, outputs],
                               capture_output=True, text=True, timeout=900)
         if done.stderr.strip():
             log.debug("executorch runtime output (fresh interpreter):\n%s", done.stderr.strip())
         if done.returncode != 0:
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-            raise RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
+            failed = RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
+            return [failed] * len(jobs)
         results = torch.load(outputs, weights_only=False)
-        return [RuntimeError(r) if isinstance(r, str) else r for r in results]
+        return [RuntimeError(r["error"]) if isinstance(r, dict) else r for r in results]
+
+
+def batch_outputs(result: "list | Exception") -> list:
+    """A :meth:`ExecutorchRunner.batch` entry: its outputs, or its exception raised."""
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 @contextlib.contextmanager

@@ -58,7 +58,9 @@ class StageCachePolicy(CachePolicy):
     """Cache key = stage, version, input digests, JSON parameters, torch/lowerflow versions.
 
     ``ignore`` names task parameters left out of the key (e.g. a live object passed
-    alongside the ArtifactRef it was loaded from).  ``verify`` is how cached
+    alongside the ArtifactRef it was loaded from); ``optional`` names parameters left out
+    while they are None (added to a stage after its keys were in use: a run that does not
+    set one keeps the stage's old keys).  ``verify`` is how cached
     ArtifactRefs are checked before a hit is used: ``"digest"`` (read and hash,
     including every blob of program manifests), ``"exists"`` (objects present)
     or ``"none"``.  ``store_url``/``storage_options`` name the artifact store.
@@ -70,12 +72,14 @@ class StageCachePolicy(CachePolicy):
     verify: Verify = "digest"
     store_url: Optional[str] = None
     storage_options: dict[str, Any] = field(default_factory=dict)
+    optional: tuple[str, ...] = ()
 
     def key_document(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
         """What the key hashes: stage, version, parameters (refs as digests), versions."""
         if not self.stage:
             raise ValueError("StageCachePolicy needs a stage name")
-        params = {k: v for k, v in inputs.items() if k not in self.ignore}
+        params = {k: v for k, v in inputs.items()
+                  if k not in self.ignore and not (v is None and k in self.optional)}
         return key_document(self.stage, self.version, params)
 
     def key_for(self, inputs: Mapping[str, Any]) -> str:
@@ -259,12 +263,14 @@ class CacheConfig:
         store = self.artifact_store()
         return Path(store.root) / "prefect" / "locks" if store.is_local else DEFAULT_LOCK_DIR.expanduser()
 
-    def policy(self, stage: str, version: str, ignore: tuple[str, ...] = ()) -> StageCachePolicy:
+    def policy(self, stage: str, version: str, ignore: tuple[str, ...] = (),
+               optional: tuple[str, ...] = ()) -> StageCachePolicy:
         """The SERIALIZABLE cache policy of one stage."""
         return StageCachePolicy(
             stage=stage,
             version=str(version),
             ignore=tuple(ignore),
+            optional=tuple(optional),
             verify=self.verify,
             store_url=self.artifact_store().url,
             storage_options=dict(self.storage_options),
@@ -306,6 +312,7 @@ def stage_task(
     *,
     config: CacheConfig | None = None,
     ignore: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
     **task_kwargs: Any,
 ) -> Callable[[Callable[..., Any]], Any]:
     """Decorator making a (synchronous) function a cached lowering stage (a Prefect task).
@@ -317,7 +324,7 @@ def stage_task(
     config = config or CacheConfig()
     options = dict(
         name=stage,
-        cache_policy=config.policy(stage, version, ignore),
+        cache_policy=config.policy(stage, version, ignore, optional),
         result_storage=config.result_storage(),
         result_serializer=result_serializer(),
         persist_result=True,

@@ -471,26 +471,31 @@ def get_memory_plan(store: ArtifactStore, ref: ArtifactRef) -> MemoryPlan:
     return LIVE.get(ref, lambda: MemoryPlan.from_dict(json.loads(store.get_bytes(ref))))
 
 
-def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef) -> dict:
-    """Stage 8: the .pte bytes."""
+def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
+             runtime_ops: list[str] | None = None) -> dict:
+    """Stage 8: the .pte bytes.  ``runtime_ops``: the runtime profile every operator must
+    be in (:func:`lowering.stock_ops.runtime_profile`; None: the default, and the key
+    leaves it out: :data:`STAGE_OPTIONAL`)."""
     _begin("emit")
-    pte = emit_program(get_program(store, program), get_memory_plan(store, plan))
+    pte = emit_program(get_program(store, program), get_memory_plan(store, plan), runtime_ops=runtime_ops)
     return {"pte": store.put_bytes(pte, "pte")}
 
 
-def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None = None) -> dict:
+def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None = None,
+                     runtime_ops: list[str] | None = None) -> dict:
     """Stage 8 of a model of several methods: ONE .pte holding every method.
 
     ``methods``: ``{name: {"program": ref, "plan": ref}}`` (the key covers the
     method set: names, programs and plans).  Methods are written in name order;
     shared weights and equal delegate payloads are stored once (lowering.methods).
     ``constants``: the constant methods ``{name: value}`` (an hf: model's metadata).
+    ``runtime_ops``: as :func:`run_emit`'s.
     """
     _begin("emit_methods")
     pte = emit_methods({
         name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
         for name, entry in methods.items()
-    }, constants)
+    }, constants, runtime_ops=runtime_ops)
     return {"pte": store.put_bytes(pte, "pte")}
 
 
@@ -545,11 +550,11 @@ class StageTasks:
         body is this module's ``run_<stage>`` as it is then (tests replace bodies)."""
         if stage not in STAGE_IGNORES:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {stage!r}")
-        task = self._make(stage, globals()[f"run_{stage}"], STAGE_IGNORES[stage])
+        task = self._make(stage, globals()[f"run_{stage}"], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
         setattr(self, stage, task)
         return task
 
-    def _make(self, stage: str, body: Callable[..., dict], ignore: tuple[str, ...]):
+    def _make(self, stage: str, body: Callable[..., dict], ignore: tuple[str, ...], optional: tuple[str, ...] = ()):
         store = self.store
 
         def run(*args: Any, **kwargs: Any) -> dict:
@@ -562,7 +567,7 @@ class StageTasks:
         run.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
         run.__name__ = f"{stage}_stage"
         run.__qualname__ = run.__name__
-        return stage_task(stage, STAGE_VERSIONS[stage], config=self.config, ignore=ignore,
+        return stage_task(stage, STAGE_VERSIONS[stage], config=self.config, ignore=ignore, optional=optional,
                           task_run_name=task_run_name(stage))(run)
 
 
@@ -575,6 +580,9 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
 }
+#: Inputs a stage's key leaves out while they are None (their default): added after the
+#: stage's keys were in use, so a run that does not set them keeps those keys.
+STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {"emit": ("runtime_ops",), "emit_methods": ("runtime_ops",)}
 
 
 class StageLookup:
@@ -604,7 +612,7 @@ class StageLookup:
 
     def __call__(self, stage: str, records: list[dict], **inputs: Any) -> Any:
         start = time.perf_counter()
-        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage])
+        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
         key = policy.key_for(stage_inputs(stage, inputs))
         result = None
         if self.results.exists(key):

@@ -314,16 +314,21 @@ def test_lowerflow_lower_hf_text_generation_writes_a_runner_program(cli, prefect
     assert again[0] == 0 and "export[forward]     cached" in again[1], again
 
 
-def test_lowerflow_verify_hf_text_generation_checks_forward_and_the_constant_methods(cli, hf_dirs, tmp_path):
+def test_lowerflow_verify_hf_text_generation_checks_forward_and_the_constant_methods(cli, hf_dirs, tmp_path,
+                                                                                    monkeypatch):
     """``verify --model hf:DIR --task ...`` takes lower's hf: flags: forward on both runtimes at
     the Dim's min and max, and each constant method's value; a flag the .pte was not lowered
-    with is a mismatch (exit 1) naming the constant method."""
+    with is a mismatch (exit 1) naming the constant method.  ExecuTorch's runtime runs the
+    three input sets in one fresh interpreter (llama:: ops)."""
     hf = load_hf(str(hf_dirs["llama"]), "text-generation", max_seq_len=MAX_SEQ_LEN)
     pte = tmp_path / "llama.pte"
     pte.write_bytes(lower(hf.lower_input()).pte)
     spec = f"hf:{hf_dirs['llama']}"
+    started, run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(args) or run(*args, **kwargs))
     code, out, errors = cli("verify", pte, "--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN)
     assert code == 0, (out, errors)
+    assert len(started) == 1 and out.count("forward     executorch  ok") == 3, out
     assert "forward     executorch  ok" in out and "(seq_length_dim=31)" in out
     assert "get_eos_ids lowerflow   ok" in out and "get_max_seq_len lowerflow   ok" in out
     code, out, errors = cli("verify", pte, "--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,

@@ -233,10 +233,12 @@ torch.save({"inputs": inputs, "expected": expected}, sys.argv[2])
 """
 
 
-def test_a_program_of_llama_ops_runs_on_executorch_with_the_custom_ops_library_in_a_fresh_interpreter(tmp_path):
+def test_a_program_of_llama_ops_runs_on_executorch_with_the_custom_ops_library_in_a_fresh_interpreter(
+        tmp_path, monkeypatch):
     """The program is made in a child that loaded ExecuTorch's custom-ops library first; this
     process never loads it (lowerflow's own llama ops may be defined here: loading it would
-    abort), so verify's runner runs the program in a fresh interpreter."""
+    abort), so verify's runner runs the program in a fresh interpreter: ONE for every job of
+    a batch (each on a program loaded for it alone; a job's error is its own)."""
     pytest.importorskip("executorch")
     from lowering.verify_executorch import executorch_runner
 
@@ -247,9 +249,17 @@ def test_a_program_of_llama_ops_runs_on_executorch_with_the_custom_ops_library_i
     pte, data = pte_path.read_bytes(), torch.load(data_path)
     assert needed_sets(program_operators(pte)) == {"llm"}
     assert "executorch.extension.llm.custom_ops.custom_ops" not in sys.modules
-    outputs = executorch_runner()(pte, data["inputs"], 2)
-    assert len(outputs) == 2
-    assert_all_close(outputs[0], [data["expected"]])
+    started, run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: started.append(args) or run(*args, **kwargs))
+    inputs = data["inputs"]
+    first, again, missing = executorch_runner().batch(pte, [
+        (["forward"], [("forward", inputs)] * 2), (["forward"], [("forward", inputs)]), (["decode"], [("decode", inputs)])])
+    assert len(started) == 1
+    assert len(first) == 2 and len(again) == 1
+    assert_all_close(first[0], [data["expected"]])
+    assert_all_close(again[0], first[0])
+    assert isinstance(missing, RuntimeError) and str(missing).startswith("KeyError: "), missing
+    assert "program has no method 'decode'; methods: ['forward']" in str(missing)
     assert "executorch.extension.llm.custom_ops.custom_ops" not in sys.modules
 
 
