@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from prefect import flow, get_run_logger
 
-from lowering.methods import check_no_shared_state, check_shared_state_names
+from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model
@@ -369,6 +369,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                 verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
                 version=version, load_options=load_options, constants=loaded.constants,
                 runtime_ops=(runtime_ops or {}).get(target),
+                written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
             )
     return manifest
 
@@ -376,7 +377,8 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
 def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
                          shared: str | None = None, stateful: bool = False, version: str | None = None,
                          load_options: dict | None = None, constants: dict | None = None,
-                         runtime_ops: list[str] | None = None) -> dict:
+                         runtime_ops: list[str] | None = None,
+                         written_elsewhere: dict[str, list[str]] | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -384,7 +386,9 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     depend on every method's program), and verify also runs the methods in sequence
     on one program (stage ``verify_sequence``).  ``stateful``: some method mutates a
     buffer; then each method's memory plan places the state of all (arena 2).  ``constants``:
-    the program's constant methods (an hf: model's metadata), written by emit_methods."""
+    the program's constant methods (an hf: model's metadata), written by emit_methods.
+    ``written_elsewhere``: per method, the shared buffers only other methods write (state
+    its partition stage must not take as constant data)."""
     load_options = load_options or {"version": version}
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
@@ -397,7 +401,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         for method, program in programs.items():
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate(
-                    for_method(run, method), f"{name}.{method}", program, target, options, records)
+                    for_method(run, method), f"{name}.{method}", program, target, options, records,
+                    shared_state=(written_elsewhere or {}).get(method) or None)
             delegated[method] = program
         for method, program in delegated.items():
             state_of = {"method": method, "programs": dict(delegated), "share": bool(shared)} if stateful else None
@@ -472,10 +477,11 @@ def _combined_verify(reports: dict[str, dict]) -> dict:
     return {"ok": ok, "checks": checks}
 
 
-def delegate(run: Run, name, program, target, options, records):
-    """Stages 2–6: returns (delegated program ref, delegation summary)."""
+def delegate(run: Run, name, program, target, options, records, shared_state: list[str] | None = None):
+    """Stages 2–6: returns (delegated program ref, delegation summary).  ``shared_state``:
+    buffers another method writes (:func:`lowering.methods.mark_shared_state`)."""
     tagged = run("partition", records, program=program, target=target, options=options,
-                 fused_ops=fused_ops_key(target, options))
+                 fused_ops=fused_ops_key(target, options), shared_state=shared_state)
     if not tagged["partitions"]:
         summary = {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
         return delegate_control_flow(run, tagged["program"], tagged, target, options, records, summary)

@@ -34,6 +34,11 @@ TAG = "delegation_tag"
 #: program keeps too: a backend that may lay the data out either way picks the
 #: original's layout, so that the ``.pte`` stores the bytes once.
 SHARED_WITH_TOP_LEVEL = "shared_with_top_level"
+#: ``node.meta`` key set on a buffer placeholder that another method of the program
+#: writes (methods sharing their mutable buffers, e.g. cross-attention keys an
+#: ``encoder`` method stores and a ``text_decoder`` reads): it is state, read at run
+#: time, never constant data a partition may take (:func:`lowering.methods.mark_shared_state`).
+SHARED_STATE = "shared_state"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -202,10 +202,12 @@ def lower_methods(
         check_no_shared_state,
         check_shared_state_names,
         emit_methods,
+        mark_shared_state,
         method_entries,
         mutated_buffers,
         plan_method_state,
         split_constant_methods,
+        state_written_elsewhere,
     )
 
     runtime_profile(runtime_ops)
@@ -231,6 +233,8 @@ def lower_methods(
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
     (check_shared_state_names if share_mutable_buffers else check_no_shared_state)(modules, mutated)
     for name in entries:
+        if share_mutable_buffers:
+            mark_shared_state(programs[name], state_written_elsewhere(mutated, name))
         programs[name] = _delegate(programs[name], partitioner, timings[name])
     states = plan_method_state(programs, share=share_mutable_buffers)
     for name in entries:

@@ -48,6 +48,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .delegation import SHARED_STATE
 from .errors import EmitError, LoweringError
 from .pte import PteData, schema, serialize
 
@@ -232,6 +233,31 @@ def _names(methods: Mapping, where: str) -> list[str]:
 def mutated_buffers(program: ExportedProgram) -> list[str]:
     """The fully qualified names of the buffers ``program`` mutates, sorted."""
     return sorted(set(program.graph_signature.buffers_to_mutate.values()))
+
+
+def state_written_elsewhere(mutated: Mapping[str, Iterable[str]], method: str) -> list[str]:
+    """The buffers other methods mutate and ``method`` does not (``mutated``: per method,
+    :func:`mutated_buffers`), sorted: with shared buffers, state ``method`` may only read."""
+    own = set(mutated[method])
+    return sorted({fqn for name, fqns in mutated.items() if name != method for fqn in fqns} - own)
+
+
+def mark_shared_state(program: ExportedProgram, written_elsewhere: Iterable[str]) -> list[str]:
+    """Mark the buffer placeholders of ``program`` another method writes (``SHARED_STATE``),
+    so that no partition takes them as constant data; returns their names.
+
+    Before::  %b_cross_k (BUFFER cross_k, not mutated here)   %mm = mm(%q, %b_cross_k) {tag: A}
+              -> the partition stores cross_k's initial zeros as a constant
+    After::   %b_cross_k {shared_state: True}: it stays top-level and is passed to the
+              delegate at run time, holding what the writing method stored
+    """
+    elsewhere = set(written_elsewhere)
+    marked = []
+    for node, spec in zip(program.graph.find_nodes(op="placeholder"), program.graph_signature.input_specs):
+        if spec.kind == InputKind.BUFFER and spec.target in elsewhere:
+            node.meta[SHARED_STATE] = True
+            marked.append(node.name)
+    return marked
 
 
 def check_no_shared_state(modules: Mapping[str, torch.nn.Module], mutated: Mapping[str, Iterable[str]]) -> None:

@@ -38,7 +38,14 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .control_flow_graph import is_control_flow
-from .delegation import SHARED_WITH_TOP_LEVEL, TAG, CompileSpec, DelegationSpec, find_backend  # re-exported here
+from .delegation import (  # re-exported here
+    SHARED_STATE,
+    SHARED_WITH_TOP_LEVEL,
+    TAG,
+    CompileSpec,
+    DelegationSpec,
+    find_backend,
+)
 from .errors import PartitionError
 
 #: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
@@ -164,7 +171,7 @@ def tag_constant_data(
         if node.op != "placeholder" or not node.users:
             continue
         spec = _input_spec(exported_program, node)
-        if spec.kind not in _CONSTANT_KINDS or spec.target in mutated:
+        if spec.kind not in _CONSTANT_KINDS or spec.target in mutated or node.meta.get(SHARED_STATE):
             continue
         user_tags = {u.meta.get(TAG) for u in node.users}
         if not duplicate_shared and (None in user_tags or len(user_tags) > 1):

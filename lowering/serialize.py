@@ -68,7 +68,7 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from .control_flow_graph import iter_scopes
-from .delegation import SHARED_WITH_TOP_LEVEL
+from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .errors import LoweringError
 from .quant_ops import register_quantized_ops
 
@@ -93,7 +93,7 @@ _GRAPH_ID = re.compile(r'"graph_id": -?\d+')
 #: Placeholder metadata the lowering stages set and a later stage reads, which
 #: torch's graph JSON drops (it keeps no metadata on graph inputs): written as the
 #: manifest's ``"placeholder_meta"`` (only when some placeholder has one).
-KEPT_PLACEHOLDER_META = (SHARED_WITH_TOP_LEVEL,)
+KEPT_PLACEHOLDER_META = (SHARED_WITH_TOP_LEVEL, SHARED_STATE)
 
 
 class SerializationError(LoweringError):

@@ -42,7 +42,7 @@ from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods, mutated_buffers, plan_method_state
+from lowering.methods import emit_methods, mark_shared_state, mutated_buffers, plan_method_state
 from lowering.partition import (
     TAG,
     CompileSpec,
@@ -255,12 +255,15 @@ def fused_ops_key(target: str, options: dict) -> str | None:
 
 
 def run_partition(
-    store: ArtifactStore, program: ArtifactRef, target: str, options: dict, fused_ops: str | None = None
+    store: ArtifactStore, program: ArtifactRef, target: str, options: dict, fused_ops: str | None = None,
+    shared_state: list[str] | None = None,
 ) -> dict:
     """Stage 2: the tagged program and its tags (node name -> tag), stored apart.
 
     ``fused_ops`` is :func:`fused_ops_key` of the target, computed by the caller
     (it is part of the cache key); a stale value is an error, never a wrong hit.
+    ``shared_state``: buffers another method writes, never constant data here
+    (in the key only when given).
     """
     _begin("partition")
     partitioner = partitioner_for(target, options)
@@ -269,7 +272,10 @@ def run_partition(
             f"target {target!r}: the fused ops of its partitioner changed while the flow ran "
             "(fused_ops digest differs); lower again"
         )
-    result = partition(get_program(store, program), partitioner)
+    exported = get_program(store, program)
+    if shared_state:
+        mark_shared_state(exported, shared_state)
+    result = partition(exported, partitioner)
     tagged = result.tagged_exported_program
     doc = {
         "tags": partition_tags_of(tagged.graph),
@@ -582,7 +588,9 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
-STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {"emit": ("runtime_ops",), "emit_methods": ("runtime_ops",)}
+STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
+}
 
 
 class StageLookup:

@@ -278,13 +278,19 @@ def _counter_methods(read_shape=(2,), read_value=0.0):
     return {"step": (Step(state), (torch.ones(2),)), "read": (Read(other), (torch.ones(2),))}
 
 
-def test_a_method_that_only_reads_shared_state_sees_the_writes():
-    """``read`` does not mutate ``state.count`` but still reads it from the shared arena."""
+@pytest.mark.parametrize("target", [PORTABLE, "xnnpack"])
+def test_a_method_that_only_reads_shared_state_sees_the_writes(target):
+    """``read`` does not mutate ``state.count`` but still reads it from the shared arena: on
+    XNNPACK the buffer is a delegate input, never constant data of ``read``'s delegate
+    (which would hold the initial zeros)."""
     pytest.importorskip("executorch")
     from executorch.runtime import Runtime
 
-    result = lower(_counter_methods(), share_mutable_buffers=True)
+    result = lower(_counter_methods(), share_mutable_buffers=True, partitioner=_partitioner(target))
     assert result.memory_plans["read"].allocations["b_state_count"].mem_id == 2
+    if target == "xnnpack":
+        plans = deserialize(result.pte).program.executionPlan
+        assert all(len(plan.delegates or []) == 1 for plan in plans)  # each method's add delegated
     x = torch.ones(2)
     sequence = ["step", "read", "step", "read"]
     want = [torch.tensor([1.0, 1.0]), torch.tensor([2.0, 2.0]), torch.tensor([2.0, 2.0]), torch.tensor([3.0, 3.0])]
@@ -613,6 +619,31 @@ def test_flow_rejects_state_shared_across_methods(tmp_path):
     error = info.value.manifest["targets"]["portable"]["error"]
     assert error.startswith("check_methods: MethodError: method 'step' mutates buffer 'state.count'"), error
     assert not (store / "outputs" / "shared" / "portable.pte").exists()
+
+
+@pytest.mark.usefixtures("fresh_stages")
+def test_flow_keeps_state_another_method_writes_out_of_a_delegate(tmp_path):
+    """Through the flow (partition stage ``shared_state``), as lower_methods: ``read``'s
+    XNNPACK delegate takes the shared counter as an input; verify_sequence runs step/read
+    in turn on ExecuTorch's runtime and ours."""
+    pytest.importorskip("executorch")
+    from flows.lower_model import lower_model
+
+    factory = tmp_path / "shared_counter.py"
+    factory.write_text(
+        "from tests.test_methods import _counter_methods\n\n"
+        "def factory():\n"
+        "    return _counter_methods()\n\n"
+        "factory.share_mutable_buffers = True\n"
+    )
+    store = tmp_path / "store"
+    cold, ran = _executions(lower_model, model=f"{factory}:factory", targets=["xnnpack"], store=str(store))
+    entry = cold["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert entry["pte"]["sha256"] == hashlib.sha256(
+        lower(_counter_methods(), share_mutable_buffers=True, partitioner=_partitioner("xnnpack")).pte).hexdigest()
+    sequence = entry["verify_sequence"]
+    assert sequence["ok"] is True and {c["runtime"] for c in sequence["checks"] if c["ok"]} == {"lowerflow", "executorch"}
 
 
 @pytest.mark.usefixtures("fresh_stages")

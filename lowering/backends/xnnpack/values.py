@@ -19,6 +19,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from ...delegation import SHARED_STATE
 from ...dynamic import upper_bound_shape
 from ...errors import BackendError
 from .qparams import WEIGHT_DQ, is_op
@@ -63,7 +64,7 @@ class Context:
             spec = kinds.get(node.name)
             if spec is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
                 continue
-            if spec.target in mutated:
+            if spec.target in mutated or node.meta.get(SHARED_STATE):  # state: read at run time
                 continue
             self.static_targets[node] = spec.target
         #: The quantization plan (:mod:`.qplan`), set by whoever builds this context for a walk.
