@@ -44,12 +44,14 @@ def add_load_arguments(parser: Any) -> None:
     parser.add_argument("--dtype", metavar="DTYPE", help="an hf: model's dtype: float32 (default), float16, bfloat16")
     parser.add_argument("--attn", metavar="ATTN", help="the decoder's attention (text-generation, automatic-speech-"
                         "recognition): custom (llama ops, the default) or standard (aten SDPA)")
+    parser.add_argument("--last-token-logits", action="store_const", const=True, default=None,
+                        help="text-generation: forward returns the last position's logits [1, V] only")
 
 
 def load_arguments(args: Any, spec: str) -> dict[str, Any]:
     """``lower_model``'s ``strict`` / ``hf`` parameters from the command line (only when
     given); ValueError when an hf: option is given for another kind of model."""
-    hf = {key: getattr(args, key) for key in ("task", "max_seq_len", "dtype", "attn")
+    hf = {key: getattr(args, key) for key in ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
           if getattr(args, key, None) is not None}
     if hf and not spec.strip().startswith("hf:"):
         flags = ", ".join("--" + key.replace("_", "-") for key in hf)

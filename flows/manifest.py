@@ -26,7 +26,8 @@
                                              #   "portable,quantized", for every target or per target
       - model: hf:./tiny-llama               # a Hugging Face model directory (or hub id) ...
         task: text-generation                # ... with its task (required for hf:) and options:
-        max_seq_len: 1024                    #   max_seq_len, dtype (float32/float16/bfloat16), attn (standard/custom)
+        max_seq_len: 1024                    #   max_seq_len, dtype (float32/float16/bfloat16), attn (standard/custom),
+                                             #   last_token_logits (true: forward returns [1, V])
 
 The whole manifest is validated before any work starts; every error names the
 entry (``models[2] ('cnn')``) and the field.  Besides its fields, each entry's
@@ -56,7 +57,7 @@ from tasks.model_spec import ModelSpec, ModelSpecError, check_spec, resolve_fact
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: An hf: model's keys: its task and the options of lowering.hf (load_hf).
-HF_KEYS = ("task", "max_seq_len", "dtype", "attn")
+HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
                "quantize", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}

@@ -156,6 +156,27 @@ def test_text_generation_custom_attention_by_default_runs_on_both_runtimes(hf_di
     assert "[32] [True]" in check_on_fresh_executorch(hf_dirs["llama"], path)
 
 
+def test_text_generation_last_token_logits_returns_the_last_row_only(hf_dirs):
+    """``last_token_logits``: forward's output is the last position's logits (prefill and decode),
+    not one row per position; the option is in the fingerprint only when set; other tasks refuse it."""
+    directory = str(hf_dirs["llama"])
+    full = load_hf(directory, "text-generation", max_seq_len=MAX_SEQ_LEN)
+    last = load_hf(directory, "text-generation", max_seq_len=MAX_SEQ_LEN, last_token_logits=True)
+    assert "last_token_logits" not in full.options and last.options["last_token_logits"] is True
+    full_result, last_result = lower(full.lower_input()), lower(last.lower_input())
+    eager, ours = llama_eager(hf_dirs["llama"]), OurMethod(last_result.pte)
+    tokens = [5, 9, 3, 7]
+    (prefill,) = ours.execute([torch.tensor([tokens]), torch.arange(4)])
+    assert prefill.shape[-1] == 256 and prefill.numel() == 256
+    torch.testing.assert_close(prefill.reshape(-1), eager(tokens)[-1], atol=1e-4, rtol=1e-4)
+    (step,) = ours.execute([torch.tensor([[11]]), torch.tensor([4])])
+    torch.testing.assert_close(step.reshape(-1), eager([*tokens, 11])[-1], atol=1e-4, rtol=1e-4)
+    (full_prefill,) = OurMethod(full_result.pte).execute([torch.tensor([tokens]), torch.arange(4)])
+    assert full_prefill.shape == (1, 4, 256)
+    with pytest.raises(HFError, match="last_token_logits is an option of text-generation, not fill-mask"):
+        load_hf(str(hf_dirs["bert"]), "fill-mask", last_token_logits=True)
+
+
 class RunnerSignature(torch.nn.Module):
     """The runner's positional ``forward(input_ids, cache_position)`` over transformers' wrapper
     (whose own forward takes ``inputs_embeds`` second)."""
@@ -349,6 +370,8 @@ def test_lowerflow_lower_hf_without_a_task_or_with_a_bad_one_is_exit_2(cli, hf_d
     assert code == 2 and len(errors) == 1 and "task 'summarize' is not one of" in errors[0]
     code, _, errors = cli("lower", "examples/models.py:mlp", "--task", "fill-mask", "--store", tmp_path / "store")
     assert code == 2 and len(errors) == 1 and "--task: only for an hf: model" in errors[0]
+    code, _, errors = cli("lower", spec, "--task", "fill-mask", "--last-token-logits", "--store", tmp_path / "store")
+    assert code == 2 and len(errors) == 1 and "last_token_logits is an option of text-generation" in errors[0]
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
         code, _, errors = cli("lower", spec, "--task", "fill-mask", "--store", tmp_path / "store")

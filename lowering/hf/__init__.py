@@ -21,7 +21,9 @@ Options: ``max_seq_len`` (KV cache / longest input; default the config's
 ``max_position_embeddings`` capped at 2048), ``dtype`` (``float32``, ``float16``,
 ``bfloat16``), ``attn`` (text-generation and automatic-speech-recognition's decoder:
 ``standard`` aten SDPA or ``custom`` ExecuTorch's ``llama::custom_sdpa`` +
-``llama::update_cache``).  ``transformers``
+``llama::update_cache``), ``last_token_logits`` (text-generation: ``forward`` returns
+only the last position's logits, as ExecuTorch's own LLM export does by default; the
+runner reads only that row).  ``transformers``
 is the product extra ``hf``; without it every entry point fails with one line
 naming the model and ``pip install 'lowerflow[hf]'``.
 
@@ -62,7 +64,7 @@ TASKS = {
 }
 
 #: The options of an hf: model (besides its task).
-OPTIONS = ("max_seq_len", "dtype", "attn")
+OPTIONS = ("max_seq_len", "dtype", "attn", "last_token_logits")
 
 #: The tasks whose decoder has a KV cache, and so an ``attn`` option.
 ATTN_TASKS = ("text-generation", "automatic-speech-recognition")
@@ -113,12 +115,19 @@ def check_options(source: str, task: str | None, options: dict[str, Any] | None 
             raise HFError(f"hf:{source}: attn {options['attn']!r} is not one of {list(ATTN)}")
         if task not in ATTN_TASKS:
             raise HFError(f"hf:{source}: attn is an option of {' and '.join(ATTN_TASKS)}, not {task}")
+    last = options.get("last_token_logits")
+    if last is not None:
+        if not isinstance(last, bool):
+            raise HFError(f"hf:{source}: last_token_logits must be true or false, got {last!r}")
+        if last and task != "text-generation":
+            raise HFError(f"hf:{source}: last_token_logits is an option of text-generation, not {task}")
 
 
 def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
-            attn: str | None = None) -> HFProgram:
+            attn: str | None = None, last_token_logits: bool | None = None) -> HFProgram:
     """Load ``source`` (a directory or hub id) for ``task``; see the module docstring."""
-    check_options(source, task, {"max_seq_len": max_seq_len, "dtype": dtype, "attn": attn})
+    check_options(source, task, {"max_seq_len": max_seq_len, "dtype": dtype, "attn": attn,
+                                 "last_token_logits": last_token_logits})
     require_transformers(source)
     check_source(source)
     directory = model_directory(source)
@@ -132,7 +141,10 @@ def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dt
 
             attn = attn or default_attn()
             options["attn"] = attn
-            methods = {"forward": decoder(source, model, max_seq_len=max_seq_len, attn=attn)}
+            if last_token_logits:  # in the options (and fingerprint) only when set
+                options["last_token_logits"] = True
+            methods = {"forward": decoder(source, model, max_seq_len=max_seq_len, attn=attn,
+                                          last_token_logits=bool(last_token_logits))}
             constants = metadata.text_generation(model, max_seq_len=max_seq_len, attn=attn, dtype=dtype_)
         elif task in ("feature-extraction", "fill-mask"):
             from .encoders import text_encoder

@@ -28,14 +28,17 @@ def default_attn() -> str:
     return "custom"
 
 
-def decoder(source: str, model: Any, *, max_seq_len: int, attn: str) -> tuple[torch.nn.Module, tuple, Any]:
-    """``(module, example_inputs, dynamic_shapes)`` of the runner's ``forward``."""
+def decoder(source: str, model: Any, *, max_seq_len: int, attn: str,
+            last_token_logits: bool = False) -> tuple[torch.nn.Module, tuple, Any]:
+    """``(module, example_inputs, dynamic_shapes)`` of the runner's ``forward``; with
+    ``last_token_logits`` it returns ``[1, V]``, the last position's row (the runner
+    reads only that one; the full output is planned at ``[1, max_seq_len-1, V]``)."""
     from ..llm import decoder_example, decoder_module
 
     if attn not in ATTN:
         raise HFError(f"hf:{source}: attn {attn!r} is not one of {list(ATTN)}")
     try:
-        module = decoder_module(model, max_seq_len=max_seq_len, attn=attn)
+        module = decoder_module(model, max_seq_len=max_seq_len, attn=attn, last_token_logits=last_token_logits)
     except ValueError as exc:  # e.g. a sliding window shorter than max_seq_len with attn custom
         raise HFError(f"hf:{source}: {str(exc).removeprefix('decoder_module: ')}") from exc
     inputs, dynamic_shapes = decoder_example(max_seq_len)
