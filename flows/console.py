@@ -78,9 +78,10 @@ def quiet_console(verbose: bool) -> None:
         if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _OwnRecords) for f in handler.filters):
             handler.addFilter(_OwnRecords())
     torch_loggers = [n for n in list(logging.root.manager.loggerDict) if n == "torch" or n.startswith("torch.")]
+    root_handlers = set(logging.getLogger().handlers)  # the process's own (e.g. pytest's capture): left alone
     for name in torch_loggers:  # torch gives many of its loggers a stderr handler of their own
         for handler in getattr(logging.getLogger(name), "handlers", []):
-            if not any(isinstance(f, _Nothing) for f in handler.filters):
+            if handler not in root_handlers and not any(isinstance(f, _Nothing) for f in handler.filters):
                 handler.addFilter(_Nothing())
 
 

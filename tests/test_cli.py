@@ -382,3 +382,27 @@ def test_console_shows_only_lowerflow_lines_unless_verbose(tmp_path):
     assert "[2/2]" in quiet.stdout and "good" in quiet.stdout
     loud = lowerflow("fleet", "fleet.yaml", "--verbose", cwd=tmp_path, home=tmp_path / "home")
     assert loud.returncode == 1 and "fake_tensor" in loud.stderr
+
+
+def test_quiet_console_mutes_torch_handlers_never_the_process_root_handlers():
+    """``quiet_console`` silences torch's own stderr handlers; a handler the root logger has too
+    (an embedding process's, e.g. pytest's log capture, which torch's loggers may share) keeps
+    working: muting it silenced lowerflow's warnings for the rest of an in-process session."""
+    import logging
+
+    from flows.console import quiet_console
+
+    shared, torch_own = logging.Handler(), logging.Handler()
+    root, torch_logger = logging.getLogger(), logging.getLogger("torch._lowerflow_probe")
+    root.addHandler(shared)
+    torch_logger.addHandler(shared)
+    torch_logger.addHandler(torch_own)
+    try:
+        quiet_console(False)
+        assert shared.filters == []
+        record = logging.LogRecord("torch._lowerflow_probe", logging.WARNING, __file__, 1, "x", None, None)
+        assert not torch_own.filter(record) and shared.filter(record)
+    finally:
+        root.removeHandler(shared)
+        torch_logger.removeHandler(shared)
+        torch_logger.removeHandler(torch_own)
