@@ -9,6 +9,7 @@ its config and dtype.
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,10 @@ def torch_dtype(source: str, dtype: str | None) -> torch.dtype:
     return DTYPES[dtype]
 
 
+#: Serializes :func:`from_pretrained` within a process (see there).
+_LOAD_LOCK = threading.Lock()
+
+
 def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.dtype, **kwargs: Any):
     """``transformers.<auto_class>.from_pretrained(directory)`` in eval mode; HFError naming
     the source and the class on failure (e.g. a config the task's Auto class does not take)."""
@@ -92,7 +97,10 @@ def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.
     try:
         # Weights the checkpoint lacks (a head the task adds) are initialized from a fixed
         # seed: the same directory gives the same model, and the same .pte, in any process.
-        with torch.random.fork_rng():
+        # One load at a time: from_pretrained switches process-wide state (default dtype,
+        # weight-init flags, the RNG seeded here) while it runs, and a fleet loads its
+        # models on several threads (a BERT load beside a Whisper one failed with KeyError).
+        with _LOAD_LOCK, torch.random.fork_rng():
             torch.manual_seed(0)
             model = getattr(transformers, auto_class).from_pretrained(str(directory), dtype=dtype, **kwargs)
     except Exception as exc:
