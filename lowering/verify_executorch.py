@@ -44,7 +44,7 @@ _EXECUTORCH_LOCK = threading.Lock()
 #: methods, run the calls; save each job's outputs, or the last line of its error.
 _CHILD = """
 import importlib, sys, traceback, torch
-request = torch.load(sys.argv[1], weights_only=False)
+request = torch.load(sys.argv[1], weights_only=True)
 for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
@@ -186,7 +186,7 @@ def run_programs_in_fresh_interpreter(jobs: list[tuple[bytes, list[str], list]],
             lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
             failed = RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
             return [failed] * len(jobs)
-        results = torch.load(outputs, weights_only=False)
+        results = torch.load(outputs, weights_only=True)  # tensors, numbers, strings: nothing to unpickle
         return [RuntimeError(r["error"]) if isinstance(r, dict) else r for r in results]
 
 
