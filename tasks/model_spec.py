@@ -59,8 +59,8 @@ from lowering.dynamic import (
 )
 
 from .fingerprint import Fingerprint, fingerprint_methods, fingerprint_module, fingerprint_pt2
+from .torch_lock import TORCH_LOCK
 
-_FACTORY_LOCK = threading.RLock()
 
 
 class ModelSpecError(ValueError):
@@ -155,12 +155,12 @@ def resolve_factory(spec: ModelSpec) -> Any:
         raise ModelSpecError(f"model spec {spec.text!r} is a {_KIND_NAMES[spec.kind]}, not a factory")
     check_spec(spec)
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
-    with _FACTORY_LOCK, _importable(directory):
+    with TORCH_LOCK, _importable(directory):
         return _factory_of(spec)[1]
 
 
 def _factory_of(spec: ModelSpec) -> tuple[Any, Any]:
-    """(the spec's Python module, its factory); the caller holds _FACTORY_LOCK with the
+    """(the spec's Python module, its factory); the caller holds TORCH_LOCK with the
     factory's directory importable."""
     try:
         module = _import(spec)
@@ -230,7 +230,7 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
                                  "'dynamic_shapes' is only for a factory")
         data = read_pt2(spec, storage_options)
         return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
-    with _FACTORY_LOCK:
+    with TORCH_LOCK:
         module, inputs, factory_module, dynamic_shapes, calibration = _run_factory(spec)
         if isinstance(module, dict):
             if override is not None:
@@ -262,7 +262,7 @@ def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedMode
         raise ModelSpecError(f"model spec {spec.text!r}: an hf: model's dynamic shapes come with its task; "
                              "'dynamic_shapes' is only for a factory")
     try:
-        with _FACTORY_LOCK, torch.random.fork_rng():
+        with TORCH_LOCK, torch.random.fork_rng():
             program, fingerprints, fingerprint = load(spec.location, options)
     except LoweringError as exc:
         raise _hf_error(spec, exc) from exc
@@ -307,7 +307,7 @@ def load_factory_model(spec: ModelSpec) -> tuple[torch.nn.Module, tuple[Any, ...
     """Import the spec's factory and call it; checks what it returns."""
     if spec.kind in ("pt2", "hf"):
         raise ModelSpecError(f"model spec {spec.text!r} is a {_KIND_NAMES[spec.kind]}, not a factory")
-    with _FACTORY_LOCK:
+    with TORCH_LOCK:
         module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):
         raise ModelSpecError(f"model spec {spec.text!r} has several methods {sorted(module)}; "
@@ -323,7 +323,7 @@ def load_methods(spec: ModelSpec) -> dict[str, tuple[torch.nn.Module, tuple[Any,
     if spec.kind == "hf":
         raise ModelSpecError(f"model spec {spec.text!r} is a Hugging Face model: load it with load_model "
                              "and its task")
-    with _FACTORY_LOCK:
+    with TORCH_LOCK:
         module, inputs, _, _, _ = _run_factory(spec)
     if isinstance(module, dict):
         return {name: (method, method_inputs) for name, (method, method_inputs, _) in module.items()}
@@ -385,7 +385,7 @@ def _describe(value: Any) -> str:
 
 def _run_factory(spec: ModelSpec) -> tuple[Any, tuple[Any, ...] | None, Any, Any, Any]:
     """(model, inputs, the factory's Python module, its dynamic shapes or None, its calibration
-    data or None); the caller holds _FACTORY_LOCK.  For several methods:
+    data or None); the caller holds TORCH_LOCK.  For several methods:
     ({name: (module, inputs)}, None, module, None, None)."""
     directory = Path(spec.location).resolve().parent if spec.kind == "file" else None
     with _importable(directory):

@@ -63,6 +63,7 @@ from .live import LIVE
 from .model_spec import live_model
 from .run_names import task_run_name
 from .store import ArtifactRef, ArtifactStore
+from .torch_lock import TORCH_LOCK
 
 #: Bump a stage's version when its code changes what it produces.
 STAGE_VERSIONS = {
@@ -91,12 +92,6 @@ FAULTS: set[str] = set()
 #: How many times each stage body ran in this process (cache hits do not count).
 EXECUTIONS: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
-#: Stage bodies run one at a time per process: torch's export, its JSON serde
-#: and fake tensors keep process-global state (two threads deserializing at
-#: once fail with "_CURRENT_DESERIALIZER is already set"), and the bodies are
-#: GIL-bound Python anyway.  Threads still overlap store I/O and Prefect API
-#: calls; processes (or a Dask task runner) are the way to scale a fleet.
-_BODY_LOCK = threading.RLock()
 
 
 # --------------------------------------------------------------------------- artifacts
@@ -564,7 +559,9 @@ class StageTasks:
         store = self.store
 
         def run(*args: Any, **kwargs: Any) -> dict:
-            with _BODY_LOCK:
+            # One at a time per process (tasks.torch_lock); torch's JSON serde too: two
+            # threads deserializing at once fail with "_CURRENT_DESERIALIZER is already set".
+            with TORCH_LOCK:
                 return body(store, *args, **kwargs)
 
         # The task's parameters are the body's, less the store: what Prefect

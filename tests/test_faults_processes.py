@@ -134,7 +134,7 @@ FLEET_SCRIPT = textwrap.dedent(
         def blocking_emit(store, *args, **kwargs):
             if getattr(current, "model", None) != block["model"]:
                 return run_emit(store, *args, **kwargs)
-            stages._BODY_LOCK.release()  # the other models' stages may run meanwhile
+            stages.TORCH_LOCK.release()  # the other models' stages may run meanwhile
             outputs = Path(manifest["store"]) / "outputs"
             while not all((outputs / m / "manifest.json").exists() for m in block["others"]):
                 time.sleep(0.05)

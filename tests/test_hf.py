@@ -416,3 +416,65 @@ def test_a_fleet_manifest_lowers_hf_entries_with_their_task(cli, prefect_api, hf
     code, _, errors = cli("fleet", manifest)
     assert code == 2 and len(errors) == 1 and "models[0]" in errors[0] and "attn is an option of text-generation" in errors[0]
     assert not (tmp_path / "store2").exists()
+
+
+def test_models_load_beside_export_stages_unchanged(hf_dirs, tmp_path):
+    """A fleet loads models on threads while other models' stages run, and torch.export
+    switches process-wide state (tasks.torch_lock: a Whisper load beside an export failed with
+    KeyError 'custom'; weights initialized meanwhile went through torch._refs).  Loads beside a
+    thread running export stages all succeed, with the weights a load alone gets: a factory's
+    (built from a seed) and an hf: model's (its ASR head is initialized, not in the checkpoint)."""
+    import threading
+
+    from tasks import stages
+    from tasks.cache import CacheConfig
+    from tasks.model_spec import ModelSpec, holding, load_model
+
+    factory = tmp_path / "initialized.py"
+    factory.write_text(textwrap.dedent("""
+        import torch
+
+        def model():
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(32, 32) for _ in range(8)]
+            return torch.nn.Sequential(torch.nn.Embedding(64, 32), *layers), (torch.tensor([[1, 2]]),)
+        """))
+    specs = [(ModelSpec.parse(f"{factory}:model"), {}),
+             (ModelSpec.parse(f"hf:{hf_dirs['whisper']}"), {"hf": {"task": "automatic-speech-recognition"}})]
+
+    def weights(loaded):
+        return {(name, key): value for name, method in (loaded.methods or {"forward": loaded}).items()
+                for key, value in method.module.state_dict().items()}
+
+    alone = [weights(load_model(spec, options)) for spec, options in specs]
+    exported = tmp_path / "exported.py"
+    exported.write_text(textwrap.dedent("""
+        import torch
+
+        def model():
+            return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), (torch.randn(2, 8),)
+        """))
+    export_options = {"strict": True}  # a dynamo export: the most process-wide state
+    other = load_model(ModelSpec.parse(f"{exported}:model"), export_options)
+    export = stages.StageTasks(CacheConfig.for_store(str(tmp_path / "store"))).export.fn
+    exports, done = [], threading.Event()
+
+    def export_stages():
+        with holding(other):
+            while not done.is_set():
+                exports.append(export(model=other.spec.text, fingerprint=other.fingerprint.digest,
+                                      options=export_options))
+
+    exporter = threading.Thread(target=export_stages)
+    exporter.start()
+    try:
+        for round in range(50):
+            spec, options = specs[0 if round % 10 else 1]
+            loaded = weights(load_model(spec, options))
+            expected = alone[0 if round % 10 else 1]
+            assert loaded.keys() == expected.keys()
+            assert all(torch.equal(loaded[key], expected[key]) for key in loaded), (spec.text, round)
+    finally:
+        done.set()
+        exporter.join()
+    assert exports and all(result["program"] for result in exports)

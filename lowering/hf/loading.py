@@ -98,8 +98,8 @@ def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.
         # Weights the checkpoint lacks (a head the task adds) are initialized from a fixed
         # seed: the same directory gives the same model, and the same .pte, in any process.
         # One load at a time: from_pretrained switches process-wide state (default dtype,
-        # weight-init flags, the RNG seeded here) while it runs, and a fleet loads its
-        # models on several threads (a BERT load beside a Whisper one failed with KeyError).
+        # weight-init flags, the RNG seeded here) while it runs.  So does torch.export: a
+        # caller on threads must not load beside an export either (tasks.torch_lock).
         with _LOAD_LOCK, torch.random.fork_rng():
             torch.manual_seed(0)
             model = getattr(transformers, auto_class).from_pretrained(str(directory), dtype=dtype, **kwargs)
