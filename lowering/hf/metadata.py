@@ -39,22 +39,31 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
 def text_generation(model: Any, *, max_seq_len: int, attn: str, dtype: torch.dtype) -> dict[str, Any]:
     """The constant methods of a decoder-only LM's program."""
     config = model.config.get_text_config()
+    return _drop_none({
+        **_decoder(model, config, max_seq_len=max_seq_len, n_layers=getattr(config, "num_hidden_layers", None),
+                   dtype=dtype, attn=attn),
+        "enable_dynamic_shape": True,
+    })
+
+
+def _decoder(model: Any, config: Any, *, max_seq_len: int, n_layers: int | None, dtype: torch.dtype,
+             attn: str) -> dict[str, Any]:
+    """What the runners read of any KV-cache decoder: lengths, vocabulary, tokens, layers, dtype."""
     generation = getattr(model, "generation_config", None)
     bos = token_ids(getattr(generation, "bos_token_id", None), getattr(config, "bos_token_id", None))
     eos = token_ids(getattr(generation, "eos_token_id", None), getattr(config, "eos_token_id", None))
-    return _drop_none({
+    return {
         "get_max_seq_len": int(max_seq_len),
         "get_max_context_len": int(max_seq_len),
         "get_max_batch_size": 1,
         "get_vocab_size": int(config.vocab_size),
         "get_bos_id": bos[0] if bos else None,
         "get_eos_ids": eos,
-        "get_n_layers": getattr(config, "num_hidden_layers", None),
+        "get_n_layers": n_layers,
         "get_dtype": DTYPE_CODES.get(dtype, 6),
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": attn == "custom",
-        "enable_dynamic_shape": True,
-    })
+    }
 
 
 def encoder(model: Any, *, max_seq_len: int | None) -> dict[str, Any]:
@@ -68,22 +77,12 @@ def speech_seq2seq(model: Any, *, max_seq_len: int, frames: int, attn: str = "cu
     set: the decoder's KV cache length, ``decoder_start_token_id``, ``max_hidden_seq_length``)."""
     config = model.config
     generation = getattr(model, "generation_config", None)
-    bos = token_ids(getattr(generation, "bos_token_id", None), getattr(config, "bos_token_id", None))
-    eos = token_ids(getattr(generation, "eos_token_id", None), getattr(config, "eos_token_id", None))
     start = token_ids(getattr(generation, "decoder_start_token_id", None),
                       getattr(config, "decoder_start_token_id", None))
     return _drop_none({
-        "get_max_seq_len": int(max_seq_len),
-        "get_max_context_len": int(max_seq_len),
-        "get_max_batch_size": 1,
-        "get_vocab_size": int(config.vocab_size),
-        "get_bos_id": bos[0] if bos else None,
-        "get_eos_ids": eos,
-        "get_n_layers": getattr(config, "decoder_layers", None),
-        "get_dtype": DTYPE_CODES.get(dtype, 6),
+        **_decoder(model, config, max_seq_len=max_seq_len, n_layers=getattr(config, "decoder_layers", None),
+                   dtype=dtype, attn=attn),
         "decoder_start_token_id": start[0] if start else None,
         "max_hidden_seq_length": int(frames),
-        "use_kv_cache": True,
-        "use_sdpa_with_kv_cache": attn == "custom",
         "enable_dynamic_shape": False,
     })
