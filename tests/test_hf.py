@@ -478,3 +478,32 @@ def test_models_load_beside_export_stages_unchanged(hf_dirs, tmp_path):
         done.set()
         exporter.join()
     assert exports and all(result["program"] for result in exports)
+
+
+def test_a_hub_id_loads_from_the_hub_cache_and_keys_as_its_local_copy(hf_dirs, tmp_path, monkeypatch):
+    """``hf:org/name`` is found by huggingface_hub (here its cache, offline: no network in
+    tests); the model is keyed by its files, so a hub id and a local copy of the same snapshot
+    share every cache key; an id the hub (or its cache) does not have is one error naming it."""
+    from huggingface_hub import constants
+
+    from tasks.model_spec import ModelSpec, ModelSpecError, load_model
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--lowerflow-tests--tiny-bert"
+    shutil.copytree(hf_dirs["bert"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+    options = {"hf": {"task": "fill-mask", "max_seq_len": 16}}
+    hub = load_model(ModelSpec.parse("hf:lowerflow-tests/tiny-bert"), options)
+    local = load_model(ModelSpec.parse(f"hf:{hf_dirs['bert']}"), options)
+    assert hub.fingerprint.digest == local.fingerprint.digest
+    assert hub.methods["forward"].fingerprint.digest == local.methods["forward"].fingerprint.digest
+    program = load_hf("lowerflow-tests/tiny-bert", "fill-mask", max_seq_len=16)
+    assert program.directory == (repo / "snapshots" / revision).resolve()
+
+    with pytest.raises(ModelSpecError, match=r"model spec 'hf:lowerflow-tests/missing': not a local directory, "
+                                             r"and the hub download failed"):
+        load_model(ModelSpec.parse("hf:lowerflow-tests/missing"), options)
