@@ -1,7 +1,8 @@
 """Issue 21: ``hf:`` text-generation beyond Llama.  Random-weight ``save_pretrained`` Qwen2
 (q/k/v biases), GPT-2 (learned positions, Conv1D, fused c_attn), Phi3 (fused qkv_proj and
-gate_up_proj) and Gemma2 (embedding scale, attention and final logit soft-capping, here
-small enough to matter) are lowered by ``hf:<dir>`` with the default custom attention for
+gate_up_proj), Gemma2 (embedding scale, attention and final logit soft-capping, here
+small enough to matter, and a sliding window on every other layer) and Mistral (a sliding
+window on every layer; both windows shorter than the calls' sequences) are lowered by ``hf:<dir>`` with the default custom attention for
 xnnpack, through the library and (Gemma2) the flow, and run on ExecuTorch's runtime equal to
 eager transformers without a cache::
 
@@ -33,7 +34,9 @@ from lowering.verify_executorch import program_operators, run_programs_in_fresh_
 
 MAX_SEQ_LEN = 32
 VOCAB = 256
-FAMILIES = ["qwen2", "gpt2", "phi3", "gemma2"]
+FAMILIES = ["qwen2", "gpt2", "phi3", "gemma2", "mistral"]
+#: Mistral's and Gemma2's sliding window: shorter than the sequences (8), so it matters.
+WINDOW = 4
 #: (sequence, start, end) per call: a prefill of 5 and 3 decode steps, then over another
 #: sequence a prefill of 3 (the cache rewound) and 3 decode steps.
 CALLS = [("a", 0, 5), ("a", 5, 6), ("a", 6, 7), ("a", 7, 8), ("b", 0, 3), ("b", 3, 4), ("b", 4, 5), ("b", 5, 6)]
@@ -51,8 +54,10 @@ def tiny_model(family: str):
         return transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0))
     if family == "gemma2":  # caps small enough that dropping them would change the logits
         return transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            **common, head_dim=16, sliding_window=MAX_SEQ_LEN, attn_logit_softcapping=0.5,
+            **common, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=0.5,
             final_logit_softcapping=3.0, initializer_range=0.1))
+    if family == "mistral":
+        return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=WINDOW))
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=2))
 
@@ -134,6 +139,23 @@ def test_gemma2_soft_capping_matters(family_dirs):
         no_caps = model(input_ids=SEQUENCES["a"][:, :5], use_cache=False).logits
     assert (no_attention_cap - capped).abs().max() > 0.01
     assert (no_caps - no_attention_cap).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_the_sliding_window_matters(family, family_dirs):
+    """Without its window the model gives other logits once a sequence is longer than the
+    window: the equality above tests the windowed mask (custom_sdpa's attn_mask, or Gemma2's
+    aten attention)."""
+    windowed = expected(family_dirs[family])
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(family_dirs[family])).eval()
+    model.config.sliding_window = MAX_SEQ_LEN
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = MAX_SEQ_LEN
+    with torch.no_grad():
+        full = model(input_ids=SEQUENCES["a"], use_cache=False).logits
+    assert torch.allclose(full[:, :WINDOW], windowed[0][:, :WINDOW], atol=1e-5)  # within the window: equal
+    assert (full[:, 5:8] - torch.cat(windowed[1:4], dim=1)).abs().max() > 0.01
 
 
 def test_lowerflow_lower_hf_gemma2_writes_the_library_program(cli, prefect_api, family_dirs, programs, tmp_path):

@@ -39,7 +39,7 @@ def decoder(source: str, model: Any, *, max_seq_len: int, attn: str,
         raise HFError(f"hf:{source}: attn {attn!r} is not one of {list(ATTN)}")
     try:
         module = decoder_module(model, max_seq_len=max_seq_len, attn=attn, last_token_logits=last_token_logits)
-    except ValueError as exc:  # e.g. a sliding window shorter than max_seq_len with attn custom
+    except ValueError as exc:  # e.g. a bad max_seq_len
         raise HFError(f"hf:{source}: {str(exc).removeprefix('decoder_module: ')}") from exc
     inputs, dynamic_shapes = decoder_example(max_seq_len)
     return module.eval(), tuple(inputs), dynamic_shapes

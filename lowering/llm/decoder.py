@@ -26,8 +26,10 @@ unchanged; only its cache and (``attn="custom"``) its attention function differ:
   to the module's buffers on every call (LLM-EXPORT.md 5.1: no tensor is lifted
   twice, so non-strict export and decomposition work).
 
-Models with sliding-window layers shorter than ``max_seq_len`` are refused by the
-custom variant (its attention is full-causal).  Layers with attention logit
+Sliding-window layers (Mistral, Qwen2, Gemma 2/3: a window shorter than
+``max_seq_len``) keep whole-length caches and pass ``custom_sdpa`` the window as an
+``attn_mask`` (:func:`sliding_window_mask`), as transformers' own static cache does:
+memory is that of full layers, results those of the window.  Layers with attention logit
 soft-capping (Gemma 2: ``tanh(scores / cap) * cap`` before the mask, which
 ``custom_sdpa`` cannot apply) still write their caches with ``update_cache`` but
 attend in aten ops over the whole cache, rows after each query's position masked
@@ -71,6 +73,16 @@ class Step:
     start_pos: Any = 0
     #: The call's cache positions [S] (a tensor while running).
     positions: Any = None
+    #: The call's sliding-window masks, by window (made by the first layer that needs one).
+    masks: dict | None = None
+
+    def window_mask(self, window: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """:func:`sliding_window_mask` of this call, made once for all layers of ``window``."""
+        if self.masks is None:
+            self.masks = {}
+        if window not in self.masks:
+            self.masks[window] = sliding_window_mask(self.positions, length, window, dtype)
+        return self.masks[window]
 
 
 class Decoder(torch.nn.Module):
@@ -95,7 +107,6 @@ class Decoder(torch.nn.Module):
         dims = head_dim if isinstance(head_dim, list) else [head_dim] * n_layers
         dtype = next(hf_model.parameters()).dtype
         if custom:
-            _check_no_short_window(config, max_seq_len)
             ensure_llama_ops()
             _register_attention()
             layers = [custom_layer_class()(max_seq_len, self._step) for _ in range(n_layers)]
@@ -146,22 +157,11 @@ class Decoder(torch.nn.Module):
     def _release(self) -> None:
         """The layers and the step hold no tensor between calls: after a (non-strict) export
         they would hold its fake tensors and SymInts, and the module could not be deep-copied."""
-        self._step.start_pos, self._step.positions = 0, None
+        self._step.start_pos, self._step.positions, self._step.masks = 0, None, None
         for layer in self.cache.layers:
             layer.keys = layer.values = None
             if not self.custom:
                 layer.cumulative_length = None
-
-
-def _check_no_short_window(config, max_seq_len: int) -> None:
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    sliding = any("sliding" in str(t) for t in layer_types) or (
-        window is not None and getattr(config, "use_sliding_window", True) and not layer_types)
-    if sliding and window is not None and window < max_seq_len:
-        raise ValueError(f"decoder_module: model {config.model_type!r} has sliding-window attention "
-                         f"(window {window} < max_seq_len {max_seq_len}); use attn='standard' "
-                         f"or max_seq_len <= {window}")
 
 
 @functools.cache
@@ -192,15 +192,36 @@ def custom_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0
     step = module.__dict__.get("_lowerflow_step")
     if step is None:
         raise RuntimeError(f"lowerflow_custom_sdpa: {type(module).__name__} was not prepared by decoder_module")
+    length = key.shape[1]
+    window = kwargs.get("sliding_window")
+    window = window if window is not None and window < length else None  # a window the cache holds: none
     if kwargs.get("softcap") is not None:  # Gemma 2: tanh-capped scores, which custom_sdpa cannot apply
-        return softcapped_cache_attention(query, key, value, step.positions, scaling, kwargs["softcap"]), None
-    out = torch.ops.llama.custom_sdpa(query.transpose(1, 2), key, value, step.start_pos, None, 0.0, True, scaling)
+        return softcapped_cache_attention(query, key, value, step.positions, scaling, kwargs["softcap"],
+                                          window), None
+    mask = None if window is None else step.window_mask(window, length, query.dtype)
+    out = torch.ops.llama.custom_sdpa(query.transpose(1, 2), key, value, step.start_pos, mask, 0.0, mask is None,
+                                      scaling)
     return out, None
 
 
-def softcapped_cache_attention(query, key, value, positions, scaling, softcap: float) -> torch.Tensor:
+def sliding_window_mask(positions: torch.Tensor, length: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[S, L]`` additive mask of a sliding-window layer over whole-length caches: the
+    query at position ``p`` sees keys ``p - window < k <= p`` (transformers' window)::
+
+        positions [5, 6], length 8, window 3 ─► row 5: keys 3 4 5 -> 0, others -inf
+                                                row 6: keys 4 5 6 -> 0, others -inf
+    """
+    keys = torch.arange(length, device=positions.device)[None, :]
+    rows = positions[:, None]
+    hidden = (keys > rows) | (keys <= rows - window)
+    return torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill(hidden, float("-inf"))
+
+
+def softcapped_cache_attention(query, key, value, positions, scaling, softcap: float,
+                               window: int | None = None) -> torch.Tensor:
     """Causal attention with Gemma 2's logit soft-capping in aten ops, over the whole
-    ``[B, L, H_kv, D]`` caches (rows after ``positions`` masked): ``query`` [B, Hq, S, D],
+    ``[B, L, H_kv, D]`` caches (rows after ``positions`` masked, and with a ``window`` the
+    rows it leaves behind): ``query`` [B, Hq, S, D],
     ``positions`` [S] -> [B, S, Hq, D].  The caches keep their stored zeros (read here)::
 
         %s = mul(matmul(%q, transpose(%k)), scale); %s = mul(tanh(div(%s, cap)), cap)
@@ -212,8 +233,11 @@ def softcapped_cache_attention(query, key, value, positions, scaling, softcap: f
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.tanh(torch.matmul(query, keys.transpose(2, 3)) * scale / softcap) * softcap
-    future = torch.arange(keys.shape[2], device=query.device)[None, :] > positions[:, None]   # [S, L]
-    scores = scores.masked_fill(future, float("-inf"))
+    columns = torch.arange(keys.shape[2], device=query.device)[None, :]
+    hidden = columns > positions[:, None]                                                      # [S, L]
+    if window is not None:
+        hidden = hidden | (columns <= positions[:, None] - window)
+    scores = scores.masked_fill(hidden, float("-inf"))
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(weights, values).transpose(1, 2).contiguous()
 
