@@ -29,7 +29,7 @@ def test_demo_environment_has_no_test_extra(tmp_path):
                 for item in json.loads(report.read_text())["install"]}
     assert {"prefect", "fsspec", "flatbuffers", "lowerflow"} <= set(installs)
     assert installs["torch"].split("+")[0] == "2.13.0"
-    test_only = {"executorch", "transformers", "moto", "pytest"} & set(installs)
+    test_only = {"executorch", "transformers", "moto", "pytest", "pytest-xdist"} & set(installs)
     assert not test_only, f"the demo environment would install {sorted(test_only)}"
 
 
