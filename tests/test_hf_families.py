@@ -1,8 +1,9 @@
 """Issue 21: ``hf:`` text-generation beyond Llama.  Random-weight ``save_pretrained`` Qwen2
 (q/k/v biases), GPT-2 (learned positions, Conv1D, fused c_attn), Phi3 (fused qkv_proj and
 gate_up_proj), Gemma2 (embedding scale, attention and final logit soft-capping, here
-small enough to matter, and a sliding window on every other layer) and Mistral (a sliding
-window on every layer; both windows shorter than the calls' sequences) are lowered by ``hf:<dir>`` with the default custom attention for
+small enough to matter, and a sliding window on every other layer), Mistral (a sliding
+window on every layer) and Gemma3 (q/k norms, two sliding layers then a full one; every
+window shorter than the calls' sequences) are lowered by ``hf:<dir>`` with the default custom attention for
 xnnpack, through the library and (Gemma2) the flow, and run on ExecuTorch's runtime equal to
 eager transformers without a cache::
 
@@ -34,8 +35,8 @@ from lowering.verify_executorch import program_operators, run_programs_in_fresh_
 
 MAX_SEQ_LEN = 32
 VOCAB = 256
-FAMILIES = ["qwen2", "gpt2", "phi3", "gemma2", "mistral"]
-#: Mistral's and Gemma2's sliding window: shorter than the sequences (8), so it matters.
+FAMILIES = ["qwen2", "gpt2", "phi3", "gemma2", "mistral", "gemma3"]
+#: The sliding window of Mistral, Gemma2 and Gemma3: shorter than the sequences (8), so it matters.
 WINDOW = 4
 #: (sequence, start, end) per call: a prefill of 5 and 3 decode steps, then over another
 #: sequence a prefill of 3 (the cache rewound) and 3 decode steps.
@@ -58,6 +59,10 @@ def tiny_model(family: str):
             final_logit_softcapping=3.0, initializer_range=0.1))
     if family == "mistral":
         return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=WINDOW))
+    if family == "gemma3":  # q/k norms; two sliding layers, then a full one
+        return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=WINDOW, pad_token_id=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=2))
 
@@ -141,7 +146,7 @@ def test_gemma2_soft_capping_matters(family_dirs):
     assert (no_caps - no_attention_cap).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "gemma3"])
 def test_the_sliding_window_matters(family, family_dirs):
     """Without its window the model gives other logits once a sequence is longer than the
     window: the equality above tests the windowed mask (custom_sdpa's attn_mask, or Gemma2's
