@@ -62,7 +62,6 @@ from .fingerprint import Fingerprint, fingerprint_methods, fingerprint_module, f
 from .torch_lock import TORCH_LOCK
 
 
-
 class ModelSpecError(ValueError):
     """A model spec that cannot be parsed or loaded; the message names the spec."""
 
