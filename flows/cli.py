@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
     lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
                        "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
+    add_verify_argument(lower)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="lower each model as a flow run on this Prefect work pool's workers "
                             "(deployment lower-model/POOL, created from this checkout if missing; "
                             "needs PREFECT_API_URL); default: in this process")
+    add_verify_argument(fleet, " (replaces every model's 'verify')")
     fleet.set_defaults(run=cmd_fleet)
 
     worker = sub.add_parser("worker", parents=[common], help="run a work pool's flow runs, forked from a warm process",
@@ -235,6 +237,16 @@ def check_targets(targets: Sequence[str]) -> None:
 # --------------------------------------------------------------------------- lower
 
 
+def add_verify_argument(parser: argparse.ArgumentParser, scope: str = "") -> None:
+    """``--verify full|quick|off|auto`` (a bad value is a usage error, exit 2)."""
+    from flows.verify_mode import MODES
+
+    parser.add_argument("--verify", choices=MODES, metavar="MODE",
+                        help="verify the .pte: full (every input set, twice), quick (a decoder: one prefill and "
+                             "a few decode steps), off, or auto (the default: full, quick for a model above "
+                             f"64 MiB of weights){scope}")
+
+
 def cmd_lower(args: argparse.Namespace) -> int:
     """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
     targets = args.targets or ["portable"]
@@ -253,6 +265,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     quiet_console(args.verbose)
     try:
         manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
+                               **({"verify": args.verify} if args.verify else {}),
                                **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
@@ -347,7 +360,7 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
-    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool)
+    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify)
     check_fleet(summary)
     return EXIT_OK
 
@@ -426,9 +439,10 @@ def model_error(manifest: dict) -> str:
     return manifest.get("error") or "failed"
 
 
-def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None) -> dict:
+def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None) -> dict:
     """``lower_fleet`` with a progress line per model as it finishes, then the summary
-    table; returns the fleet summary, failed models included (the demo uses this too)."""
+    table; returns the fleet summary, failed models included (the demo uses this too).
+    ``verify``: a mode every model's verify runs (``--verify``; None: each entry's own)."""
     fleet = load_fleet(manifest)
     from flows.lower_fleet import FleetFailed, PoolNotReady, ensure_model_deployment, lower_fleet
     from flows.reports import fleet_text_table
@@ -449,7 +463,7 @@ def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None) 
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(str(manifest), pool=pool)
+            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}))
         except FleetFailed as exc:
             summary = exc.summary
     say()

@@ -97,7 +97,7 @@ CRASH_RETRIES = 2
 
 @flow(name="lower-fleet")
 def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: float | None = FLEET_TIMEOUT_SECONDS,
-                crash_retries: int = CRASH_RETRIES) -> dict:
+                crash_retries: int = CRASH_RETRIES, verify: str | None = None) -> dict:
     """Lower every model of ``manifest`` (a YAML/JSON path or dict); returns the fleet summary.
 
     ``pool``: lower each model as a flow run of deployment ``lower-model/<pool>`` on
@@ -105,12 +105,14 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     On a pool, a model run that ends Crashed (a lost worker: see flows/automations.py) is
     submitted again up to ``crash_retries`` times, resuming at its stage (cache hits), and
     after ``timeout_seconds`` (None: no limit) the models still out are cancelled and fail.
+    ``verify``: a verify mode for every model, replacing each entry's (:mod:`flows.verify_mode`).
     Raises :class:`FleetFailed` (after writing the summary) if any model failed.
     """
     fleet = load_manifest(manifest)
     logger = get_run_logger()
     store = ArtifactStore(fleet.store)
-    members = {e.name: member_parameters(e, store.url, fleet.locks) for e in fleet.models}
+    members = {e.name: {**member_parameters(e, store.url, fleet.locks), **({"verify": verify} if verify else {})}
+               for e in fleet.models}
     if pool is None:
         outcomes = lower_in_process(members)
     else:

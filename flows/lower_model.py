@@ -39,7 +39,7 @@ from prefect import flow, get_run_logger
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
 from lowering.targets import PORTABLE
 from tasks.cache import CacheConfig
-from tasks.model_spec import ModelSpec, holding, load_model
+from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
@@ -49,6 +49,7 @@ from .manifest import profiles_by_target
 from .outages import mark_outage
 from .published import changed_since_last, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
+from .verify_mode import check_verify, stage_mode, target_mode
 
 heartbeats.install()
 run_logs.install()  # no per-task-run "Finished in state Completed()" lines
@@ -86,7 +87,7 @@ def lower_model(
     options: dict[str, dict[str, Any]] | None = None,
     name: str | None = None,
     version: str | None = None,
-    verify: bool = True,
+    verify: Any = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
     quantize: Any = None,
@@ -114,6 +115,10 @@ def lower_model(
     (``{"x": {"0": {"name": "batch", "min": 1, "max": 32}}}``, see
     :mod:`lowering.dynamic`); it replaces the factory's own dynamic shapes.
 
+    ``verify``: true (``auto``: full, or quick for a model above
+    :data:`lowering.verify.QUICK_ABOVE_BYTES` of weights), false (``off``), ``full``,
+    ``quick``, or ``{target: mode}`` (:mod:`flows.verify_mode`).
+
     ``locks``: the stage lock URL (``file``, ``file:///dir``, ``redis://host:port/db``;
     None: ``$LOWERFLOW_LOCKS``, else ``file``; see :mod:`tasks.locks`).
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
@@ -129,7 +134,7 @@ def run_model(
     options: dict[str, dict[str, Any]] | None = None,
     name: str | None = None,
     version: str | None = None,
-    verify: bool = True,
+    verify: Any = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
     quantize: Any = None,
@@ -149,6 +154,7 @@ def run_model(
     fleet, or a resume where one stage of many failed.  Misses run as tasks
     with SERIALIZABLE isolation, so concurrent runs still compute a stage once.
     """
+    verify = check_verify(verify, targets)
     config = CacheConfig.for_store(store, locks=locks)
     stages = StageTasks(config)
     lookup = StageLookup(config)
@@ -195,7 +201,7 @@ def plan_model(
     options: dict[str, dict[str, Any]] | None = None,
     name: str | None = None,
     version: str | None = None,
-    verify: bool = True,
+    verify: Any = True,
     locks: str | None = None,
     dynamic_shapes: Any = None,
     quantize: Any = None,
@@ -207,6 +213,7 @@ def plan_model(
     runtime_ops: Any = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
+    verify = check_verify(verify, targets)
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
@@ -241,6 +248,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         return _all_failed(manifest, targets, export_records, exc)
     fingerprint = loaded.fingerprint.digest
     manifest["fingerprint"] = loaded.fingerprint.to_json()
+    verify = {target: target_mode(verify, target, loaded.weights_size()) for target in targets}
     manifest["load_seconds"] = round(time.perf_counter() - start, 4)
     try:
         if loaded.methods and quant.recipes and any(quant.recipes.values()):
@@ -273,7 +281,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             with labelled(target=target):
                 manifest["targets"][target] = lower_target(
                     run, publish, name, model, fingerprint, exported["program"], target,
-                    options.get(target, {}), list(export_records), verify,
+                    options.get(target, {}), list(export_records), verify[target],
                     quantized=quantize_step(quant, target, calibration),
                     load_options=export_options(version, dynamic_shapes, extras), dry=dry,
                     runtime_ops=(runtime_ops or {}).get(target),
@@ -290,10 +298,11 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
     return {"recipe": recipe, "calibration": calibration if static else None, "thresholds": quant.thresholds()}
 
 
-def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify,
+def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify: str,
                  quantized: dict | None = None, load_options: dict | None = None,
                  dry: "DryRun | None" = None, runtime_ops: list[str] | None = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
+    ``verify``: the target's verify mode (``full``, ``quick`` or ``off``: flows.verify_mode).
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
     compares with the quantized program and reports the error against fp32 eager."""
@@ -321,10 +330,10 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
         emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops)
-        if verify:
+        if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         options=load_options, **accuracy)
+                         options=load_options, **accuracy, **stage_mode(verify))
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -352,12 +361,13 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
         return _all_failed(manifest, targets, records, exc, methods=True)
-    modules = {method: sub.module for method, sub in loaded.methods.items()}
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
     try:
-        (check_shared_state_names if share else check_no_shared_state)(modules, mutated)
+        if modules_loaded(loaded):  # an hf: model none of whose stages ran: lowerflow's own wrappers, not loaded
+            modules = {method: sub.module for method, sub in loaded.methods.items()}
+            (check_shared_state_names if share else check_no_shared_state)(modules, mutated)
     except Exception as exc:
         records.append({"stage": "check_methods", "state": "Failed", "cached": False, "seconds": 0.0, "bytes": None})
         return _all_failed(manifest, targets, records, exc, methods=True)
@@ -366,7 +376,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
         with labelled(target=target):
             manifest["targets"][target] = lower_target_methods(
                 run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
-                verify, shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
+                verify[target], shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
                 version=version, load_options=load_options, constants=loaded.constants,
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
@@ -374,7 +384,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     return manifest
 
 
-def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify,
+def lower_target_methods(run, publish, name, model, fingerprints, programs, target, options, records, verify: str,
                          shared: str | None = None, stateful: bool = False, version: str | None = None,
                          load_options: dict | None = None, constants: dict | None = None,
                          runtime_ops: list[str] | None = None,
@@ -388,7 +398,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     buffer; then each method's memory plan places the state of all (arena 2).  ``constants``:
     the program's constant methods (an hf: model's metadata), written by emit_methods.
     ``written_elsewhere``: per method, the shared buffers only other methods write (state
-    its partition stage must not take as constant data)."""
+    its partition stage must not take as constant data).  ``verify``: the target's mode,
+    as :func:`lower_target`'s (the check of shared state, ``verify_sequence``, runs in both)."""
     load_options = load_options or {"version": version}
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
@@ -417,11 +428,11 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
         emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
                       runtime_ops=runtime_ops)
-        if verify:
+        if verify != "off":
             for method in programs:
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
-                    options=load_options)
+                    options=load_options, **stage_mode(verify))
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(

@@ -9,7 +9,8 @@
         targets: [portable, reference]       # optional: defaults.targets
         options: {reference: {...}}          # optional: partitioner options per target
         version: "1"                         # optional: an extra salt of the export key
-        verify: true                         # optional: run the verify stage
+        verify: true                         # optional: true (auto: full, quick above 64 MiB of weights),
+                                             #   false, full, quick, off, auto, or per target {xnnpack: quick}
         dynamic_shapes:                      # optional: dynamic dims, by forward argument
           x: {0: {name: batch, min: 1, max: 32}}   # (or a list by position); replaces the factory's
         quantize: int8                       # optional: a recipe (int8, int8-dynamic, 8da4w, or
@@ -55,6 +56,8 @@ from tasks.calibration import CalibrationError, check_calibration_source
 from tasks.locks import LockConfigError, parse_lock_url
 from tasks.model_spec import ModelSpec, ModelSpecError, check_spec, resolve_factory
 
+from .verify_mode import check_verify
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: An hf: model's keys: its task and the options of lowering.hf (load_hf).
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
@@ -74,7 +77,7 @@ class ModelEntry:
     targets: tuple[str, ...]
     options: Mapping[str, Mapping[str, Any]]
     version: str | None
-    verify: bool
+    verify: Any
     #: The canonical JSON form (lowering.dynamic), or None.
     dynamic_shapes: Any = None
     #: Target -> quantize recipe (mapping form) or None (fp32): :func:`recipes_by_target`.
@@ -248,9 +251,10 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     version = raw.get("version")
     if version is not None and not isinstance(version, (str, int)):
         raise ManifestError(f"{where}: 'version' must be a string")
-    verify = raw.get("verify", defaults.get("verify", True))
-    if not isinstance(verify, bool):
-        raise ManifestError(f"{where}: 'verify' must be true or false")
+    try:
+        verify = check_verify(raw.get("verify", defaults.get("verify", True)), targets, f"{where}: 'verify'")
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
     strict = raw.get("strict", False)
     if not isinstance(strict, bool):
         raise ManifestError(f"{where}: 'strict' must be true or false")

@@ -11,8 +11,10 @@ so a program that needs a fresh interpreter (``llama::`` ops) starts one per cal
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 from typing import Any, Sequence
 
 import torch
@@ -20,7 +22,7 @@ from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
 from .runtime import load
-from .verify_executorch import batch_outputs, executorch_runner, program_operators
+from .verify_executorch import Pte, batch_outputs, executorch_runner, program_operators
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ class VerifyReport:
 
 
 def verify(
-    pte: bytes,
+    pte: Pte,
     model: torch.nn.Module,
     example_inputs: Sequence[Any],
     *,
@@ -84,10 +86,143 @@ def verify(
     argument the program was exported with) the program is also run with
     every dynamic dim at its min and at its max
     (:func:`lowering.dynamic.inputs_at_sizes`), each on a freshly loaded method.
+    ``pte``: the program's bytes, or its file's path (ExecuTorch's runtime maps the file).
     """
     cases, reference_accuracy = _cases(model, example_inputs, calls, method, dynamic_shapes, reference,
                                        min_sqnr, max_error)
     return VerifyReport([c for checks in _run_cases(pte, cases, calls, atol, rtol) for c in checks], reference_accuracy)
+
+
+#: The verify modes: ``full`` (every input set of :func:`verify`, each twice, on every
+#: runtime), ``quick`` (:func:`verify_quick`: one short sequence of calls), ``off``.
+VERIFY_MODES = ("full", "quick", "off")
+#: The default mode, chosen per model by its weight bytes (:func:`resolve_mode`).
+AUTO = "auto"
+#: ``auto`` verifies a model whose weights take more than this many bytes ``quick``, a
+#: smaller one ``full``: 64 MiB is ~16M fp32 parameters, where a full verify (the longest
+#: input set, twice, in eager and two runtimes, each program loaded per input set) still
+#: takes seconds; SmolLM2-135M (540 MB) took 139 s of a 277 s lowering full, and quick
+#: checks what matters of a decoder (prefill, then decode steps reading the cache) in one
+#: program load.
+QUICK_ABOVE_BYTES = 64 * 2**20
+#: A decoder's quick check: a prompt of this many tokens, then this many decode steps.
+QUICK_PREFILL, QUICK_DECODE_STEPS = 8, 3
+
+
+def resolve_mode(mode: "str | bool | None", weight_bytes: int | None) -> str:
+    """The mode to run: ``full``, ``quick`` or ``off``.  ``True``, None and ``auto`` (the
+    default) pick by the model's ``weight_bytes``: quick above :data:`QUICK_ABOVE_BYTES`,
+    else full (unknown bytes: full); ``False`` is off."""
+    if mode is False:
+        return "off"
+    if mode is True or mode is None or mode == AUTO:
+        return "quick" if weight_bytes is not None and weight_bytes > QUICK_ABOVE_BYTES else "full"
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode {mode!r} is not one of {[*VERIFY_MODES, AUTO]}")
+    return mode
+
+
+def quick_calls(model: torch.nn.Module, example_inputs: Sequence[Any]) -> list[tuple[Any, ...]]:
+    """The inputs of :func:`verify_quick`'s calls: a decoder's own prefill and decode steps
+    when it says what they are (``model.quick_calls(prefill, steps)``, e.g.
+    :class:`lowering.llm.decoder.Decoder`), else its example inputs once."""
+    own = getattr(model, "quick_calls", None)
+    if callable(own):
+        return [tuple(inputs) for inputs in own(QUICK_PREFILL, QUICK_DECODE_STEPS)]
+    return [tuple(example_inputs)]
+
+
+def verify_quick(
+    pte: Pte,
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+    method: str = "forward",
+    reference: Any = None,
+    min_sqnr: float | None = None,
+    max_error: float | None = None,
+    lowerflow: bool | None = None,
+) -> VerifyReport:
+    """The quick check: :func:`quick_calls` (a decoder: one prefill, then a few decode
+    steps) in order on ONE loaded method of each runtime, against ``model`` run in eager
+    the same way with its own state (its KV cache: nothing is recomputed per step).
+
+    ``model``'s buffers are restored after the eager run (nothing of the model is
+    copied but its mutable state).  ``reference``: a quantized program's eager
+    reference, as :func:`verify`'s.  ``lowerflow``: run lowerflow's runtime too (it
+    parses the whole program in Python); None: only when the program is small
+    (:data:`QUICK_ABOVE_BYTES`) or ExecuTorch's runtime cannot run it.
+    """
+    inputs = quick_calls(model, example_inputs)
+    expected = _eager_in_order(model, inputs)
+    quantized, reference_accuracy = None, None
+    if reference is not None:
+        fp32, expected = expected, _eager_in_order(reference.module(), inputs)
+        quantized = {"fp32": fp32, "min_sqnr": min_sqnr, "max_error": max_error}
+        reference_accuracy = outputs_error(expected[0], fp32[0])
+    calls = [(method, pytree.tree_leaves(tuple(each))) for each in inputs]
+    label = f"quick: {len(calls)} calls"
+    checks = []
+    executorch = _executorch_sequence_check(pte, [method], calls, expected, atol, rtol, quantized)
+    if lowerflow is None:
+        lowerflow = executorch is None or executorch.skipped is not None or _pte_size(pte) <= QUICK_ABOVE_BYTES
+    if lowerflow:
+        missing = _missing_lowerflow_runtimes(delegate_backend_ids(pte))
+        if missing:
+            checks.append(RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}"))
+        else:
+            checks.append(_check("lowerflow", lambda: _run_lowerflow_sequence(_LoadedOnce(pte).bytes(), [method], calls),
+                                 expected, atol, rtol, quantized))
+    if executorch is not None:
+        checks.append(executorch)
+    return VerifyReport([dataclasses.replace(c, inputs=label) for c in checks], reference_accuracy)
+
+
+def _executorch_sequence_check(pte: Pte, names: list[str], calls: list, expected, atol, rtol,
+                               quantized: dict | None = None) -> "RuntimeCheck | None":
+    """ExecuTorch's runtime running ``calls`` on one loaded program (None: not installed;
+    a skipped check when it lacks the program's backends or operators)."""
+    runner = executorch_runner()
+    if runner is None:
+        return None
+    missing = runner.missing_backends(delegate_backend_ids(pte))
+    if missing:
+        return RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}")
+    missing_ops = runner.missing_operators(program_operators(pte))
+    if missing_ops:
+        return RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}")
+    return _check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol, quantized)
+
+
+def _eager_in_order(model: torch.nn.Module, inputs: list[tuple[Any, ...]]) -> list[list[torch.Tensor]]:
+    """Flat outputs of ``model`` called on each of ``inputs`` in order (its state carrying
+    over), its buffers as they were afterwards."""
+    with restored_buffers(model), torch.no_grad():
+        return [pytree.tree_leaves(model(*each)) for each in inputs]
+
+
+@contextlib.contextmanager
+def restored_buffers(model: torch.nn.Module):
+    """Run the block, then put every buffer of ``model`` back: the same tensor object
+    under its name, holding the values it had (a KV cache written in place, or a buffer
+    the block rebound)."""
+    saved = {name: (buffer, buffer.detach().clone()) for name, buffer in model.named_buffers()}
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for name, (buffer, values) in saved.items():
+                buffer.copy_(values)
+                owner, _, attr = name.rpartition(".")
+                module = model.get_submodule(owner) if owner else model
+                if module._buffers.get(attr) is not buffer:
+                    module._buffers[attr] = buffer
+
+
+def _pte_size(pte: Pte) -> int:
+    return len(pte) if isinstance(pte, bytes) else os.path.getsize(pte)
 
 
 @dataclasses.dataclass
@@ -118,13 +253,14 @@ def _cases(model, example_inputs, calls, method, dynamic_shapes, reference, min_
     return cases, reference_accuracy
 
 
-def _run_cases(pte: bytes, cases: list[_Case], calls: int, atol: float, rtol: float) -> list[list[RuntimeCheck]]:
+def _run_cases(pte: Pte, cases: list[_Case], calls: int, atol: float, rtol: float) -> list[list[RuntimeCheck]]:
     """Per case, its checks: lowerflow's executor, then ExecuTorch's runtime (which runs
     every case in one :meth:`~lowering.verify_executorch.ExecutorchRunner.batch`)."""
     backend_ids = delegate_backend_ids(pte)
     missing_lowerflow = _missing_lowerflow_runtimes(backend_ids)
     runner = executorch_runner()
     skipped = None
+    ours = _LoadedOnce(pte)
     if runner is not None:
         missing_executorch = runner.missing_backends(backend_ids)
         missing_ops = runner.missing_operators(program_operators(pte))
@@ -147,7 +283,7 @@ def _run_cases(pte: bytes, cases: list[_Case], calls: int, atol: float, rtol: fl
         if missing_lowerflow:
             check = RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing_lowerflow}")
         else:
-            check = _check("lowerflow", lambda: _run_lowerflow(pte, case.flat_inputs, calls, case.method),
+            check = _check("lowerflow", lambda: _run_lowerflow(ours.bytes(), case.flat_inputs, calls, case.method),
                            case.expected, atol, rtol, case.quantized)
         checks = [dataclasses.replace(check, inputs=case.label)]
         if runner is not None:
@@ -171,7 +307,7 @@ def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[li
 
 
 def verify_methods(
-    pte: bytes, methods: dict[str, tuple[Any, ...]], constants: dict[str, Any] | None = None,
+    pte: Pte, methods: dict[str, tuple[Any, ...]], constants: dict[str, Any] | None = None,
     *, atol: float = 1e-4, rtol: float = 1e-4, calls: int = 2,
 ) -> dict[str, VerifyReport]:
     """:func:`verify` each method of a several-method ``pte`` against its eager module.
@@ -202,15 +338,15 @@ def verify_methods(
     return reports
 
 
-def _verify_constant(pte: bytes, name: str, value: Any) -> VerifyReport:
+def _verify_constant(pte: Pte, name: str, value: Any) -> VerifyReport:
     """The constant method ``name`` returns ``value`` (a list: its items) on lowerflow's runtime."""
-    got = [v.item() if isinstance(v, torch.Tensor) else v for v in load(pte).run(name, [])]
+    got = [v.item() if isinstance(v, torch.Tensor) else v for v in load(_LoadedOnce(pte).bytes()).run(name, [])]
     ok = got == (list(value) if isinstance(value, (list, tuple)) else [value])
     return VerifyReport([RuntimeCheck("lowerflow", ok, error=None if ok else f"{name} is {got}, expected {value!r}")])
 
 
 def verify_call_sequence(
-    pte: bytes,
+    pte: Pte,
     methods: dict[str, tuple[torch.nn.Module, Sequence[Any]]],
     sequence: Sequence[tuple[str, Sequence[Any]]] | None = None,
     *,
@@ -243,18 +379,10 @@ def verify_call_sequence(
     if missing:
         checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
     else:
-        checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(pte, names, calls), expected, atol, rtol)]
-    runner = executorch_runner()
-    if runner is not None:
-        missing = runner.missing_backends(backend_ids)
-        missing_ops = runner.missing_operators(program_operators(pte))
-        if missing:
-            checks.append(RuntimeCheck("executorch", None, skipped=f"backends not in this runtime: {missing}"))
-        elif missing_ops:
-            checks.append(RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}"))
-        else:
-            checks.append(_check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol))
-    return VerifyReport(checks)
+        checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(_LoadedOnce(pte).bytes(), names, calls),
+                         expected, atol, rtol)]
+    executorch = _executorch_sequence_check(pte, names, calls, expected, atol, rtol)
+    return VerifyReport(checks if executorch is None else [*checks, executorch])
 
 
 def round_robin(methods: dict[str, tuple[Any, Sequence[Any]]], rounds: int = 2) -> list[tuple[str, Sequence[Any]]]:
@@ -269,21 +397,19 @@ def _run_lowerflow_sequence(pte: bytes, names: list[str], calls: list) -> list[l
     return [program.run(name, inputs) for name, inputs in calls]
 
 
-def method_names(pte: bytes) -> list[str]:
-    """The names of the program's methods, in program order."""
-    from .pte import deserialize
-    from .pte.format import decode_string
+def method_names(pte: Pte) -> list[str]:
+    """The names of the program's methods, in program order (only its table is read)."""
+    from .pte.format import decode_string, program_table
 
-    return [decode_string(plan.name) for plan in deserialize(pte).program.executionPlan or []]
+    return [decode_string(plan.name) for plan in program_table(pte).executionPlan or []]
 
 
-def delegate_backend_ids(pte: bytes) -> list[str]:
-    """The backend ids of the program's delegates, in order of first use."""
-    from .pte import deserialize
-    from .pte.format import decode_string
+def delegate_backend_ids(pte: Pte) -> list[str]:
+    """The backend ids of the program's delegates, in order of first use (only its table is read)."""
+    from .pte.format import decode_string, program_table
 
     ids = []
-    for plan in deserialize(pte).program.executionPlan or []:
+    for plan in program_table(pte).executionPlan or []:
         for delegate in plan.delegates or []:
             backend = decode_string(delegate.id)
             if backend not in ids:
@@ -336,3 +462,18 @@ def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:
 def _run_lowerflow(pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
     method = load(pte).method(method_name)
     return [method.execute(inputs) for _ in range(calls)]
+
+
+class _LoadedOnce:
+    """A program's bytes for lowerflow's runtime (which parses bytes), read from its file
+    at most once, and only if asked for."""
+
+    def __init__(self, pte: Pte) -> None:
+        self.pte = pte
+        self._bytes = pte if isinstance(pte, bytes) else None
+
+    def bytes(self) -> bytes:
+        if self._bytes is None:
+            with open(self.pte, "rb") as f:
+                self._bytes = f.read()
+        return self._bytes

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import Iterable
+from typing import Any, Iterable, Union
 
 import torch
 
@@ -36,26 +36,25 @@ from .stock_ops.table import LIBRARIES, needed_sets, stock_table
 
 log = logging.getLogger("lowering.verify")
 
+#: A program to run: its bytes, or the path of its ``.pte`` file.
+Pte = Union[bytes, str, os.PathLike]
+
 #: ExecuTorch's Python runtime deadlocks when two threads execute methods at once
 #: (seen with two models verified concurrently in a fleet): one call at a time.
 _EXECUTORCH_LOCK = threading.Lock()
 
-#: The fresh interpreter's program: load the libraries, then per job load its program and
-#: methods, run the calls; save each job's outputs, or the last line of its error.
+#: The fresh interpreter's program: load the libraries, then per job load its program (by
+#: path) and methods, run the calls; save each job's outputs, or the last line of its error.
 _CHILD = """
 import importlib, sys, traceback, torch
 request = torch.load(sys.argv[1], weights_only=True)
 for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
-ptes = {}
-for path in request["ptes"]:
-    with open(path, "rb") as f:
-        ptes[path] = f.read()
 results = []
 for path, names, calls in request["jobs"]:
     try:
-        program = runtime.load_program(ptes[path])
+        program = runtime.load_program(path)  # a path: the runtime maps the file, nothing is copied
         for name in names:
             if name not in program.method_names:
                 raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
@@ -84,18 +83,19 @@ class ExecutorchRunner:
     def __init__(self, runtime_module) -> None:
         self.runtime_module = runtime_module
 
-    def __call__(self, pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
+    def __call__(self, pte: "Pte", inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
         """``calls`` calls of ``method_name`` on one loaded method (state carries over)."""
         return self.sequence(pte, [method_name], [(method_name, inputs)] * calls)
 
-    def sequence(self, pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
+    def sequence(self, pte: "Pte", names: list[str], calls: list) -> list[list[torch.Tensor]]:
         """``calls`` ``[(method, flat inputs)]`` on one program, every method of ``names`` loaded first."""
         return batch_outputs(self.batch(pte, [(names, calls)])[0])
 
-    def batch(self, pte: bytes, jobs: list[tuple[list[str], list]]) -> list:
+    def batch(self, pte: "Pte", jobs: list[tuple[list[str], list]]) -> list:
         """Every job ``(names, calls)`` as :meth:`sequence` runs it, each on a program loaded
         for it alone (fresh state); a program that needs the "llm" set runs them all in
-        one fresh interpreter.  Per job: its outputs, or the exception it raised."""
+        one fresh interpreter.  Per job: its outputs, or the exception it raised.
+        ``pte``: the program's bytes, or its file's path (loaded from the file, memory-mapped)."""
         sets = needed_sets(program_operators(pte))
         if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
             return run_in_fresh_interpreter(pte, jobs, sets)
@@ -107,11 +107,11 @@ class ExecutorchRunner:
                 results.append(exc)
         return results
 
-    def _run_here(self, pte: bytes, sets: set[str], names: list[str], calls: list) -> list[list[torch.Tensor]]:
+    def _run_here(self, pte: "Pte", sets: set[str], names: list[str], calls: list) -> list[list[torch.Tensor]]:
         with _EXECUTORCH_LOCK, native_output_to_log():
             for name in sorted(sets):
                 _load_library(name)
-            program = self.runtime_module.Runtime.get().load_program(pte)
+            program = self.runtime_module.Runtime.get().load_program(pte if isinstance(pte, bytes) else str(pte))
             for name in names:
                 if name not in program.method_names:
                     raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
@@ -131,13 +131,13 @@ class ExecutorchRunner:
             return [b for b in backend_ids if not registry.is_available(b)]
 
 
-def program_operators(pte: bytes) -> list[str]:
-    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use."""
-    from .pte import deserialize
-    from .pte.format import decode_string
+def program_operators(pte: "Pte") -> list[str]:
+    """The operators the program's methods call, ``"ns::name.overload"``, in order of first use
+    (``pte``: bytes or a file's path; only the program's table is read)."""
+    from .pte.format import decode_string, program_table
 
     names = []
-    for plan in deserialize(pte).program.executionPlan or []:
+    for plan in program_table(pte).executionPlan or []:
         for op in plan.operators or []:
             name, overload = decode_string(op.name), decode_string(op.overload)
             qualified = f"{name}.{overload}" if overload else name
@@ -155,7 +155,7 @@ def _load_library(name: str) -> None:
         pass
 
 
-def run_in_fresh_interpreter(pte: bytes, jobs: list[tuple[list[str], list]], sets: Iterable[str]) -> list:
+def run_in_fresh_interpreter(pte: "Pte", jobs: list[tuple[list[str], list]], sets: Iterable[str]) -> list:
     """:meth:`ExecutorchRunner.batch` in ONE fresh Python (the same interpreter) that loads
     the libraries of ``sets`` ("llm" first) before the runtime.  A job's error comes back
     as a RuntimeError quoting the last line of its traceback; when the interpreter itself
@@ -163,19 +163,24 @@ def run_in_fresh_interpreter(pte: bytes, jobs: list[tuple[list[str], list]], set
     return run_programs_in_fresh_interpreter([(pte, names, calls) for names, calls in jobs], sets)
 
 
-def run_programs_in_fresh_interpreter(jobs: list[tuple[bytes, list[str], list]], sets: Iterable[str]) -> list:
+def run_programs_in_fresh_interpreter(jobs: list[tuple["Pte", list[str], list]], sets: Iterable[str]) -> list:
     """:func:`run_in_fresh_interpreter` of ``(pte, method names, calls)`` jobs of several
-    programs (each distinct program written once): one interpreter start-up for all."""
+    programs (each distinct program's bytes written once; a path is handed over as it
+    is): one interpreter start-up for all."""
     modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
     with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
-        paths: dict[bytes, str] = {}
+        paths: dict[Any, str] = {}
         for pte, _, _ in jobs:
-            if pte not in paths:
+            if pte in paths:
+                continue
+            if isinstance(pte, bytes):
                 paths[pte] = os.path.join(tmp, f"program{len(paths)}.pte")
                 with open(paths[pte], "wb") as f:
                     f.write(pte)
+            else:
+                paths[pte] = os.fspath(pte)
         request, outputs = os.path.join(tmp, "request.pt"), os.path.join(tmp, "outputs.pt")
-        torch.save({"ptes": list(paths.values()), "modules": modules,
+        torch.save({"modules": modules,
                     "jobs": [(paths[pte], list(names), [(name, list(inputs)) for name, inputs in calls])
                              for pte, names, calls in jobs]}, request)
         done = subprocess.run([sys.executable, "-c", _CHILD, request, outputs],

@@ -152,16 +152,21 @@ HF_TOKENIZER = ("tokenizer*", "vocab*", "merges.txt", "special_tokens_map.json",
 
 
 def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, transformers_version: str,
-                   method: str | None = None) -> Fingerprint:
+                   method: str | None = None, digests: dict[Path, str] | None = None) -> Fingerprint:
     """The fingerprint of an ``hf:`` model's directory (see the module docstring);
-    with ``method``, of that method of its program (one more part, the method's name)."""
+    with ``method``, of that method of its program (one more part, the method's name).
+    ``digests``: the files' digests already taken by this caller (path -> digest; filled
+    in here), so fingerprinting a model and each of its methods reads each file once."""
+    digests = {} if digests is None else digests
     root = Path(directory)
     files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         relative = path.relative_to(root)
         if any(part.startswith(".") for part in relative.parts):
             continue  # .cache/, .git/: the hub client's bookkeeping, not the model
-        files[_hf_role(relative.name)][relative.as_posix()] = _file_digest(path)
+        if path not in digests:
+            digests[path] = _file_digest(path)
+        files[_hf_role(relative.name)][relative.as_posix()] = digests[path]
     code = {"transformers": transformers_version, "files": files["code"]}
     parts = {
         "weights": _sha256_json(files["weights"]),
@@ -176,10 +181,17 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
                                      "transformers": transformers_version})
 
 
+def is_hf_weights(name: str) -> bool:
+    """Whether a file of an hf: model's directory holds its weights (by name)."""
+    import fnmatch
+
+    return any(fnmatch.fnmatch(name, pattern) for pattern in HF_WEIGHTS)
+
+
 def _hf_role(name: str) -> str:
     import fnmatch
 
-    if any(fnmatch.fnmatch(name, pattern) for pattern in HF_WEIGHTS):
+    if is_hf_weights(name):
         return "weights"
     if any(fnmatch.fnmatch(name, pattern) for pattern in HF_TOKENIZER):
         return "tokenizer"

@@ -46,15 +46,37 @@ def check(source: str, options: Mapping[str, Any] | None) -> None:
 
 
 def load(source: str, options: Mapping[str, Any] | None):
-    """``(HFProgram, {method: Fingerprint}, the model's Fingerprint)``."""
-    from lowering.hf import load_hf, transformers_version
+    """``(HFProgram, {method: Fingerprint}, the model's Fingerprint)``: the model loaded."""
+    from lowering.hf import load_hf
 
     hf = hf_options(options)
     task = hf.pop("task", None)
     program = load_hf(source, task, **hf)
-    keyed = {**{k: v for k, v in (options or {}).items() if k != "hf"}, "hf": program.options}
-    version = transformers_version()
-    methods = {name: fingerprint_hf(program.directory, keyed, version, method=name) for name in program.methods}
-    whole = fingerprint_hf(program.directory, {**keyed, "constants": program.constants}, version)
-    return program, methods, whole
+    return (program, *fingerprints(program.directory, list(program.methods), program.constants, program.options,
+                                   options))
 
+
+def describe(source: str, options: Mapping[str, Any] | None):
+    """``(HFDescription, {method: Fingerprint}, the model's Fingerprint)``: what :func:`load`
+    fingerprints, from the model's files and config alone (nothing is loaded): a cached
+    run needs no more."""
+    from lowering.hf import describe_hf
+
+    hf = hf_options(options)
+    task = hf.pop("task", None)
+    described = describe_hf(source, task, **hf)
+    return (described, *fingerprints(described.directory, list(described.method_names), described.constants,
+                                     described.options, options))
+
+
+def fingerprints(directory, methods: list[str], constants: dict, resolved: dict, options: Mapping[str, Any] | None):
+    """({method: Fingerprint}, the model's Fingerprint) of an hf: model's ``directory``:
+    its files, the load ``options`` with their hf: part ``resolved`` (defaults filled in),
+    transformers' version; the whole model's also covers its ``constants``."""
+    from lowering.hf import transformers_version
+
+    keyed = {**{k: v for k, v in (options or {}).items() if k != "hf"}, "hf": resolved}
+    version, digests = transformers_version(), {}
+    methods_fp = {name: fingerprint_hf(directory, keyed, version, method=name, digests=digests) for name in methods}
+    whole = fingerprint_hf(directory, {**keyed, "constants": constants}, version, digests=digests)
+    return methods_fp, whole

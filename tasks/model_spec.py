@@ -37,6 +37,7 @@ calling it: what a fleet manifest checks for every entry before any work.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import difflib
@@ -210,6 +211,26 @@ class LoadedModel:
     constants: dict[str, Any] | None = None
     #: Export with torch.export's strict mode (the ``strict`` option).
     strict: bool = False
+    #: Bytes of the model's weights (each tensor once), where known without loading it
+    #: (an hf: model's weight files); else :meth:`weights_size` counts the modules'.
+    weight_bytes: int | None = None
+
+    def weights_size(self) -> int | None:
+        """Bytes of the model's weights, each tensor once over its methods (None: a .pt2,
+        whose weights are not counted).  What ``verify: auto`` chooses quick or full by."""
+        if self.weight_bytes is not None:
+            return self.weight_bytes
+        modules = [m.module for m in self.methods.values()] if self.methods else [self.module]
+        if any(m is None for m in modules):
+            return None
+        seen, total = set(), 0
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+                if key not in seen:
+                    seen.add(key)
+                    total += tensor.numel() * tensor.element_size()
+        return total
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -252,26 +273,108 @@ def _hf_error(spec: ModelSpec, exc: Exception) -> ModelSpecError:
 
 def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedModel:
     """An hf: model: always a model of methods (``forward`` alone for most tasks), with its
-    constant methods; errors name the spec."""
+    constant methods; errors name the spec.  Only its files are hashed and its config read
+    here (:func:`tasks.hf_spec.describe`): the weights load when a stage first uses a
+    method's module (:class:`DeferredMethod`), so a run whose stages all hit the cache
+    never loads them."""
     from lowering.errors import LoweringError
 
-    from .hf_spec import load
+    from .hf_spec import describe
 
     if override is not None:
         raise ModelSpecError(f"model spec {spec.text!r}: an hf: model's dynamic shapes come with its task; "
                              "'dynamic_shapes' is only for a factory")
     try:
-        with TORCH_LOCK, torch.random.fork_rng():
-            program, fingerprints, fingerprint = load(spec.location, options)
+        with TORCH_LOCK:
+            described, fingerprints, fingerprint = describe(spec.location, options)
     except LoweringError as exc:
         raise _hf_error(spec, exc) from exc
     strict = bool((options or {}).get("strict"))
-    methods = {
-        name: LoadedModel(spec, fingerprints[name], module, inputs, method=name, dynamic_shapes=dims, strict=strict)
-        for name, (module, inputs, dims) in program.methods.items()
-    }
-    return LoadedModel(spec, fingerprint, methods=methods, share_mutable_buffers=program.share_mutable_buffers,
-                       constants=program.constants, strict=strict)
+    load = HFLoad(spec, options, described)
+    methods = {name: DeferredMethod(spec, fingerprints[name], name, load, strict) for name in described.method_names}
+    return LoadedModel(spec, fingerprint, methods=methods, share_mutable_buffers=described.share_mutable_buffers,
+                       constants=described.constants, strict=strict, weight_bytes=hf_weight_bytes(described.directory))
+
+
+#: How many times this process loaded an hf: model's weights (:class:`HFLoad`): a fully
+#: cached run leaves it as it was.
+HF_LOADS = collections.Counter()
+
+
+class HFLoad:
+    """Loads an hf: model (``from_pretrained``) once, on first call, and checks that the
+    program loaded is the one :func:`tasks.hf_spec.describe` described (its methods,
+    constants and options: what the fingerprint was taken of)."""
+
+    def __init__(self, spec: ModelSpec, options: dict | None, described: Any) -> None:
+        self.spec, self.options, self.described = spec, options, described
+        self._program = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._program is not None
+
+    def __call__(self) -> Any:
+        """The loaded :class:`lowering.hf.HFProgram`."""
+        from lowering.errors import LoweringError
+        from lowering.hf import load_hf
+
+        with TORCH_LOCK, self._lock:  # TORCH_LOCK first: a stage body holds it when it asks
+            if self._program is None:
+                hf = dict((self.options or {}).get("hf") or {})
+                task = hf.pop("task", None)
+                try:
+                    with torch.random.fork_rng():
+                        program = load_hf(self.spec.location, task, **hf)
+                except LoweringError as exc:
+                    raise _hf_error(self.spec, exc) from exc
+                HF_LOADS[self.spec.key_text] += 1
+                self._check(program)
+                self._program = program
+            return self._program
+
+    def _check(self, program: Any) -> None:
+        described = self.described
+        got = (tuple(program.methods), program.constants, program.options)
+        want = (tuple(described.method_names), described.constants, described.options)
+        if got != want:
+            raise ModelSpecError(f"model spec {self.spec.text!r}: the loaded model's program is not the one its "
+                                 f"config described (methods, constants, options: {got} != {want}); "
+                                 "its fingerprint would not be its own")
+
+
+class DeferredMethod(LoadedModel):
+    """One method of an hf: model whose ``module``, ``inputs`` and ``dynamic_shapes`` come
+    from the model loaded on first use (:class:`HFLoad`, shared by the model's methods)."""
+
+    def __init__(self, spec: ModelSpec, fingerprint: Fingerprint, method: str, load: HFLoad, strict: bool) -> None:
+        # LoadedModel's other fields, set directly: its __init__ would assign the three below.
+        self.__dict__.update(spec=spec, fingerprint=fingerprint, pt2=None, methods=None, method=method,
+                             share_mutable_buffers=False, calibration=None, constants=None, strict=strict,
+                             weight_bytes=None)
+        self.load = load
+
+    module = property(lambda self: self.load().methods[self.method][0], doc="the method's module (loads the model)")
+    inputs = property(lambda self: self.load().methods[self.method][1], doc="its example inputs (loads the model)")
+    dynamic_shapes = property(lambda self: self.load().methods[self.method][2], doc="its dynamic shapes (loads it)")
+
+    def __repr__(self) -> str:
+        return f"DeferredMethod({self.spec.text!r}, method={self.method!r}, loaded={self.load.loaded})"
+
+
+def hf_weight_bytes(directory: Path) -> int:
+    """Bytes of an hf: model's weight files (what the verify mode is chosen by)."""
+    from .fingerprint import is_hf_weights
+
+    root = Path(directory)
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and is_hf_weights(p.name)
+               and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def modules_loaded(loaded: LoadedModel) -> bool:
+    """Whether the model's modules are in memory (False: an hf: model no stage has needed yet)."""
+    return not any(isinstance(m, DeferredMethod) and not m.load.loaded for m in (loaded.methods or {}).values())
 
 
 def _fingerprint(spec: ModelSpec, module: torch.nn.Module, inputs: tuple, factory_module: Any,

@@ -56,7 +56,7 @@ from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
 from lowering.to_backend import lower_control_flow_submodules, submodule_lowered_modules, to_backend
-from lowering.verify import verify as verify_pte, verify_call_sequence
+from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
 
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE
@@ -502,22 +502,32 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
-               max_error: float | None = None, options: dict | None = None) -> dict:
+               max_error: float | None = None, options: dict | None = None, mode: str | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
     quantized program, run in torch), and its error against fp32 eager is reported and
     held to ``min_sqnr`` / ``max_error`` (lowering.verify).  ``options``: what the model was
-    loaded with (its ``version`` and ``dynamic_shapes``), to load it again in another process."""
+    loaded with (its ``version`` and ``dynamic_shapes``), to load it again in another process.
+    ``mode``: None runs the full check (lowering.verify.verify), ``"quick"`` the quick one
+    (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
+    The runtimes read the program from the store's file where the store is a local directory."""
     _begin("verify")
+    if mode not in (None, "quick"):
+        raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
     loaded = live_model(model, fingerprint, options)
-    if loaded.module is None:
+    if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
     quantized = {}
     if reference is not None:
         quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
-    return verify_pte(store.get_bytes(pte), loaded.module, loaded.inputs, method=method,
-                      dynamic_shapes=loaded.dynamic_shapes, **quantized).to_dict()
+    program = store.local_object_path(pte) or store.get_bytes(pte)
+    if mode == "quick":
+        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized)
+    else:
+        report = verify_pte(program, loaded.module, loaded.inputs, method=method,
+                            dynamic_shapes=loaded.dynamic_shapes, **quantized)
+    return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
 def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str,
@@ -528,7 +538,7 @@ def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fing
     _begin("verify_sequence")
     loaded = live_model(model, fingerprint, options)
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
-    return verify_call_sequence(store.get_bytes(pte), methods).to_dict()
+    return verify_call_sequence(store.local_object_path(pte) or store.get_bytes(pte), methods).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks
@@ -587,6 +597,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
+    "verify": ("mode",),
 }
 
 

@@ -158,6 +158,16 @@ class ArtifactStore:
         """The bytes of the object named ``sha256``; quarantines and raises if corrupt."""
         return self._read_verified(self.object_path(sha256), sha256, what, quarantine=True)
 
+    def local_object_path(self, ref: ArtifactRef) -> str | None:
+        """The local file of the object ``ref`` names, for a reader that maps it rather than
+        reading it into memory (ExecuTorch's runtime loading a ``.pte``); None where the
+        store is not a local directory or the object is not there at its size.  Its
+        digest is not checked here (verify runs it; what is published is checked)."""
+        if not self.is_local or self._output_name(ref.uri) is not None:
+            return None
+        path = self.object_path(ref.sha256)
+        return path if self._size(path) == ref.size else None
+
     def has(self, sha256: str) -> bool:
         """Whether an object named ``sha256`` is present (without checking its bytes)."""
         return self._size(self.object_path(sha256)) is not None

@@ -47,6 +47,7 @@ from .loading import (
     INSTALL_HINT,
     HFError,
     check_source,
+    config_only,
     from_pretrained,
     model_directory,
     require_transformers,
@@ -123,6 +124,68 @@ def check_options(source: str, task: str | None, options: dict[str, Any] | None 
             raise HFError(f"hf:{source}: last_token_logits is an option of text-generation, not {task}")
 
 
+#: task -> the names of its program's methods (what :func:`load_hf` returns, known without loading).
+METHODS = {"automatic-speech-recognition": ("encoder", "text_decoder")}
+
+
+@dataclasses.dataclass
+class HFDescription:
+    """What an hf: model's program will be, known from its config alone (no weights
+    loaded): its methods' names, constant methods and resolved options, as
+    :func:`load_hf` gives them (its fingerprint needs nothing more)."""
+
+    source: str
+    directory: Path
+    task: str
+    method_names: tuple[str, ...]
+    constants: dict[str, Any]
+    options: dict[str, Any]
+    share_mutable_buffers: bool = False
+
+
+def describe_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
+                attn: str | None = None, last_token_logits: bool | None = None) -> HFDescription:
+    """:func:`load_hf`'s program without loading the model: from its ``config.json`` (and
+    ``generation_config.json``) only.  :func:`load_hf` describes the model it loaded with
+    the same code, so the two agree where the configs are the ones ``from_pretrained`` reads."""
+    check_options(source, task, {"max_seq_len": max_seq_len, "dtype": dtype, "attn": attn,
+                                 "last_token_logits": last_token_logits})
+    require_transformers(source)
+    check_source(source)
+    directory = model_directory(source)
+    configs = config_only(source, directory, task)
+    return _describe(source, directory, task, configs, max_seq_len, torch_dtype(source, dtype), attn,
+                     last_token_logits)
+
+
+def _describe(source: str, directory: Path, task: str, model: Any, max_seq_len: int | None, dtype: torch.dtype,
+              attn: str | None, last_token_logits: bool | None) -> HFDescription:
+    """The description of ``model`` (a loaded model, or :func:`config_only`'s stand-in: only
+    its ``config`` and ``generation_config`` are read)."""
+    max_seq_len = max_seq_len or _default_max_seq_len(model)
+    options = {"task": task, "max_seq_len": max_seq_len, "dtype": str(dtype).removeprefix("torch.")}
+    if task in ATTN_TASKS:
+        from .text_generation import default_attn
+
+        options["attn"] = attn or default_attn()
+    if task == "text-generation":
+        if last_token_logits:  # in the options (and fingerprint) only when set
+            options["last_token_logits"] = True
+        constants = metadata.text_generation(model, max_seq_len=max_seq_len, attn=options["attn"], dtype=dtype)
+    elif task in ("feature-extraction", "fill-mask"):
+        constants = metadata.encoder(model, max_seq_len=max_seq_len)
+    elif task == "image-classification":
+        constants = {}
+    else:
+        from .speech import frames
+
+        constants = metadata.speech_seq2seq(model, max_seq_len=max_seq_len, frames=frames(source, model.config),
+                                            attn=options["attn"], dtype=dtype)
+    # automatic-speech-recognition: the encoder writes the cross-attention cache text_decoder reads
+    share = task == "automatic-speech-recognition" and options.get("attn") == "custom"
+    return HFDescription(source, directory, task, METHODS.get(task, ("forward",)), constants, options, share)
+
+
 def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
             attn: str | None = None, last_token_logits: bool | None = None) -> HFProgram:
     """Load ``source`` (a directory or hub id) for ``task``; see the module docstring."""
@@ -133,42 +196,29 @@ def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dt
     directory = model_directory(source)
     dtype_ = torch_dtype(source, dtype)
     model = from_pretrained(source, directory, TASKS[task], dtype_)
-    max_seq_len = max_seq_len or _default_max_seq_len(model)
-    options = {"task": task, "max_seq_len": max_seq_len, "dtype": str(dtype_).removeprefix("torch.")}
+    described = _describe(source, directory, task, model, max_seq_len, dtype_, attn, last_token_logits)
+    max_seq_len, attn = described.options["max_seq_len"], described.options.get("attn")
     with torch.no_grad():
         if task == "text-generation":
-            from .text_generation import decoder, default_attn
+            from .text_generation import decoder
 
-            attn = attn or default_attn()
-            options["attn"] = attn
-            if last_token_logits:  # in the options (and fingerprint) only when set
-                options["last_token_logits"] = True
             methods = {"forward": decoder(source, model, max_seq_len=max_seq_len, attn=attn,
                                           last_token_logits=bool(last_token_logits))}
-            constants = metadata.text_generation(model, max_seq_len=max_seq_len, attn=attn, dtype=dtype_)
         elif task in ("feature-extraction", "fill-mask"):
             from .encoders import text_encoder
 
             field = "last_hidden_state" if task == "feature-extraction" else "logits"
             methods = {"forward": text_encoder(model, field, max_seq_len)}
-            constants = metadata.encoder(model, max_seq_len=max_seq_len)
         elif task == "image-classification":
             from .encoders import image_classifier
 
             methods = {"forward": image_classifier(model)}
-            constants = {}
         else:
-            from .speech import frames, speech_methods
-            from .text_generation import default_attn
+            from .speech import speech_methods
 
-            attn = attn or default_attn()
-            options["attn"] = attn
             methods = speech_methods(source, model, max_seq_len, attn=attn)
-            constants = metadata.speech_seq2seq(model, max_seq_len=max_seq_len, frames=frames(source, model.config),
-                                                attn=attn, dtype=dtype_)
-    # automatic-speech-recognition: the encoder writes the cross-attention cache text_decoder reads
-    share = task == "automatic-speech-recognition" and options.get("attn") == "custom"
-    return HFProgram(source, directory, task, dict(sorted(methods.items())), constants, options, share)
+    return HFProgram(source, directory, task, dict(sorted(methods.items())), described.constants,
+                     described.options, described.share_mutable_buffers)
 
 
 def _default_max_seq_len(model: Any) -> int:
@@ -177,5 +227,5 @@ def _default_max_seq_len(model: Any) -> int:
     return min(int(positions), DEFAULT_MAX_SEQ_LEN) if positions else DEFAULT_MAX_SEQ_LEN
 
 
-__all__ = ["DTYPES", "HFError", "HFProgram", "INSTALL_HINT", "OPTIONS", "TASKS", "check_options", "load_hf",
-           "transformers_version"]
+__all__ = ["DTYPES", "HFDescription", "HFError", "HFProgram", "INSTALL_HINT", "OPTIONS", "TASKS", "check_options",
+           "describe_hf", "load_hf", "transformers_version"]

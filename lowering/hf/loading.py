@@ -110,3 +110,30 @@ def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.
     # Inference only: a cache buffer updated in place from weights that require grad would
     # become a non-leaf tensor (it cannot be deep-copied, and export warns about it).
     return model.eval().requires_grad_(False)
+
+
+#: The tasks whose models generate (their ``generation_config`` holds token ids the
+#: constant methods read).
+_GENERATIVE = ("text-generation", "automatic-speech-recognition")
+
+
+def config_only(source: str, directory: Path, task: str) -> Any:
+    """A stand-in for the loaded model of ``directory`` with only what describing its
+    program reads: ``config`` (``AutoConfig``) and ``generation_config`` (the directory's
+    ``generation_config.json``, else derived from the config, as ``from_pretrained``
+    does for a model that generates; None for one that does not).  No weights are read."""
+    import types
+
+    transformers = require_transformers(source)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(directory))
+        generation = None
+        if task in _GENERATIVE:
+            if (directory / "generation_config.json").is_file():
+                generation = transformers.GenerationConfig.from_pretrained(str(directory))
+            else:
+                generation = transformers.GenerationConfig.from_model_config(config)
+    except Exception as exc:
+        text = str(exc).strip().splitlines()
+        raise HFError(f"hf:{source}: cannot read its config: {type(exc).__name__}: {text[0] if text else ''}") from exc
+    return types.SimpleNamespace(config=config, generation_config=generation)

@@ -154,6 +154,20 @@ class Decoder(torch.nn.Module):
             self._release()
         return out.logits
 
+    def quick_calls(self, prefill: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A verify's quick check of this decoder (:func:`lowering.verify.verify_quick`): a
+        prompt of ``prefill`` tokens at positions 0.., then ``steps`` single-token decode
+        steps after it (fewer where ``max_seq_len`` is short); token ids spread over the
+        vocabulary, the same on every call."""
+        prefill = max(1, min(prefill, self.max_seq_len - 1))
+        steps = max(0, min(steps, self.max_seq_len - prefill))
+        vocab = int(self._config.vocab_size)
+        ids = (torch.arange(prefill + steps, dtype=torch.long) * 7919 + 1) % vocab
+        calls = [(ids[:prefill].unsqueeze(0), torch.arange(prefill, dtype=torch.long))]
+        for at in range(prefill, prefill + steps):
+            calls.append((ids[at:at + 1].unsqueeze(0), torch.tensor([at], dtype=torch.long)))
+        return calls
+
     def _release(self) -> None:
         """The layers and the step hold no tensor between calls: after a (non-strict) export
         they would hold its fake tensors and SymInts, and the module could not be deep-copied."""

@@ -35,6 +35,7 @@ byte lists held next to it, so that callers never deal with segment offsets.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import flatbuffers
@@ -398,6 +399,34 @@ def deserialize(data: bytes) -> PteData:
     program.constantBuffer = None
     program.backendDelegateData = None
     return pte
+
+
+def program_table(pte: "bytes | str | os.PathLike") -> fb.ProgramT:
+    """The flatbuffer program of ``pte`` (bytes, or a file's path) without its segments:
+    its plans, operators and delegates' ids, which is what a caller reading the program's
+    structure needs.  A file is read up to the program's end only (its weights, in the
+    segments after it, are never read: a big program's table costs what its table is)."""
+    if isinstance(pte, (bytes, bytearray, memoryview)):
+        head = bytes(pte[:8 + EXTENDED_HEADER_LENGTH])
+        header = read_extended_header(head)
+        size = header.program_size if header else len(pte)
+        return _table_of(bytes(pte[:size]), size)
+    with open(pte, "rb") as f:
+        head = f.read(8 + EXTENDED_HEADER_LENGTH)
+        header = read_extended_header(head)
+        f.seek(0)
+        data = f.read(header.program_size) if header else f.read()
+    return _table_of(data, len(data) if header is None else header.program_size)
+
+
+def _table_of(flatbuffer: bytes, expected: int) -> fb.ProgramT:
+    if len(flatbuffer) < 8 or flatbuffer[4:8] != FILE_IDENTIFIER:
+        raise PteFormatError(
+            f"not an ExecuTorch program: identifier {flatbuffer[4:8]!r}, expected {FILE_IDENTIFIER!r}"
+        )
+    if len(flatbuffer) < expected:
+        raise PteFormatError(f"program size {expected} exceeds file size {len(flatbuffer)}")
+    return fb.ProgramT.InitFromPackedBuf(flatbuffer, 0)
 
 
 def _read_segments(program: fb.ProgramT, area: bytes) -> list[bytes]:

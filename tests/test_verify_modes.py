@@ -1,0 +1,226 @@
+"""Issue 27: verify proportionate to the model, and an hf: model that loads only when a stage needs it.
+
+- ``verify: full | quick | off`` (``auto``, the default: quick above
+  :data:`lowering.verify.QUICK_ABOVE_BYTES` of weights).  Quick runs a decoder's prefill
+  and a few decode steps on one loaded program of each runtime against eager with its
+  own KV cache; it fails a program of other weights; full still runs every input set;
+  off runs no verify stage.  The mode is in the verify stage's key only when quick.
+- A fully cached rerun of an ``hf:`` model hashes its files and reads its config but
+  never calls ``from_pretrained`` (:data:`tasks.model_spec.HF_LOADS`), and its
+  fingerprints are those the loaded model gives.
+
+Models: a tiny random-weight Llama ``save_pretrained`` directory (and one of other weights).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("executorch.runtime")
+
+from lowering import lower  # noqa: E402
+from lowering.hf import load_hf  # noqa: E402
+from lowering.verify import QUICK_ABOVE_BYTES, resolve_mode, verify, verify_quick  # noqa: E402
+
+MAX_SEQ_LEN = 32
+TASK = {"task": "text-generation", "max_seq_len": MAX_SEQ_LEN}
+
+
+def _llama(directory, seed):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2))
+    model.eval().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    """Two tiny Llama directories of one config, other weights."""
+    root = tmp_path_factory.mktemp("llamas")
+    return _llama(root / "llama", 0), _llama(root / "other", 1)
+
+
+@pytest.fixture(scope="module")
+def ptes(llamas, tmp_path_factory):
+    """Each directory's text-generation program (portable), as a file."""
+    root = tmp_path_factory.mktemp("ptes")
+    out = []
+    for directory in llamas:
+        path = root / f"{directory.name}.pte"
+        path.write_bytes(lower(load_hf(str(directory), "text-generation", max_seq_len=MAX_SEQ_LEN).lower_input()).pte)
+        out.append(path)
+    return out
+
+
+def _forward(directory):
+    module, inputs, dims = load_hf(str(directory), "text-generation", max_seq_len=MAX_SEQ_LEN).methods["forward"]
+    return module, inputs, dims
+
+
+def test_quick_runs_prefill_then_decode_steps_on_both_runtimes_and_leaves_the_cache_as_it_was(llamas, ptes):
+    module, inputs, _ = _forward(llamas[0])
+    before = {name: buffer.clone() for name, buffer in module.named_buffers()}
+    report = verify_quick(ptes[0], module, inputs, lowerflow=True)
+    assert report.ok, report.to_dict()
+    assert {c.runtime for c in report.checks} == {"lowerflow", "executorch"}
+    assert all(c.inputs == "quick: 4 calls" and c.ok for c in report.checks)  # prefill + 3 decode steps
+    calls = module.quick_calls(8, 3)
+    assert [tuple(ids.shape) for ids, _ in calls] == [(1, 8), (1, 1), (1, 1), (1, 1)]
+    assert [int(pos[0]) for _, pos in calls] == [0, 8, 9, 10]
+    assert all(torch.equal(buffer, before[name]) for name, buffer in module.named_buffers())
+    # the decode steps read the cache the prefill wrote: a decode step alone gives other logits
+    with torch.no_grad():
+        alone = module(*calls[1])
+        with torch.no_grad():
+            for buffer in module.buffers():
+                buffer.zero_()
+        module(*calls[0])
+        after_prefill = module(*calls[1])
+    assert not torch.allclose(alone, after_prefill)
+
+
+def test_quick_fails_a_program_of_other_weights_and_full_still_runs_every_input_set(llamas, ptes):
+    module, inputs, dims = _forward(llamas[0])
+    wrong = verify_quick(ptes[1], module, inputs)  # bytes or path: the other model's program
+    assert wrong.ok is False
+    assert all(c.ok is False and "differ from eager" in c.error for c in wrong.checks if c.skipped is None)
+    full = verify(ptes[0], module, inputs, dynamic_shapes=dims)  # a path too
+    assert full.ok, full.to_dict()
+    assert {c.inputs for c in full.checks} == {"example", "seq_length_dim=1", f"seq_length_dim={MAX_SEQ_LEN - 1}"}
+    assert verify(ptes[1].read_bytes(), module, inputs, dynamic_shapes=dims).ok is False
+
+
+def test_auto_is_full_for_a_small_model_and_quick_above_the_threshold():
+    assert resolve_mode(True, 1000) == resolve_mode("auto", QUICK_ABOVE_BYTES) == "full"
+    assert resolve_mode(None, QUICK_ABOVE_BYTES + 1) == resolve_mode("auto", 539_000_000) == "quick"
+    assert resolve_mode(True, None) == "full" and resolve_mode(False, 10**12) == "off"
+    assert resolve_mode("full", 10**12) == "full" and resolve_mode("quick", 10) == "quick"
+    with pytest.raises(ValueError, match="'fast' is not one of"):
+        resolve_mode("fast", 10)
+
+
+def _verify_record(manifest, target="portable"):
+    return [r for r in manifest["targets"][target]["stages"] if r["stage"] == "verify"]
+
+
+def test_the_flow_runs_the_mode_asked_for_and_keys_it_only_when_quick(prefect_api, llamas, tmp_path):
+    from flows.lower_model import lower_model as run_model
+
+    store = str(tmp_path / "store")
+    model = f"hf:{llamas[0]}"
+    full = run_model(model, ["portable"], store, hf=dict(TASK))  # verify=True: auto, a tiny model: full
+    [full_record] = _verify_record(full)
+    report = full["targets"]["portable"]["verify"]
+    assert report["ok"] and "mode" not in json.dumps(report["checks"][0]) and len(report["checks"]) >= 6
+    explicit = run_model(model, ["portable"], store, hf=dict(TASK), verify="full")
+    [again] = _verify_record(explicit)
+    assert again["key"] == full_record["key"] and again["cached"]
+    quick = run_model(model, ["portable"], store, hf=dict(TASK), verify={"portable": "quick"})
+    [quick_record] = _verify_record(quick)
+    assert quick_record["key"] != full_record["key"] and not quick_record["cached"]
+    checks = quick["targets"]["portable"]["verify"]["checks"]
+    assert quick["targets"]["portable"]["verify"]["ok"] and {c["inputs"] for c in checks} == {"quick: 4 calls"}
+    off = run_model(model, ["portable"], store, hf=dict(TASK), verify="off")
+    assert _verify_record(off) == [] and off["targets"]["portable"]["ok"]
+    with pytest.raises(ValueError, match="'sometimes' is not true, false or one of"):
+        run_model(model, ["portable"], store, hf=dict(TASK), verify="sometimes")
+
+
+def test_a_bad_verify_mode_is_exit_2_on_lower_and_fleet_and_a_bad_manifest(cli, llamas, tmp_path):
+    code, _, errors = cli("lower", f"hf:{llamas[0]}", "--task", "text-generation", "--verify", "fast",
+                          "--store", tmp_path / "store")
+    assert code == 2 and len(errors) == 1 and "--verify: invalid choice: 'fast'" in errors[0]
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(f"store: ./store\nmodels:\n  - {{model: 'hf:{llamas[0]}', task: text-generation}}\n")
+    code, _, errors = cli("fleet", manifest, "--verify", "maybe")
+    assert code == 2 and "--verify: invalid choice: 'maybe'" in errors[0]
+    manifest.write_text(f"store: ./store\nmodels:\n  - {{model: 'hf:{llamas[0]}', task: text-generation, "
+                        "verify: {portable: sometimes}}\n")
+    code, _, errors = cli("fleet", manifest)
+    assert code == 2 and "models[0]: 'verify': portable: 'sometimes' is not true, false" in errors[0]
+    assert not (tmp_path / "store").exists()
+
+
+def test_lower_and_fleet_take_verify_modes(cli, prefect_api, llamas, tmp_path):
+    code, out, errors = cli("lower", f"hf:{llamas[0]}", "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,
+                            "--verify", "off", "--store", tmp_path / "store", "-o", tmp_path / "off.pte")
+    assert code == 0 and "verify[forward]" not in out, (out, errors)
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(f"store: ./store\nmodels:\n  - {{model: 'hf:{llamas[0]}', task: text-generation, "
+                        f"max_seq_len: {MAX_SEQ_LEN}, verify: off}}\n")
+    code, out, errors = cli("fleet", manifest, "--verify", "quick")
+    assert code == 0, (out, errors)
+    report = json.loads((tmp_path / "store" / "outputs" / "llama" / "manifest.json").read_text())
+    verified = report["targets"]["portable"]["verify"]
+    assert verified["ok"] and {c["inputs"] for c in verified["checks"]} == {"quick: 4 calls"}
+
+
+# --------------------------------------------------------------------------- hf: loads lazily
+
+
+def test_a_cached_rerun_of_an_hf_model_never_loads_it(prefect_api, llamas, tmp_path):
+    from flows.lower_model import lower_model as run_model
+    from tasks.model_spec import HF_LOADS, ModelSpec
+
+    directory = tmp_path / "llama"
+    shutil.copytree(llamas[0], directory)
+    key = ModelSpec.parse(f"hf:{directory}").key_text
+    store = str(tmp_path / "store")
+    cold = run_model(f"hf:{directory}", ["portable", "xnnpack"], store, hf=dict(TASK))
+    assert HF_LOADS[key] == 1  # export and verify of both targets: one load
+    warm = run_model(f"hf:{directory}", ["portable", "xnnpack"], store, hf=dict(TASK))
+    assert HF_LOADS[key] == 1
+    assert all(r["cached"] for t in warm["targets"].values() for r in t["stages"])
+    assert warm["fingerprint"] == cold["fingerprint"]
+    assert warm["targets"]["xnnpack"]["pte"] == cold["targets"]["xnnpack"]["pte"]
+    # new weights: the export runs again, and so the model loads
+    _llama(directory, 2)
+    changed = run_model(f"hf:{directory}", ["portable"], store, hf=dict(TASK), verify="off")
+    assert HF_LOADS[key] == 2 and changed["fingerprint"]["parts"]["weights"] != cold["fingerprint"]["parts"]["weights"]
+
+
+@pytest.mark.parametrize("task, options", [
+    ("text-generation", {"max_seq_len": MAX_SEQ_LEN}),
+    ("text-generation", {"attn": "standard", "last_token_logits": True}),
+    ("automatic-speech-recognition", {}),
+    ("fill-mask", {"max_seq_len": 16}),
+    ("image-classification", {}),
+])
+def test_the_fingerprint_without_loading_is_the_loaded_models(task, options, llamas, tmp_path):
+    """What the flow keys an hf: model on, read from its files and config alone, equals what
+    loading it gives (tasks.hf_spec.load: how every hf: model was fingerprinted before)."""
+    from tasks.hf_spec import describe, load
+
+    directory = llamas[0] if task == "text-generation" else _other_family(task, tmp_path)
+    load_options = {"version": None, "hf": {"task": task, **options}}
+    program, methods, whole = load(str(directory), load_options)
+    described, described_methods, described_whole = describe(str(directory), load_options)
+    assert described_whole.digest == whole.digest
+    assert {m: f.digest for m, f in described_methods.items()} == {m: f.digest for m, f in methods.items()}
+    assert described.constants == program.constants and tuple(program.methods) == described.method_names
+
+
+def _other_family(task, tmp_path):
+    torch.manual_seed(0)
+    if task == "automatic-speech-recognition":
+        model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+            vocab_size=128, num_mel_bins=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, max_source_positions=16,
+            max_target_positions=32, decoder_start_token_id=1, eos_token_id=2, pad_token_id=0, bos_token_id=1))
+    elif task == "fill-mask":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64))
+    else:
+        model = transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, num_labels=5))
+    model.eval().save_pretrained(tmp_path / task)
+    return tmp_path / task
