@@ -167,7 +167,8 @@ def run_model(
             return call_stage(getattr(stages, stage), records, **inputs)
 
     def publish(name: str, target: str, pte_ref) -> dict:
-        ref = stages.store.put_named(f"{name}/{target}.pte", stages.store.get_bytes(pte_ref), "pte")
+        # no second copy where the store can avoid one (a hard link in a local directory)
+        ref = stages.store.publish_object(f"{name}/{target}.pte", pte_ref, "pte")
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)

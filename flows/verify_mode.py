@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from lowering.verify import AUTO, VERIFY_MODES, resolve_mode
-
-#: What a model's or a target's ``verify`` may say (besides true / false).
-MODES = (*VERIFY_MODES, AUTO)
+#: What a model's or a target's ``verify`` may say (besides true / false): lowering.verify's
+#: VERIFY_MODES and AUTO, spelled here so the CLI's parser does not import torch.
+MODES = ("full", "quick", "off", "auto")
 
 
 def check_verify(value: Any, targets, where: str = "verify") -> Any:
@@ -42,6 +41,8 @@ def _one(value: Any, where: str) -> Any:
 def target_mode(verify: Any, target: str, weight_bytes: int | None) -> str:
     """The check ``target`` runs: ``full``, ``quick`` or ``off`` (``auto``: by the model's
     ``weight_bytes``, :func:`lowering.verify.resolve_mode`)."""
+    from lowering.verify import AUTO, resolve_mode
+
     if isinstance(verify, Mapping):
         verify = verify.get(target, AUTO)
     return resolve_mode(verify, weight_bytes)

@@ -18,7 +18,9 @@ The rule (what ``lowerflow gc STORE [--keep-days N] [--dry-run]`` removes):
   that does find an object gone treats the cached stage as a miss and recomputes
   it; see :class:`tasks.cache.StageCachePolicy`.)
 * **Removed**: objects and cache records that are neither, and quarantined objects
-  older than ``keep_days``.  Records go before objects, so no record is ever
+  older than ``keep_days``.  An object kept as a window of a bigger one (``windows/``:
+  a weight blob inside an emitted ``.pte``) counts as an object, and keeps that bigger
+  object while it is in use.  Records go before objects, so no record is ever
   left naming a removed object.
 
 Lock files are never touched (they belong to running stages, and a dead holder's
@@ -98,17 +100,19 @@ def collect(store: ArtifactStore, *, keep_days: float = KEEP_DAYS, dry_run: bool
         if not dry_run:
             records_fs.rm_file(path)
 
-    for path in _files(store.fs, f"{store.root}/objects"):
-        digest = "".join(path.rsplit("/", 2)[-2:])  # objects/ab/cdef... -> abcdef...
-        if digest in live_objects:
-            continue
-        if _modified(store.fs, path) >= cutoff:
-            report.kept_recent += 1
-            continue
-        report.removed_objects.append(digest)
-        report.freed_bytes += int(store.fs.size(path))
-        if not dry_run:
-            store.fs.rm_file(path)
+    live_objects |= window_containers(store, live_objects)
+    for directory in ("objects", "windows"):  # a window is an object kept as a range of another
+        for path in _files(store.fs, f"{store.root}/{directory}"):
+            digest = "".join(path.rsplit("/", 2)[-2:])  # objects/ab/cdef... -> abcdef...
+            if digest in live_objects:
+                continue
+            if _modified(store.fs, path) >= cutoff:
+                report.kept_recent += 1
+                continue
+            report.removed_objects.append(digest)
+            report.freed_bytes += int(store.fs.size(path))
+            if not dry_run:
+                store.fs.rm_file(path)
 
     for path in _files(store.fs, f"{store.root}/quarantine"):
         if _modified(store.fs, path) < cutoff:
@@ -170,6 +174,19 @@ def mark(store: ArtifactStore, records_fs, records_dir: str, report: GCReport,
             except ValueError:
                 pass
     return keys, objects
+
+
+def window_containers(store: ArtifactStore, live: set[str]) -> set[str]:
+    """The objects that live objects kept as windows are ranges of (ArtifactStore.keep_as_windows):
+    kept while such a window is in use, so a window never outlives what it reads."""
+    containers = set()
+    for path in _files(store.fs, f"{store.root}/windows"):
+        digest = "".join(path.rsplit("/", 2)[-2:])
+        if digest in live:
+            window = store.window(digest)
+            if window is not None:
+                containers.add(str(window["object"]))
+    return containers
 
 
 def _stage_keys(doc: Any) -> Iterator[str]:

@@ -479,7 +479,7 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
     leaves it out: :data:`STAGE_OPTIONAL`)."""
     _begin("emit")
     pte = emit_program(get_program(store, program), get_memory_plan(store, plan), runtime_ops=runtime_ops)
-    return {"pte": store.put_bytes(pte, "pte")}
+    return {"pte": put_pte(store, pte)}
 
 
 def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None = None,
@@ -497,7 +497,18 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
         name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
         for name, entry in methods.items()
     }, constants, runtime_ops=runtime_ops)
-    return {"pte": store.put_bytes(pte, "pte")}
+    return {"pte": put_pte(store, pte)}
+
+
+def put_pte(store: ArtifactStore, pte: bytes) -> ArtifactRef:
+    """Store an emitted ``.pte``; the blobs of earlier stages it holds verbatim (weights,
+    delegate named data) are then kept as windows of it, so each weight byte-string is
+    stored once across the stages and the program (ArtifactStore.keep_as_windows)."""
+    from lowering.pte.format import data_windows
+
+    ref = store.put_bytes(pte, "pte")
+    store.keep_as_windows(ref, data_windows(pte), pte)
+    return ref
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",

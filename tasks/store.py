@@ -6,6 +6,7 @@ Layout under the store's root URL (a local directory, ``s3://bucket/prefix``,
     <root>/objects/ab/cdef0123...      every artifact, named by the sha256 of its bytes
     <root>/outputs/<name>              named outputs, e.g. outputs/mlp/reference.pte
     <root>/quarantine/<sha256>.<time>  objects that failed their digest check, moved aside
+    <root>/windows/ab/cdef0123...      objects kept as a range of a bigger object (see "windows")
 
 Tasks pass :class:`ArtifactRef` values (uri, sha256, size, kind): small, JSON-able,
 and what Prefect persists as a task result.
@@ -26,6 +27,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -50,6 +52,11 @@ MANIFEST_KINDS = frozenset({"program"})
 #: Filesystems where one put is atomic; everywhere else bytes are written then renamed.
 _ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"})
 _HEX = frozenset("0123456789abcdef")
+
+
+#: Local objects whose digest this process checked (:meth:`ArtifactStore._check_object`), by
+#: their file's stamp: a file written or touched since is checked again.
+_CHECKED: set[tuple] = set()
 
 
 class StoreError(Exception):
@@ -140,7 +147,9 @@ class ArtifactStore:
         if size is not None and size != len(data):
             self._quarantine(path, digest)
             size = None
-        if size is None:
+        if size is None and self._window_size(digest) == len(data):
+            self._touch(self.window_path(digest))  # kept as a window of a bigger object
+        elif size is None:
             self._write_atomic(path, data)
         elif self.is_local:
             os.utime(path)  # in use again: garbage collection counts its age from now
@@ -155,8 +164,15 @@ class ArtifactStore:
         return self.read_object(ref.sha256, what=f"{ref.kind} artifact")
 
     def read_object(self, sha256: str, *, what: str = "object") -> bytes:
-        """The bytes of the object named ``sha256``; quarantines and raises if corrupt."""
-        return self._read_verified(self.object_path(sha256), sha256, what, quarantine=True)
+        """The bytes of the object named ``sha256`` (or of its window); quarantines and
+        raises if corrupt."""
+        try:
+            return self._read_verified(self.object_path(sha256), sha256, what, quarantine=True)
+        except ArtifactMissing:
+            data = self._read_window(sha256, what)
+            if data is None:
+                raise
+            return data
 
     def local_object_path(self, ref: ArtifactRef) -> str | None:
         """The local file of the object ``ref`` names, for a reader that maps it rather than
@@ -170,23 +186,55 @@ class ArtifactStore:
 
     def has(self, sha256: str) -> bool:
         """Whether an object named ``sha256`` is present (without checking its bytes)."""
-        return self._size(self.object_path(sha256)) is not None
+        return self._object_size(sha256) is not None
 
     def exists(self, ref: ArtifactRef) -> bool:
         """Whether ``ref`` (an object or a named output) is present with its size."""
         name = self._output_name(ref.uri)
-        path = self.named_path(name) if name is not None else self.object_path(ref.sha256)
-        return self._size(path) == ref.size
+        if name is not None:
+            return self._size(self.named_path(name)) == ref.size
+        return self._object_size(ref.sha256) == ref.size
 
     def verify(self, ref: ArtifactRef, *, deep: bool = True) -> None:
         """Raise ArtifactMissing/ArtifactCorrupt unless ``ref`` (and, for manifests with
         ``deep``, every object the manifest names) is present and intact."""
+        if ref.kind not in MANIFEST_KINDS and self._output_name(ref.uri) is None:
+            self._check_object(ref.sha256, f"{ref.kind} artifact")
+            return
         data = self.get_bytes(ref)
         if deep and ref.kind in MANIFEST_KINDS:
             from lowering.serialize import manifest_blobs
 
             for digest in manifest_blobs(data):
-                self.read_object(digest, what=f"blob of {ref.kind} {ref.sha256[:12]}")
+                self._check_object(digest, f"blob of {ref.kind} {ref.sha256[:12]}")
+
+    def _check_object(self, sha256: str, what: str) -> None:
+        """:meth:`read_object` for its digest check, once per process while the file holding
+        the object is unchanged (a local store: the stages' programs share their weight blobs,
+        and a cached run would hash each once per stage otherwise)."""
+        stamp = self._file_stamp(sha256)
+        if stamp is not None and stamp in _CHECKED:
+            return
+        self.read_object(sha256, what=what)
+        if stamp is not None:
+            _CHECKED.add(stamp)
+
+    def _file_stamp(self, sha256: str) -> tuple | None:
+        """(object, path, size, mtime, inode) of the local file holding the object (its window's
+        container for a window); None elsewhere or when absent."""
+        if not self.is_local:
+            return None
+        path, window = self.object_path(sha256), None
+        if not os.path.exists(path):
+            window = self.window(sha256)
+            if window is None:
+                return None
+            path = self.object_path(str(window["object"]))
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (sha256, path, st.st_size, st.st_mtime_ns, st.st_ino, json.dumps(window, sort_keys=True))
 
     # ------------------------------------------------------------------ named outputs
 
@@ -196,6 +244,38 @@ class ArtifactStore:
         path = self.named_path(name)
         self._write_atomic(path, data)
         return ArtifactRef(self.uri(path), sha256_hex(data), len(data), kind)
+
+    def publish_object(self, name: str, ref: ArtifactRef, kind: str = "named") -> ArtifactRef:
+        """The object ``ref`` at ``<root>/outputs/<name>`` (overwriting), checked against its
+        digest, without a second copy where the store allows: a hard link in a local
+        directory (nothing to do when it is linked already), a server-side copy on an
+        object store (memory:// copies the bytes).  Returns the output's ref."""
+        path = self.named_path(name)
+        source = self.object_path(ref.sha256)
+        if self._size(source) == ref.size and (self.is_local or _server_side_copy(self.fs)):
+            if self.is_local and _same_file(source, path):
+                return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
+            self._check_file_digest(source, ref)
+            if self.is_local:
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+                tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+                os.link(source, tmp)
+                os.replace(tmp, path)
+            else:
+                self.fs.copy(source, path)
+            return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
+        return self.put_named(name, self.get_bytes(ref), kind)
+
+    def _check_file_digest(self, path: str, ref: ArtifactRef) -> None:
+        """ArtifactCorrupt (the object quarantined) unless the file at ``path`` hashes to ``ref``'s digest."""
+        digest = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(16 * 2**20):
+                digest.update(chunk)
+        if digest.hexdigest() != ref.sha256:
+            self._quarantine(path, ref.sha256)
+            raise ArtifactCorrupt(f"{ref.kind} artifact {ref.sha256} in store {self.url} is corrupt: it hashes to "
+                                  f"{digest.hexdigest()} (moved to quarantine/)")
 
     def get_named(self, name: str) -> bytes:
         """The bytes of the named output ``name``; raises ArtifactMissing if absent."""
@@ -244,6 +324,88 @@ class ArtifactStore:
     def put_blobs(self, blobs: Iterable[bytes]) -> list[ArtifactRef]:
         """Store manifest blobs (kind ``"blob"``); present ones are not rewritten."""
         return [self.put_bytes(b, "blob") for b in blobs]
+
+    # ------------------------------------------------------------------ windows
+    #
+    # An object whose bytes are a window of a bigger object (a weight blob of the stages'
+    # programs inside the emitted .pte) is kept once: ``windows/ab/cdef...`` (JSON
+    # ``{"object": digest, "offset": n, "size": n}``) replaces its file, and reads of it
+    # read that range of the bigger object (digest-checked as ever).  Garbage collection
+    # keeps the bigger object while a window of it is in use (tasks.gc).
+
+    def window_path(self, sha256: str) -> str:
+        """Filesystem path of the window of the object named ``sha256``."""
+        return f"{self.root}/windows/{sha256[:2]}/{sha256[2:]}"
+
+    def window(self, sha256: str) -> dict | None:
+        """The window ``{"object", "offset", "size"}`` the object ``sha256`` is kept as, or None."""
+        try:
+            doc = json.loads(self.fs.cat_file(self.window_path(sha256)))
+        except (FileNotFoundError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and {"object", "offset", "size"} <= set(doc) else None
+
+    def keep_as_windows(self, container: ArtifactRef, windows: Iterable[tuple[int, int]], data: bytes) -> int:
+        """Each stored object whose bytes are ``data[offset:offset + size]`` (``data``: the
+        bytes of ``container``, a stored object) becomes a window of ``container``: its own
+        file is removed once the window is written (readers then read the range).  An
+        object kept as a window of another object is pointed at ``container`` instead, so
+        the newest program holds the blobs it shares with older ones.  Returns the bytes freed."""
+        if self._size(self.object_path(container.sha256)) != container.size:
+            return 0
+        view, freed = memoryview(data), 0
+        for offset, size in windows:
+            digest = sha256_hex(view[offset:offset + size])
+            if digest == container.sha256:
+                continue
+            path = self.object_path(digest)
+            held = self._size(path)
+            if held is None and self._window_size(digest) != size:
+                continue  # not stored: nothing to keep once
+            doc = {"object": container.sha256, "offset": offset, "size": size}
+            self._write_atomic(self.window_path(digest), json.dumps(doc, sort_keys=True).encode())
+            if held is not None:
+                try:
+                    self.fs.rm_file(path)
+                    freed += held
+                except FileNotFoundError:
+                    pass
+        return freed
+
+    def _window_size(self, sha256: str) -> int | None:
+        """The size of the window ``sha256`` when the object it is a window of is there."""
+        doc = self.window(sha256)
+        if doc is None:
+            return None
+        held = self._size(self.object_path(str(doc["object"])))
+        if held is None or int(doc["offset"]) + int(doc["size"]) > held:
+            return None
+        return int(doc["size"])
+
+    def _object_size(self, sha256: str) -> int | None:
+        size = self._size(self.object_path(sha256))
+        return size if size is not None else self._window_size(sha256)
+
+    def _read_window(self, sha256: str, what: str) -> bytes | None:
+        """The bytes of the window ``sha256``, digest-checked; None when it is not a window."""
+        doc = self.window(sha256)
+        if doc is None:
+            return None
+        start = int(doc["offset"])
+        try:
+            data = self.fs.cat_file(self.object_path(str(doc["object"])), start=start, end=start + int(doc["size"]))
+        except FileNotFoundError:
+            raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url} (a window of "
+                                  f"object {doc['object']}, which is gone)") from None
+        if sha256_hex(data) != sha256:
+            raise ArtifactCorrupt(f"{what} {sha256} in store {self.url} is corrupt: its window of object "
+                                  f"{doc['object']} hashes to {sha256_hex(data)}")
+        return data
+
+    def _touch(self, path: str) -> None:
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)
 
     # ------------------------------------------------------------------ internals
 
@@ -296,6 +458,20 @@ class ArtifactStore:
             self.fs.mv(path, target)
         except FileNotFoundError:
             pass  # already moved or removed by someone else
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether two local paths are one file (a published output linked to its object)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _server_side_copy(fs) -> bool:
+    """Whether ``fs`` copies an object without the bytes passing through this process."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & {"s3", "s3a", "gs", "gcs", "abfs", "az"})
 
 
 def _check_name(name: str) -> str:

@@ -98,6 +98,10 @@ def test_quick_fails_a_program_of_other_weights_and_full_still_runs_every_input_
 
 
 def test_auto_is_full_for_a_small_model_and_quick_above_the_threshold():
+    from flows.verify_mode import MODES
+    from lowering.verify import AUTO, VERIFY_MODES
+
+    assert MODES == (*VERIFY_MODES, AUTO)
     assert resolve_mode(True, 1000) == resolve_mode("auto", QUICK_ABOVE_BYTES) == "full"
     assert resolve_mode(None, QUICK_ABOVE_BYTES + 1) == resolve_mode("auto", 539_000_000) == "quick"
     assert resolve_mode(True, None) == "full" and resolve_mode(False, 10**12) == "off"

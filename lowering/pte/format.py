@@ -429,6 +429,48 @@ def _table_of(flatbuffer: bytes, expected: int) -> fb.ProgramT:
     return fb.ProgramT.InitFromPackedBuf(flatbuffer, 0)
 
 
+def data_windows(data: bytes, minimum: int = 4096) -> list[tuple[int, int]]:
+    """``(offset, size)`` in the file of each stored byte-string of ``data`` (a ``.pte``)
+    of at least ``minimum`` bytes: every segment (delegate payloads, named data, mutable
+    data) and every constant tensor inside the constant segment (its bytes, without the
+    padding after it).  What a store can keep once: the same bytes a stage stored as a
+    blob (a weight) are these windows of the program file."""
+    header = read_extended_header(data)
+    if header is None or not header.segment_base_offset:
+        return []
+    program = fb.ProgramT.InitFromPackedBuf(bytes(data[:header.program_size]), 0)
+    base = header.segment_base_offset
+    windows = [(base + int(s.offset), int(s.size)) for s in program.segments or []]
+    table = program.constantSegment
+    if table is not None and table.offsets is not None and len(table.offsets):
+        start = base + int(program.segments[table.segmentIndex].offset)
+        offsets = [int(o) for o in table.offsets]
+        for index, nbytes in _constant_sizes(program).items():
+            if index < len(offsets):
+                windows.append((start + offsets[index], nbytes))
+    return sorted({w for w in windows if w[1] >= minimum})
+
+
+def _constant_sizes(program: fb.ProgramT) -> dict[int, int]:
+    """Constant buffer index -> bytes of the tensor stored there (its sizes and dtype)."""
+    import math
+
+    from .scalar_types import SCALAR_TYPE_TO_DTYPE
+
+    sizes: dict[int, int] = {}
+    for plan in program.executionPlan or []:
+        for value in plan.values or []:
+            tensor = value.val
+            index = getattr(tensor, "dataBufferIdx", 0) if value.valType == fb.KernelTypes.Tensor else 0
+            if index and tensor.allocationInfo is None:
+                dtype = SCALAR_TYPE_TO_DTYPE.get(tensor.scalarType)
+                if dtype is None:
+                    continue
+                nbytes = math.prod(int(d) for d in (tensor.sizes if tensor.sizes is not None else [])) * dtype.itemsize
+                sizes[index] = max(sizes.get(index, 0), nbytes)
+    return sizes
+
+
 def _read_segments(program: fb.ProgramT, area: bytes) -> list[bytes]:
     segments = []
     for i, entry in enumerate(program.segments or []):
