@@ -402,6 +402,31 @@ class ArtifactStore:
                                   f"{doc['object']} hashes to {sha256_hex(data)}")
         return data
 
+    def _release_windows(self, container: str, path: str) -> None:
+        """Every window of the object ``container`` (its file at ``path``) whose range still
+        hashes to its digest becomes a whole object again: a corrupt program must not take
+        the weights of earlier stages with it."""
+        for window_path in self._window_files():
+            digest = "".join(window_path.rsplit("/", 2)[-2:])
+            doc = self.window(digest)
+            if doc is None or doc["object"] != container:
+                continue
+            start = int(doc["offset"])
+            try:
+                data = self.fs.cat_file(path, start=start, end=start + int(doc["size"]))
+            except FileNotFoundError:
+                return
+            if sha256_hex(data) == digest:
+                self._write_atomic(self.object_path(digest), data)
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(window_path)
+
+    def _window_files(self) -> list[str]:
+        try:
+            return [p for p in self.fs.find(f"{self.root}/windows") if ".tmp-" not in p]
+        except FileNotFoundError:
+            return []
+
     def _touch(self, path: str) -> None:
         if self.is_local:
             with contextlib.suppress(FileNotFoundError):
@@ -451,7 +476,9 @@ class ArtifactStore:
             self.fs.mv(tmp, path)
 
     def _quarantine(self, path: str, sha256: str) -> None:
-        """Move a bad object aside so that the next put of its bytes rewrites it."""
+        """Move a bad object aside so that the next put of its bytes rewrites it (the objects
+        kept as windows of it and still intact first get their own files back)."""
+        self._release_windows(sha256, path)
         target = f"{self.root}/quarantine/{sha256}.{time.time_ns()}"
         try:
             self.fs.makedirs(posixpath.dirname(target), exist_ok=True)

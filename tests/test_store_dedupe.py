@@ -126,7 +126,7 @@ def test_windows_read_back_digest_checked_and_a_missing_program_makes_the_blob_m
     """The store's contract for a window: read as the object it replaced; storing the same
     bytes again writes nothing while its program is there, and writes the object again
     once the program is gone."""
-    from tasks.store import ArtifactMissing
+    from tasks.store import ArtifactCorrupt, ArtifactMissing
 
     store = ArtifactStore(str(tmp_path / "store"))
     blob = os.urandom(10_000)
@@ -138,6 +138,14 @@ def test_windows_read_back_digest_checked_and_a_missing_program_makes_the_blob_m
     assert store.read_object(ref.sha256) == blob
     store.put_bytes(blob, "blob")
     assert not Path(store.object_path(ref.sha256)).exists()
+    # a program corrupted outside its windows is quarantined; the blob gets its own file back
+    path = Path(store.object_path(program.sha256))
+    path.write_bytes(b"HEAD" + path.read_bytes()[4:])
+    with pytest.raises(ArtifactCorrupt):
+        store.read_object(program.sha256)
+    assert Path(store.object_path(ref.sha256)).read_bytes() == blob and store.window(ref.sha256) is None
+    program = store.put_bytes(container, "pte")
+    store.keep_as_windows(program, [(4, len(blob))], container)
     store.fs.rm_file(store.object_path(program.sha256))
     assert not store.exists(ref)
     with pytest.raises(ArtifactMissing, match="a window of object"):
