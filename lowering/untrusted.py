@@ -160,7 +160,7 @@ def _check_payloads(reader: Any, names: list[str], label: str, config: str, kind
             _refuse(label, f"constant {fqn!r} is a pickled Python object ({path})")
         if kind == "constant" and path.startswith(_CUSTOM_OBJ):
             _refuse(label, f"constant {fqn!r} is a TorchScript object ({path}), a pickle")
-        if meta.get("use_pickle") is not False:
+        if meta.get("use_pickle"):  # as torch reads it: ``if payload_meta.use_pickle``
             _refuse(label, f"{kind} {fqn!r} is a pickle")
         if kind == "constant" and not path.startswith(_TENSOR):
             _refuse(label, f"constant {fqn!r} has a payload torch may not read as raw bytes ({path!r})")
@@ -221,7 +221,9 @@ SYMPY_NAMES = frozenset({
     "ExprCondPair", "true", "false", "BooleanTrue", "BooleanFalse", "oo", "zoo", "nan", "Infinity",
     "NegativeInfinity", "NegativeOne", "One", "Zero", "Half", "True", "False", "None",
     # torch.utils._sympy.functions
-    "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
+    "MinMaxBase", "OpaqueUnaryFn_acos", "OpaqueUnaryFn_asin", "OpaqueUnaryFn_asinh", "OpaqueUnaryFn_atan",
+    "OpaqueUnaryFn_cos", "OpaqueUnaryFn_cosh", "OpaqueUnaryFn_log2", "OpaqueUnaryFn_sin", "OpaqueUnaryFn_sinh",
+    "OpaqueUnaryFn_tan", "OpaqueUnaryFn_tanh", "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt", "CeilDiv",
     "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv",
     "IsNonOverlappingAndDenseIndicator", "TruncToFloat", "TruncToInt", "RoundToInt", "RoundDecimal",
     "ToFloat", "Identity", "OpaqueUnaryFn_sqrt", "OpaqueUnaryFn_exp", "OpaqueUnaryFn_log",
@@ -279,13 +281,14 @@ def check_program_json(program: Any, label: str, *, rule: str = PT2_RULE, trust_
 
 
 def check_program_bytes(data: bytes, label: str, *, rule: str = PT2_RULE, trust_hint: bool = True) -> None:
-    """:func:`check_program_json` of a program's JSON bytes (parsed only if it has symbolic sizes)."""
-    if b"expr_str" not in data:
+    """:func:`check_program_json` of a program's JSON bytes, parsed as torch parses them;
+    not parsed when no key can be ``expr_str`` (neither the name nor a ``\\u`` escape)."""
+    if b"expr_str" not in data and b"\\u" not in data:
         return
     try:
-        program = json.loads(data)
+        program = json.loads(data.decode("utf-8"))
     except ValueError:
-        return  # torch's deserializer says it is not JSON; nothing is evaluated
+        return  # torch's deserializer fails on it too: nothing is evaluated
     check_program_json(program, label, rule=rule, trust_hint=trust_hint)
 
 

@@ -410,3 +410,36 @@ def test_a_stored_program_whose_graph_is_code_is_refused(tmp_path):
         store.get_program(ArtifactRef(evil.uri, evil.sha256, evil.size, "program"))
     assert not marker.exists()
     assert len(store.get_program(ref).graph.nodes) == len(program.graph.nodes)  # the genuine one, dynamic, loads
+
+
+@pytest.mark.parametrize("expr", [
+    "Symbol('s77', positive=True, integer=True)",
+    "FloorDiv(Add(Symbol('s0', positive=True, integer=True), Integer(-1)), Integer(2))",
+    "StrictLessThan(Max(Integer(1), Symbol('u0', integer=True)), oo)",
+    "Float('0.5', precision=53)",
+    "2*s0 + 1",  # the str() form of older archives
+])
+def test_plain_sympy_sizes_pass(expr):
+    from lowering.untrusted import check_sym_expr
+
+    assert check_sym_expr(expr) is None
+
+
+@pytest.mark.parametrize("expr", [
+    "__import__('os').system('true')",
+    "exec(chr(49))",
+    "Symbol('s0').__class__",
+    "FloorDiv('__import__(1)', 2)",  # a function's argument is sympify()d again
+    "Symbol(f'{1}')",
+    "Poly('x')",
+    "[s0 for s0 in ()]",
+    "Symbol('s0', **{})",
+    "ｅｘｅｃ(1)",
+])
+def test_code_in_a_size_is_refused(expr):
+    from lowering.untrusted import check_program_bytes, check_sym_expr
+
+    assert check_sym_expr(expr) is not None
+    escaped = json.dumps({"size": {"expr\\u005fstr": expr}}).replace("\\\\u005f", "\\u005f").encode()
+    with pytest.raises(UntrustedInputError, match="a symbolic size of the program"):
+        check_program_bytes(escaped, "m.pt2")  # the key spelled with a JSON escape is found too
