@@ -126,6 +126,8 @@ def _check_entry(label: str, name: str) -> None:
     known = (_MODELS, _WEIGHTS, _CONSTANTS, _SAMPLES, _EXTRA)
     if not (name.startswith(known) or name.startswith(_BOOKKEEPING)):
         _refuse(label, f"entry {name!r} is not part of a torch.export.save archive")
+    if name.startswith(_MODELS) and not name.endswith(".json"):  # torch would read it as a program
+        _refuse(label, f"entry {name!r} is not a program (models/<name>.json)")
 
 
 def _check_model(reader: Any, names: list[str], label: str, model: str) -> None:

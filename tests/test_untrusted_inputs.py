@@ -443,3 +443,13 @@ def test_code_in_a_size_is_refused(expr):
     escaped = json.dumps({"size": {"expr\\u005fstr": expr}}).replace("\\\\u005f", "\\u005f").encode()
     with pytest.raises(UntrustedInputError, match="a symbolic size of the program"):
         check_program_bytes(escaped, "m.pt2")  # the key spelled with a JSON escape is found too
+
+
+def test_every_entry_torch_reads_as_a_program_is_checked():
+    """torch reads every models/ entry as a program (its name cut by len('.json')), not
+    only the *.json ones; an entry torch.export.save never writes is refused too."""
+    data = linear_pt2()
+    for name, why in (("models/evil.txt", "entry 'models/evil.txt' is not a program"),
+                      ("payload.bin", "entry 'payload.bin' is not part of a torch.export.save archive")):
+        with pytest.raises(UntrustedInputError, match=why):
+            load_pt2(rewrite(data, lambda e: e.update({name: b"{}"})), name="m.pt2")
