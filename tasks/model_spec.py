@@ -13,7 +13,8 @@
   The file's directory is importable while it loads and while the factory runs,
   so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
-* ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``.
+* ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``; read without
+  running code (:mod:`lowering.untrusted`) unless the ``trust_pickle`` option is set.
 * ``hf:<directory or hub id>`` — a Hugging Face model, with a task and options in the
   load options' ``"hf"`` entry (:mod:`tasks.hf_spec`): the methods of one program and
   its constant methods (``LoadedModel.constants``).
@@ -211,6 +212,8 @@ class LoadedModel:
     constants: dict[str, Any] | None = None
     #: Export with torch.export's strict mode (the ``strict`` option).
     strict: bool = False
+    #: A .pt2 loads with torch's pickle-running loader (the ``trust_pickle`` option).
+    trust_pickle: bool = False
     #: Bytes of the model's weights (each tensor once), where known without loading it
     #: (an hf: model's weight files); else :meth:`weights_size` counts the modules'.
     weight_bytes: int | None = None
@@ -249,7 +252,10 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
             raise ModelSpecError(f"model spec {spec.text!r}: a .pt2 program carries its own dynamic shapes; "
                                  "'dynamic_shapes' is only for a factory")
         data = read_pt2(spec, storage_options)
-        return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
+        trust = bool((options or {}).get("trust_pickle"))
+        if not trust:
+            check_pt2(spec, data)
+        return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data, trust_pickle=trust)
     with TORCH_LOCK:
         module, inputs, factory_module, dynamic_shapes, calibration = _run_factory(spec)
         if isinstance(module, dict):
@@ -320,13 +326,16 @@ class HFLoad:
         from lowering.errors import LoweringError
         from lowering.hf import load_hf
 
+        from .hf_spec import trust_pickle
+
         with TORCH_LOCK, self._lock:  # TORCH_LOCK first: a stage body holds it when it asks
             if self._program is None:
                 hf = dict((self.options or {}).get("hf") or {})
                 task = hf.pop("task", None)
                 try:
                     with torch.random.fork_rng():
-                        program = load_hf(self.spec.location, task, **hf)
+                        program = load_hf(self.spec.location, task, **hf,
+                                          trust_pickle=trust_pickle(self.options))
                 except LoweringError as exc:
                     raise _hf_error(self.spec, exc) from exc
                 HF_LOADS[self.spec.key_text] += 1
@@ -352,7 +361,7 @@ class DeferredMethod(LoadedModel):
         # LoadedModel's other fields, set directly: its __init__ would assign the three below.
         self.__dict__.update(spec=spec, fingerprint=fingerprint, pt2=None, methods=None, method=method,
                              share_mutable_buffers=False, calibration=None, constants=None, strict=strict,
-                             weight_bytes=None)
+                             trust_pickle=False, weight_bytes=None)
         self.load = load
 
     module = property(lambda self: self.load().methods[self.method][0], doc="the method's module (loads the model)")
@@ -591,6 +600,21 @@ def _sha256_file(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return ""
+
+
+def check_pt2(spec: ModelSpec, data: bytes) -> None:
+    """ModelSpecError if the .pt2's bytes would run code to load
+    (:func:`lowering.untrusted.check_pt2`: the message names the file and the entry).
+    An archive that cannot be read at all is the export stage's error ("cannot load .pt2")."""
+    from lowering.errors import UntrustedInputError
+    from lowering.untrusted import Pt2Error, check_pt2 as check
+
+    try:
+        check(data, spec.text)
+    except UntrustedInputError as exc:
+        raise ModelSpecError(str(exc)) from None
+    except Pt2Error:
+        pass
 
 
 def read_pt2(spec: ModelSpec, storage_options: dict | None = None) -> bytes:

@@ -187,15 +187,18 @@ def _describe(source: str, directory: Path, task: str, model: Any, max_seq_len: 
 
 
 def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
-            attn: str | None = None, last_token_logits: bool | None = None) -> HFProgram:
-    """Load ``source`` (a directory or hub id) for ``task``; see the module docstring."""
+            attn: str | None = None, last_token_logits: bool | None = None,
+            trust_pickle: bool = False) -> HFProgram:
+    """Load ``source`` (a directory or hub id) for ``task``; see the module docstring.
+    ``trust_pickle``: a ``pytorch_model.bin`` may unpickle more than tensors
+    (:func:`~lowering.hf.loading.from_pretrained`)."""
     check_options(source, task, {"max_seq_len": max_seq_len, "dtype": dtype, "attn": attn,
                                  "last_token_logits": last_token_logits})
     require_transformers(source)
     check_source(source)
     directory = model_directory(source)
     dtype_ = torch_dtype(source, dtype)
-    model = from_pretrained(source, directory, TASKS[task], dtype_)
+    model = from_pretrained(source, directory, TASKS[task], dtype_, trust_pickle=trust_pickle)
     described = _describe(source, directory, task, model, max_seq_len, dtype_, attn, last_token_logits)
     max_seq_len, attn = described.options["max_seq_len"], described.options.get("attn")
     with torch.no_grad():
