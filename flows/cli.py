@@ -347,16 +347,11 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
     from tasks.store import ArtifactRef, ArtifactStore
 
     ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
-    data = ArtifactStore(store_url).get_bytes(ref)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        return ArtifactStore(store_url).copy_out(ref, str(path))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise CLIError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
-    return len(data)
 
 
 # --------------------------------------------------------------------------- fleet
