@@ -235,14 +235,15 @@ def test_the_runner_generates_lowerflows_and_the_quantized_references_greedy_tok
     assert called == ({wanted[recipe["qembedding"]]} if "qembedding" in recipe else set())
 
 
-def test_quantized_embeddings_store_the_table_quantized_never_in_fp32(lowered):
+def test_quantized_embeddings_store_the_table_quantized_never_in_fp32(lowered, checkpoints):
     """Gemma3's table (tied to its LM head) in 4w: the lookup's packed int4 table and the head's
     8da4w weights, no fp32 copy: the program and its weights shrink by more than 3/4 of the
     fp32 table (8da4w alone keeps the lookup's table fp32)."""
     plain, plain_manifest = lowered["fleet"]["gemma3", "8da4w"]
     packed, manifest = lowered["fleet"]["gemma3", "8da4w-4w"]
     assert manifest["targets"]["xnnpack"]["quantize"]["recipe"]["qembedding"] == "4w"
-    table_bytes = 200 * 64 * 4  # vocabulary x hidden, fp32
+    config = json.loads((checkpoints["gemma3"] / "config.json").read_text())
+    table_bytes = config["vocab_size"] * config["hidden_size"] * 4  # fp32
     assert len(plain) - len(packed) > table_bytes * 3 // 4
     weights = [m["targets"]["xnnpack"]["quantize"]["weight_bytes"]["quantized"] for m in (plain_manifest, manifest)]
     assert weights[0] - weights[1] > table_bytes * 3 // 4
