@@ -52,6 +52,7 @@ from .delegation import SHARED_STATE
 from .errors import EmitError, LoweringError
 from .pte import PteData, schema, serialize
 from .pte.format import blob_key
+from .delegation import same_blob
 
 
 class MethodError(LoweringError):
@@ -172,7 +173,7 @@ class _DataPool:
         for delegate in plan.delegates or []:
             delegate.processed.index = payloads[delegate.processed.index]
         for key, blob in pte.named_data.items():
-            if self.named_data.setdefault(key, bytes(blob)) != bytes(blob):
+            if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise EmitError(f"method {name!r}: named data key {key!r} is already used by method "
                                 f"{self._named_by[key]!r} for different bytes")
             self._named_by.setdefault(key, name)

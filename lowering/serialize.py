@@ -739,7 +739,7 @@ def named_data_to_json(named_data: Mapping[str, bytes], blobs: dict[str, bytes])
     each blob is added to ``blobs`` under its digest (content-addressed, stored once)."""
     out = []
     for key in sorted(named_data):
-        data = bytes(named_data[key])
+        data = named_data[key]  # bytes or a weight's read-only view: stored as it is
         digest = blob_digest(data)
         blobs[digest] = data
         out.append({"key": key, "blob": digest})

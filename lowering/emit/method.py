@@ -23,6 +23,7 @@ from ..memory_plan import SHARED_STATE_MEM_ID
 from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments, write_first_buffers
 from ..pte import PteData, schema, serialize
 from ..pte.format import blob_key
+from ..delegation import same_blob
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
 from ..serialize import tensor_memory
@@ -425,7 +426,7 @@ class MethodEmitter:
         except AttributeError as exc:
             raise self.error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
         for key, blob in (getattr(lowered, "named_data", None) or {}).items():
-            if self.named_data.setdefault(key, bytes(blob)) != blob:
+            if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise self.error(f"named data key {key!r} of {module_node.target!r} is already "
                                   "used by another delegate for different bytes")
         delegate = schema.BackendDelegateT()

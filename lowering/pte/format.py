@@ -403,6 +403,10 @@ def deserialize(data: bytes) -> PteData:
     ``backend_delegate_data`` tables of files without segments) into the byte
     lists of PteData; the returned program has no segment tables, so
     ``serialize(deserialize(b))`` is a valid file again.
+
+    Constants and named data are read-only memoryviews of ``data`` (a program's
+    weights are not copied to be read; they compare equal to their bytes);
+    delegate payloads and mutable initial values are bytes.
     """
     data = bytes(data)
     if len(data) < 8 or data[4:8] != FILE_IDENTIFIER:
@@ -414,7 +418,7 @@ def deserialize(data: bytes) -> PteData:
     if program_size > len(data):
         raise PteFormatError(f"program size {program_size} exceeds file size {len(data)}")
     program = fb.ProgramT.InitFromPackedBuf(data[:program_size], 0)
-    segment_area = data[header.segment_base_offset:] if header and header.segment_base_offset else b""
+    segment_area = memoryview(data)[header.segment_base_offset:] if header and header.segment_base_offset else b""
     segments = _read_segments(program, segment_area)
     pte = PteData(
         program=program,
@@ -432,7 +436,7 @@ def deserialize(data: bytes) -> PteData:
     return pte
 
 
-def _read_segments(program: fb.ProgramT, area: bytes) -> list[bytes]:
+def _read_segments(program: fb.ProgramT, area: memoryview) -> list[memoryview]:
     segments = []
     for i, entry in enumerate(program.segments or []):
         end = entry.offset + entry.size
@@ -464,7 +468,7 @@ def _read_mutable_data(program: fb.ProgramT, segments: list[bytes]) -> list[byte
     tables = program.mutableDataSegments or []
     if len(tables) > 1:
         raise PteFormatError(f"{len(tables)} mutable data segments; only one is supported")
-    return _split_subsegments(tables[0], segments, "mutable data") if tables else []
+    return [bytes(blob) for blob in _split_subsegments(tables[0], segments, "mutable data")] if tables else []
 
 
 def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
@@ -480,7 +484,7 @@ def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list
                     raise PteFormatError(
                         f"delegate {decode_string(delegate.id)!r}: segment {reference.index} >= {len(segments)} segments"
                     )
-                payload = segments[reference.index]
+                payload = bytes(segments[reference.index])
             else:
                 if reference.index >= len(inline):
                     raise PteFormatError(
