@@ -177,13 +177,17 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
 
 
 def parse_spec(text: str, args: argparse.Namespace | None = None):
-    """The ModelSpec of ``text``, checked (hf: with ``args``' task, options); a bad one is exit status 2."""
-    from tasks.model_spec import ModelSpec, check_spec
+    """The ModelSpec of ``text``, checked (hf: with ``args``' task, options; a .pt2 read
+    without running code unless ``--trust-pickle``); a bad one is exit status 2."""
+    from tasks.model_spec import ModelSpec, check_pt2, check_spec, read_pt2
 
     try:
         spec = ModelSpec.parse(text)
+        options = load_arguments(args, text) if args is not None else None
         if spec.kind != "pt2":
-            check_spec(spec, options=load_arguments(args, text) if args is not None else None)
+            check_spec(spec, options=options)
+        elif not (options or {}).get("trust_pickle") and Path(spec.location).is_file():
+            check_pt2(spec, read_pt2(spec))
         return spec
     except ValueError as exc:  # ModelSpecError, or an hf: option for another kind of model
         raise CLIError(str(exc), EXIT_USAGE) from exc

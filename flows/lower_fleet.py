@@ -76,8 +76,10 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
 
 
 def load_parameters(entry: ModelEntry) -> dict[str, Any]:
-    """The entry's ``strict``, hf: and ``runtime_ops`` settings as ``lower_model`` parameters (only when set)."""
-    return {**({"strict": True} if entry.strict else {}), **({"hf": dict(entry.hf)} if entry.hf else {}),
+    """The entry's ``strict``, ``trust_pickle``, hf: and ``runtime_ops`` settings as ``lower_model``
+    parameters (only when set)."""
+    return {**({"strict": True} if entry.strict else {}), **({"trust_pickle": True} if entry.trust_pickle else {}),
+            **({"hf": dict(entry.hf)} if entry.hf else {}),
             **({"runtime_ops": dict(entry.runtime_ops)} if entry.runtime_ops else {})}
 
 

@@ -96,6 +96,7 @@ def lower_model(
     strict: bool = False,
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
+    trust_pickle: bool = False,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
@@ -104,6 +105,9 @@ def lower_model(
     "attn": ...}``; see :mod:`tasks.hf_spec`).  ``runtime_ops``: the op sets the ``.pte``
     may call (:func:`flows.manifest.profiles_by_target`: ``"portable,quantized"``, a list, or
     ``{target: ...}``; None: all); emit fails a target that calls an op outside them.
+    ``trust_pickle``: a ``.pt2`` or ``pytorch_model.bin`` the user trusts loads its pickles,
+    which may run code (by default refused: :mod:`lowering.untrusted`); the manifest says
+    ``"trust_pickle": true``.
 
     ``quantize``: a recipe (``"int8"``, ``"int8-dynamic"``, ``"8da4w"`` or its mapping
     form) for every target, or ``{target: recipe or None}``; ``calibration``: int8's
@@ -119,7 +123,7 @@ def lower_model(
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
-                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops)
+                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle)
 
 
 def run_model(
@@ -139,6 +143,7 @@ def run_model(
     strict: bool = False,
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
+    trust_pickle: bool = False,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -166,7 +171,7 @@ def run_model(
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                         load_extras(strict, hf), profiles_by_target(runtime_ops, targets))
+                         load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets))
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -205,12 +210,13 @@ def plan_model(
     strict: bool = False,
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
+    trust_pickle: bool = False,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                     load_extras(strict, hf), profiles_by_target(runtime_ops, targets))
+                     load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets))
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
@@ -230,6 +236,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     spec = ModelSpec.parse(model)
     name = name or spec.name
     manifest: dict[str, Any] = {"model": model, "name": name, "targets": {}}
+    if (extras or {}).get("trust_pickle"):
+        manifest["trust_pickle"] = True  # loaded with pickles that may run code: the user trusted it
     model = spec.key_text
     export_records: list[dict] = []
     start = time.perf_counter()

@@ -21,6 +21,8 @@
         min_sqnr: 20                         # optional: fail a quantized target below this SQNR (dB)
         max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
         strict: true                         # optional: torch.export's strict mode (default false)
+        trust_pickle: true                   # optional: a .pt2 / pytorch_model.bin you trust may unpickle
+                                             #   (run code); default false: refused (README "Security")
         runtime_ops: [portable, quantized]   # optional: the op sets the .pte may call (lowering.stock_ops;
                                              #   default all: portable, quantized, llm, fused), a list or
                                              #   "portable,quantized", for every target or per target
@@ -59,7 +61,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: An hf: model's keys: its task and the options of lowering.hf (load_hf).
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
-               "quantize", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops", *HF_KEYS}
+               "quantize", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops", "trust_pickle",
+               *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -86,6 +89,8 @@ class ModelEntry:
     max_error: float | None = None
     #: Export with torch.export's strict mode.
     strict: bool = False
+    #: A .pt2 / pytorch_model.bin the user trusts: its pickles load (and may run code).
+    trust_pickle: bool = False
     #: An hf: model's task and options (``{"task": ..., "max_seq_len": ...}``), or None.
     hf: Mapping[str, Any] | None = None
     #: Target -> runtime profile (a list of op sets) or None (the default): :func:`profiles_by_target`.
@@ -210,11 +215,14 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
             raise ManifestError(f"{where}: model file {spec.location!r} does not exist")
         model = f"{path}:{spec.factory}"
     hf = _hf_keys(where, raw, spec)
+    trust_pickle = raw.get("trust_pickle", False)
+    if not isinstance(trust_pickle, bool):
+        raise ManifestError(f"{where}: 'trust_pickle' must be true or false")
     if spec.kind == "hf":
         if not Path(spec.location).expanduser().is_absolute() and (base / spec.location).is_dir():
             model = f"hf:{base / spec.location}"
         try:
-            check_spec(ModelSpec.parse(model), options={"hf": hf})
+            check_spec(ModelSpec.parse(model), options={"hf": hf, **({"trust_pickle": True} if trust_pickle else {})})
         except ModelSpecError as exc:
             raise ManifestError(f"{where}: {exc}") from None
     elif spec.kind != "pt2":
@@ -288,6 +296,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         calibration=calibration,
         **thresholds,
         strict=strict,
+        trust_pickle=trust_pickle,
         hf=hf,
         runtime_ops=runtime_ops,
     )

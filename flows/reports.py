@@ -315,6 +315,8 @@ def model_report_markdown(
     lines = [f"# lowerflow: {_md_text(name)}", ""]
     if spec:
         lines += [f"model `{spec}`", ""]
+    if model_manifest.get("trust_pickle"):
+        lines += ["**trust_pickle:** its pickles were loaded (code in the file may have run: the entry trusts it)", ""]
     if model_manifest.get("error"):  # one cause for every target (flows/outages.py)
         lines += [f"**error:** `{first_line(model_manifest['error'], 400)}`", ""]
     if not targets:

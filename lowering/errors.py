@@ -57,3 +57,21 @@ def first_line(exc: BaseException) -> str:
     messages run to pages, an error of ours quotes one line."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+#: How a user who trusts a refused input (a .pt2, a pickle checkpoint) loads it anyway.
+TRUST_HINT = "trust_pickle: true on the entry, or --trust-pickle, loads it anyway"
+
+
+class UntrustedInputError(LoweringError):
+    """An input that is data (a ``.pt2``, a checkpoint, a stored program) would run code
+    to load: refused before anything runs.  One line: the input, the entry, the rule::
+
+        model.pt2: weight 'weight' is a pickle; lowerflow loads .pt2 files without running
+        code (trust_pickle: true on the entry, or --trust-pickle, loads it anyway)
+    """
+
+    @classmethod
+    def of(cls, source: str, why: str, rule: str, *, trust_hint: bool = True) -> "UntrustedInputError":
+        """``"<source>: <why>; <rule> (<TRUST_HINT>)"``."""
+        return cls(f"{source}: {why}; {rule}" + (f" ({TRUST_HINT})" if trust_hint else ""))

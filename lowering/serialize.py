@@ -29,8 +29,9 @@ Guarantees:
   process (torch's serde embeds ``id()`` of graphs in ``from_node`` metadata;
   those are written as 0).
 * Loading never unpickles and never executes stored code: the graph is read by
-  torch's JSON deserializer, tensors are rebuilt from raw bytes with
-  ``torch.frombuffer``; every blob is checked against its digest.
+  torch's JSON deserializer (after :func:`lowering.untrusted.check_program_bytes`: its
+  symbolic sizes, which torch evaluates with ``eval``, are plain sympy), tensors are rebuilt from raw
+  bytes with ``torch.frombuffer``; every blob is checked against its digest.
 * Extensible: a later format (e.g. a program holding lowered modules) is another
   manifest ``format`` whose fields name further blobs (processed bytes, nested
   program manifests added with :func:`embed`, ...) and whose ``"blobs"`` list names
@@ -71,6 +72,10 @@ from .control_flow_graph import iter_scopes
 from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .errors import LoweringError
 from .quant_ops import register_quantized_ops
+from .untrusted import check_program_bytes
+
+#: What a stored program refused for running code says.
+STORE_RULE = "lowerflow reads the store without running code"
 
 #: ``"format"`` of the manifest written by :func:`serialize_program`.
 PROGRAM_FORMAT = "lowerflow.exported_program"
@@ -349,6 +354,8 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
     constants = tensors(obj["constants"], "constant")
     example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
     graph = bytes(blob(obj["graph"], "graph"))
+    # torch's deserializer eval()s symbolic sizes: a graph blob someone else wrote is checked first.
+    check_program_bytes(graph, f"stored program graph {obj['graph'][:12]}", rule=STORE_RULE, trust_hint=False)
     try:
         try:
             program = _deserialize_graph(graph, state_dict, constants, example_inputs)

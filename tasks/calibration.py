@@ -14,7 +14,8 @@ tuples like the example inputs).  They come from one of:
 * a spec in the manifest (``calibration:``) or on the CLI (``--calibration``):
   ``path/file.py:function`` / ``package.module:function`` returning such an
   iterable, or an fsspec URL of a safetensors file whose tensors are named
-  ``<batch>.<input>`` (``0.0``, ``0.1``, ``1.0``, ...).
+  ``<batch>.<input>`` (``0.0``, ``0.1``, ``1.0``, ...).  A pickle (``.pt``, ``.pkl``, ...)
+  is refused: safetensors never runs code, a function spec runs the user's own.
 
 :func:`calibration_digest` (blake3 over every batch's dtypes, shapes and bytes)
 is what the quantize stage is keyed on: other calibration data re-quantizes,
@@ -38,6 +39,8 @@ from .model_spec import ModelSpec, ModelSpecError, live_model
 FROM_FACTORY = "factory"
 
 _SAFETENSORS_NAME = re.compile(r"^(\d+)\.(\d+)$")
+#: Files that hold pickles: refused as calibration data (a pickle runs code when loaded).
+PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin", ".ckpt")
 
 
 class CalibrationError(ValueError):
@@ -88,6 +91,7 @@ def read_calibration(source: str, where: str) -> Batches:
         raise CalibrationError(f"{where}: calibration must be a 'file.py:function', 'package.module:function' "
                                f"or a safetensors URL, got {source!r}")
     source = source.strip()
+    _refuse_pickle(source, where)
     if source.endswith(".safetensors"):
         return _read_safetensors(source, where)
     try:
@@ -109,6 +113,7 @@ def check_calibration_source(source: str, where: str) -> str:
         raise CalibrationError(f"{where}: 'calibration' must be a 'file.py:function', 'package.module:function' "
                                f"or a safetensors URL, got {source!r}")
     source = source.strip()
+    _refuse_pickle(source, where)
     if source.endswith(".safetensors"):
         import fsspec
 
@@ -130,6 +135,14 @@ def check_calibration_source(source: str, where: str) -> str:
     except ModelSpecError as exc:
         raise CalibrationError(f"{where}: calibration {source!r}: {exc}") from None
     return spec.key_text
+
+
+def _refuse_pickle(source: str, where: str) -> None:
+    """A pickle file is not calibration data: loading it would run its code."""
+    if source.lower().endswith(PICKLE_SUFFIXES):
+        raise CalibrationError(f"{where}: calibration {source!r} is a pickle; lowerflow reads calibration data "
+                               "without running code: a safetensors file (tasks.calibration.save_calibration "
+                               "writes one) or a 'file.py:function'")
 
 
 def _read_safetensors(url: str, where: str) -> Batches:

@@ -33,16 +33,28 @@ def hf_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict((options or {}).get("hf") or {})
 
 
+def trust_pickle(options: Mapping[str, Any] | None) -> bool:
+    """The load options' ``trust_pickle`` (a pickle checkpoint may unpickle more than tensors)."""
+    return bool((options or {}).get("trust_pickle"))
+
+
 def check(source: str, options: Mapping[str, Any] | None) -> None:
-    """HFError unless the source can be found and the task and options are valid (nothing loads)."""
+    """HFError unless the source can be found and the task and options are valid (nothing loads);
+    UntrustedInputError if a local directory's pickle checkpoint is more than tensors."""
     from lowering.hf import check_options
     from lowering.hf.loading import check_source, require_transformers
+
+    from pathlib import Path
+
+    from lowering.hf.loading import check_checkpoint, is_local
 
     hf = hf_options(options)
     task = hf.pop("task", None)
     check_options(source, task, hf)
     require_transformers(source)
     check_source(source)
+    if is_local(source) and not trust_pickle(options):
+        check_checkpoint(source, Path(source).expanduser())
 
 
 def load(source: str, options: Mapping[str, Any] | None):
@@ -51,7 +63,7 @@ def load(source: str, options: Mapping[str, Any] | None):
 
     hf = hf_options(options)
     task = hf.pop("task", None)
-    program = load_hf(source, task, **hf)
+    program = load_hf(source, task, **hf, trust_pickle=trust_pickle(options))
     keyed = {**{k: v for k, v in (options or {}).items() if k != "hf"}, "hf": program.options}
     version = transformers_version()
     methods = {name: fingerprint_hf(program.directory, keyed, version, method=name) for name in program.methods}

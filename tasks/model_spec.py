@@ -13,7 +13,8 @@
   The file's directory is importable while it loads and while the factory runs,
   so a factory may ``import arch`` from a sibling ``arch.py``.
 * ``package.module:factory`` — the same, from an importable module.
-* ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``.
+* ``<fsspec URL or path>.pt2`` — a program saved by ``torch.export.save``; read without
+  running code (:mod:`lowering.untrusted`) unless the ``trust_pickle`` option is set.
 * ``hf:<directory or hub id>`` — a Hugging Face model, with a task and options in the
   load options' ``"hf"`` entry (:mod:`tasks.hf_spec`): the methods of one program and
   its constant methods (``LoadedModel.constants``).
@@ -210,6 +211,8 @@ class LoadedModel:
     constants: dict[str, Any] | None = None
     #: Export with torch.export's strict mode (the ``strict`` option).
     strict: bool = False
+    #: A .pt2 loads with torch's pickle-running loader (the ``trust_pickle`` option).
+    trust_pickle: bool = False
 
 
 def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
@@ -228,7 +231,10 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
             raise ModelSpecError(f"model spec {spec.text!r}: a .pt2 program carries its own dynamic shapes; "
                                  "'dynamic_shapes' is only for a factory")
         data = read_pt2(spec, storage_options)
-        return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data)
+        trust = bool((options or {}).get("trust_pickle"))
+        if not trust:
+            check_pt2(spec, data)
+        return LoadedModel(spec, fingerprint_pt2(data, options), pt2=data, trust_pickle=trust)
     with TORCH_LOCK:
         module, inputs, factory_module, dynamic_shapes, calibration = _run_factory(spec)
         if isinstance(module, dict):
@@ -488,6 +494,21 @@ def _sha256_file(path: str) -> str:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except OSError:
         return ""
+
+
+def check_pt2(spec: ModelSpec, data: bytes) -> None:
+    """ModelSpecError if the .pt2's bytes would run code to load
+    (:func:`lowering.untrusted.check_pt2`: the message names the file and the entry).
+    An archive that cannot be read at all is the export stage's error ("cannot load .pt2")."""
+    from lowering.errors import UntrustedInputError
+    from lowering.untrusted import Pt2Error, check_pt2 as check
+
+    try:
+        check(data, spec.text)
+    except UntrustedInputError as exc:
+        raise ModelSpecError(str(exc)) from None
+    except Pt2Error:
+        pass
 
 
 def read_pt2(spec: ModelSpec, storage_options: dict | None = None) -> bytes:

@@ -177,7 +177,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     _begin("export")
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
-        program = load_pt2(loaded.pt2, name=model)
+        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,

@@ -154,30 +154,46 @@ def test_whisper_decodes_greedily_with_a_kv_cache_on_both_runtimes_equal_to_eage
         torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
+def half_tolerance(logits: torch.Tensor, steps: int = 12) -> float:
+    """How far two computations of ``logits`` in a half dtype may be apart: ``steps`` rounding
+    steps of that dtype at the logits' scale (``eps * max|logit|``).
+
+    The two sides round differently at every op (lowerflow's linear is mm + add, transformers'
+    is one addmm; fused or not; fp32 accumulation or not, by CPU), 2+2 layers deep.  Measured on
+    an AMD EPYC (AVX512-BF16) the gap is 3.2 steps (bf16) and 4.2 (fp16); on a Xeon with AMX and
+    AVX512-FP16 each side's distance to fp32 bounds it below 12.  A wrong program (a stale cache
+    row, a dropped layer, another token's logits) is off by the logits' own scale, ~100+ steps of
+    bf16 and ~1,000+ of fp16: the check still tells it."""
+    return steps * torch.finfo(logits.dtype).eps * float(logits.float().abs().max())
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_whisper_in_half_precision_decodes_as_eager_and_runs_on_executorch(whisper_dir, tmp_path, dtype):
     """``dtype: bfloat16 | float16``: the programs (portable, xnnpack) take features and give logits
     in that dtype and report it (``get_dtype``).  On lowerflow's runtime they decode the tokens of
-    transformers' own decode in that dtype, their logits no further from fp32's than eager's half
-    ones are (the ops round differently: linear is mm + add here).  ExecuTorch's runtime runs them
-    (its logits are further from fp32: its portable mm/convolution accumulate in half precision,
-    measured in session 12's note; not pinned here)."""
+    transformers' own decode in that dtype, with logits within :func:`half_tolerance` of eager's in
+    the same dtype on the same machine.  ExecuTorch's runtime runs them (its logits are further
+    from fp32: its portable mm/convolution accumulate in half precision, measured in session 12's
+    note; not pinned here).
+
+    The bound is not a ratio of errors against fp32: how far half-precision kernels land from
+    fp32 depends on the CPU's half paths (AVX512-FP16 / AMX against emulation), and a ratio that
+    held on one CPU failed on another (issue 27)."""
     from lowering.runtime import load
 
     torch_dtype = getattr(torch, dtype)
     hf = load_hf(str(whisper_dir), TASK, max_seq_len=MAX_SEQ_LEN, dtype=dtype)
     assert hf.constants["get_dtype"] == {"bfloat16": 6, "float16": 5}[dtype]
     half = [eager_greedy(whisper_dir, features, dtype=torch_dtype) for features in utterances()]
-    fp32 = [eager_greedy(whisper_dir, features)[1] for features in utterances()]
     paths = []
     for target, partitioner in (("portable", None), ("xnnpack", XnnpackPartitioner())):
         result = lower(hf.lower_input(), partitioner=partitioner, share_mutable_buffers=hf.share_mutable_buffers)
         program = load(result.pte).load_all()
-        for features, (expected_tokens, eager_logits), exact in zip(utterances(), half, fp32):
+        for features, (expected_tokens, eager_logits) in zip(utterances(), half):
             tokens, logits = greedy(program.run, features.to(torch_dtype), expected_tokens[0])
             assert logits.dtype == torch_dtype and tokens == expected_tokens, (target, tokens, expected_tokens)
-            eager_error = (eager_logits.float() - exact).abs().max()
-            assert (logits.float() - exact).abs().max() <= 1.5 * eager_error, (target, eager_error)
+            gap, tolerance = (logits.float() - eager_logits.float()).abs().max(), half_tolerance(eager_logits)
+            assert gap <= tolerance, (target, float(gap), tolerance)
         paths.append(tmp_path / f"whisper-{target}.pte")
         paths[-1].write_bytes(result.pte)
     for tokens, logits in greedy_on_fresh_executorch(paths, tmp_path, dtype):

@@ -65,7 +65,8 @@ import torch
 from torch.export import ExportedProgram
 
 from ..dynamic import DynamicShapeError, check_bounded, complete_dynamic_shapes, sym_scalars_to_tensors
-from ..errors import ExportError, first_line
+from ..errors import ExportError, UntrustedInputError, first_line
+from ..untrusted import load_pt2 as load_untrusted_pt2
 from .aliases import buffers_kept, merge_aliased_constants
 from .cleanups import (
     cancel_inverse_permutes,
@@ -177,16 +178,35 @@ def load(
     name: str | None = None,
     fast: bool | None = None,
     fold_constants: bool | None = None,
+    trust_pickle: bool = False,
 ) -> ExportedProgram:
-    """Load a ``.pt2`` saved by ``torch.export.save`` and bring it to the edge form."""
+    """Load a ``.pt2`` saved by ``torch.export.save`` and bring it to the edge form.
+
+    Loading runs none of the archive's code: whatever would (a pickled weight or
+    constant, compiled code, a symbolic size that is not plain sympy) is an
+    :class:`~lowering.errors.UntrustedInputError` naming the entry, raised before anything
+    unpickles (:mod:`lowering.untrusted`).  ``trust_pickle``: load with
+    ``torch.export.load`` as it is, for a file the user trusts.
+    """
     label = name or (str(source) if isinstance(source, (str, os.PathLike)) else "<pt2 bytes>")
     try:
-        if isinstance(source, (bytes, bytearray)):
-            source = io.BytesIO(source)
-        exported = torch.export.load(source)
+        data = _read_bytes(source)
+        exported = load_untrusted_pt2(data, label, trust_pickle=trust_pickle)
+    except UntrustedInputError:
+        raise
     except Exception as exc:
         raise ExportError(f"model {label!r}: cannot load .pt2: {first_line(exc)}") from exc
     return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants)
+
+
+def _read_bytes(source: str | os.PathLike | bytes | io.IOBase) -> bytes:
+    """The archive's bytes: checked and loaded from one copy (a file cannot change between)."""
+    if isinstance(source, (bytes, bytearray)):
+        return bytes(source)
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, "rb") as f:
+            return f.read()
+    return source.read()
 
 
 def to_edge(

@@ -124,15 +124,18 @@ def check_options(source: str, task: str | None, options: dict[str, Any] | None 
 
 
 def load_hf(source: str, task: str | None, *, max_seq_len: int | None = None, dtype: str | None = None,
-            attn: str | None = None, last_token_logits: bool | None = None) -> HFProgram:
-    """Load ``source`` (a directory or hub id) for ``task``; see the module docstring."""
+            attn: str | None = None, last_token_logits: bool | None = None,
+            trust_pickle: bool = False) -> HFProgram:
+    """Load ``source`` (a directory or hub id) for ``task``; see the module docstring.
+    ``trust_pickle``: a ``pytorch_model.bin`` may unpickle more than tensors
+    (:func:`~lowering.hf.loading.from_pretrained`)."""
     check_options(source, task, {"max_seq_len": max_seq_len, "dtype": dtype, "attn": attn,
                                  "last_token_logits": last_token_logits})
     require_transformers(source)
     check_source(source)
     directory = model_directory(source)
     dtype_ = torch_dtype(source, dtype)
-    model = from_pretrained(source, directory, TASKS[task], dtype_)
+    model = from_pretrained(source, directory, TASKS[task], dtype_, trust_pickle=trust_pickle)
     max_seq_len = max_seq_len or _default_max_seq_len(model)
     options = {"task": task, "max_seq_len": max_seq_len, "dtype": str(dtype_).removeprefix("torch.")}
     with torch.no_grad():

@@ -90,10 +90,59 @@ def torch_dtype(source: str, dtype: str | None) -> torch.dtype:
 _LOAD_LOCK = threading.Lock()
 
 
-def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.dtype, **kwargs: Any):
+#: What a refused checkpoint says after its reason.
+CHECKPOINT_RULE = "lowerflow loads checkpoints without running code"
+#: transformers' names of a pickle checkpoint, and of safetensors ones (which it prefers).
+PICKLE_WEIGHTS, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def pickle_checkpoints(directory: Path) -> list[str]:
+    """The pickle files ``from_pretrained`` reads from ``directory``: ``pytorch_model.bin``
+    or its shards, when there are no safetensors weights (which it would read instead)."""
+    if any((directory / name).is_file() for name in SAFE_WEIGHTS):
+        return []
+    if (directory / PICKLE_INDEX).is_file():
+        import json
+
+        try:
+            shards = (json.loads((directory / PICKLE_INDEX).read_text()).get("weight_map") or {}).values()
+        except (ValueError, AttributeError):
+            return [PICKLE_INDEX]
+        return sorted({str(shard) for shard in shards})
+    return [PICKLE_WEIGHTS] if (directory / PICKLE_WEIGHTS).is_file() else []
+
+
+def check_checkpoint(source: str, directory: Path) -> None:
+    """UntrustedInputError naming the file unless each pickle checkpoint of ``directory``
+    loads with ``torch.load(weights_only=True)`` (tensors only: it never runs code).  Read
+    on the meta device: the pickle, not the weights' bytes."""
+    from ..errors import UntrustedInputError
+
+    for name in pickle_checkpoints(directory):
+        path = (directory / name).resolve()
+        if directory.resolve() not in path.parents:
+            raise UntrustedInputError.of(f"hf:{source}", f"{PICKLE_INDEX} names {name!r}, outside the model's "
+                                         "directory", CHECKPOINT_RULE)
+        try:
+            torch.load(path, map_location="meta", weights_only=True)
+        except Exception:
+            raise UntrustedInputError.of(f"hf:{source}", f"{name} is a pickle of more than tensors",
+                                         CHECKPOINT_RULE) from None
+
+
+def from_pretrained(source: str, directory: Path, auto_class: str, dtype: torch.dtype, *,
+                    trust_pickle: bool = False, **kwargs: Any):
     """``transformers.<auto_class>.from_pretrained(directory)`` in eval mode; HFError naming
-    the source and the class on failure (e.g. a config the task's Auto class does not take)."""
+    the source and the class on failure (e.g. a config the task's Auto class does not take).
+
+    Never the checkpoint's code: ``trust_remote_code=False`` (a config that needs its own
+    ``*.py`` fails), and a ``pytorch_model.bin`` loads with ``weights_only=True`` after
+    :func:`check_checkpoint`, unless ``trust_pickle``."""
     transformers = require_transformers(source)
+    if not trust_pickle:
+        check_checkpoint(source, directory)
+    kwargs = {**kwargs, "trust_remote_code": False, "weights_only": not trust_pickle}
     try:
         # Weights the checkpoint lacks (a head the task adds) are initialized from a fixed
         # seed: the same directory gives the same model, and the same .pte, in any process.
