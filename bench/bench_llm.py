@@ -184,8 +184,13 @@ def _call(method, ids: torch.Tensor, start: int) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - begin, logits
 
 
-def measure(ptes: list[bytes], prompt: torch.Tensor, steps: int, rounds: int, prefills: int = 10) -> list[dict]:
-    """Per program: prefill and decode tokens/s from the median call.
+def _last_row(logits: torch.Tensor) -> torch.Tensor:
+    """The last position's logits of ``[1, S, V]`` or ``[1, V]`` (a last-token-logits program)."""
+    return logits.reshape(-1, logits.shape[-1])[-1]
+
+
+def measure(ptes: list[bytes | str], prompt: torch.Tensor, steps: int, rounds: int, prefills: int = 10) -> list[dict]:
+    """Per program (its bytes or a path): prefill and decode tokens/s from the median call.
 
     Interleaved call by call, so a burst of load from elsewhere falls on both
     programs alike: per round, ``prefills`` prefills of each program in turn (the
@@ -210,13 +215,13 @@ def measure(ptes: list[bytes], prompt: torch.Tensor, steps: int, rounds: int, pr
                 prefill[i] += [seconds] * bool(r)
                 results[i]["logits"] = logits.clone()
         for i in order:
-            tokens[i].append(int(results[i]["logits"][0, -1].argmax()))
+            tokens[i].append(int(_last_row(results[i]["logits"]).argmax()))
         for step in range(steps):
             order.reverse()
             for i in order:
                 seconds, logits = _call(methods[i], torch.tensor([[tokens[i][-1]]]), prompt.shape[1] + step)
                 decode[i] += [seconds] * bool(r)
-                tokens[i].append(int(logits[0, -1].argmax()))
+                tokens[i].append(int(_last_row(logits).argmax()))
         for i, result in enumerate(results):
             result["tokens"] = tokens[i]
     for i, result in enumerate(results):

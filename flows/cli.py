@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="quantize every target: int8 (static, needs calibration), int8-dynamic or 8da4w; "
                             "or JSON, e.g. '{\"recipe\": \"8da4w\", \"group_size\": 64}' or "
                             "'{\"xnnpack\": \"int8\"}' (per target)")
+    lower.add_argument("--qembedding", metavar="BITS", choices=("8w", "4w"),
+                       help="with --quantize 8da4w or int8-dynamic, quantize the embedding tables too: 8w (int8, "
+                            "a scale per row) or 4w (int4, a scale per 32 values), as optimum-executorch's")
     lower.add_argument("--calibration", metavar="SPEC",
                        help="int8's calibration data: path/file.py:function, package.module:function or a "
                             "safetensors URL (default: the factory's own 'calibration')")
@@ -209,7 +212,8 @@ def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, An
     from flows.quantized import quantize_options
 
     try:
-        return quantize_options(args.quantize, args.calibration, args.min_sqnr, args.max_error, targets)
+        return quantize_options(args.quantize, args.calibration, args.min_sqnr, args.max_error, targets,
+                                getattr(args, "qembedding", None))
     except ValueError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
 

@@ -251,9 +251,11 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     manifest["fingerprint"] = loaded.fingerprint.to_json()
     manifest["load_seconds"] = round(time.perf_counter() - start, 4)
     try:
-        if loaded.methods and quant.recipes and any(quant.recipes.values()):
-            raise ValueError(f"model {name!r} has several methods {list(loaded.methods)}: "
-                             "quantize is for a model of one method")
+        if loaded.methods and quant.needs_calibration:
+            raise ValueError(f"model {name!r} has several methods {list(loaded.methods)}: recipe int8 (static) "
+                             "calibrates one method's activations on batches of its inputs, and a model of several "
+                             "methods (an hf: decoder, whose activations depend on the KV cache its calls carry) "
+                             "has none; use int8-dynamic or 8da4w, which need no calibration")
         calibration = quant.calibrate(name, loaded)
     except Exception as exc:
         export_records.append({"stage": "calibration", "state": "Failed", "cached": False,
@@ -265,7 +267,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         manifest["methods"] = list(loaded.methods)
         with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
-                                     export_options(version, None, extras), runtime_ops or {})
+                                     export_options(version, None, extras), runtime_ops or {}, quant)
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets) if publish is None else None
         try:
@@ -345,10 +347,13 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
 
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify,
-                      load_options: dict | None = None, runtime_ops: dict | None = None) -> dict:
+                      load_options: dict | None = None, runtime_ops: dict | None = None,
+                      quant: QuantSettings = NO_QUANTIZATION) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages.  ``load_options``: what the
-    model was loaded with (default: its ``version``), for a stage retried in another process."""
+    model was loaded with (default: its ``version``), for a stage retried in another process.
+    ``quant``: each target's recipe quantizes every traced method (dynamic recipes only:
+    :func:`lower_dag` refuses static int8 here); constant methods pass through."""
     load_options = load_options or {"version": version}
     model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
     records: list[dict] = []
@@ -378,6 +383,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                 version=version, load_options=load_options, constants=loaded.constants,
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
+                quantized=quantize_step(quant, target, None),
             )
     return manifest
 
@@ -386,7 +392,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                          shared: str | None = None, stateful: bool = False, version: str | None = None,
                          load_options: dict | None = None, constants: dict | None = None,
                          runtime_ops: list[str] | None = None,
-                         written_elsewhere: dict[str, list[str]] | None = None) -> dict:
+                         written_elsewhere: dict[str, list[str]] | None = None,
+                         quantized: dict | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -396,7 +403,10 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     buffer; then each method's memory plan places the state of all (arena 2).  ``constants``:
     the program's constant methods (an hf: model's metadata), written by emit_methods.
     ``written_elsewhere``: per method, the shared buffers only other methods write (state
-    its partition stage must not take as constant data)."""
+    its partition stage must not take as constant data).  ``quantized`` (:func:`quantize_step`):
+    every method is quantized first with the same recipe (stage ``quantize`` per method, keyed
+    as a one-method model's; mutable buffers are not touched, so shared state stays shared),
+    and verify compares each method, and the sequence, with the quantized programs."""
     load_options = load_options or {"version": version}
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
@@ -404,8 +414,14 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}),
     }
+    references: dict[str, Any] = {}
     try:
         planned, delegated = {}, {}
+        if quantized is not None:
+            programs = {method: references.setdefault(method, quantize_method(
+                for_method(run, method), records, program, quantized, model, fingerprints[method], load_options,
+                methods[method])) for method, program in programs.items()}
+            result["quantize"] = _total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate(
@@ -427,14 +443,15 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                       runtime_ops=runtime_ops)
         if verify:
             for method in programs:
+                accuracy = {"reference": references[method], **quantized["thresholds"]} if references else {}
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
-                    options=load_options)
+                    options=load_options, **accuracy)
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(
                     "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
-                    options=load_options)
+                    options=load_options, **({"references": references} if references else {}))
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
@@ -442,8 +459,26 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["pte"] = publish(name, target, emitted["pte"])
         result["ok"] = True
     except Exception as exc:
-        result.update(_failed(records, exc, target, methods=True), pte=result["pte"], methods=methods)
+        dry = DryRun(frozenset({target})) if quantized is not None else None
+        result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
+
+
+def quantize_method(run: Run, records: list[dict], program, quantized: dict, model: str, fingerprint: str,
+                    load_options: dict, entry: dict):
+    """Stage ``quantize`` of one method (a dynamic recipe: no calibration); its record goes in
+    the method's ``entry``; returns the quantized program's ref."""
+    done = run("quantize", records, program=program, recipe=quantized["recipe"], calibration=None,
+               versions=quantize_versions(), source=None, model=model, fingerprint=fingerprint, options=load_options)
+    entry["quantize"] = {"quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
+    return done["program"]
+
+
+def _total_quantize(recipe: dict, entries: list[dict]) -> dict:
+    """The target's ``quantize`` record over its methods (nodes and weight bytes summed)."""
+    return {"recipe": recipe, "calibration": None,
+            "quantized_nodes": sum(e["quantized_nodes"] for e in entries),
+            "weight_bytes": {k: sum(e["weight_bytes"][k] for e in entries) for k in ("fp32", "quantized")}}
 
 
 def for_method(run: Run, method: str) -> Run:

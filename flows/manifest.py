@@ -16,6 +16,8 @@
                                              #   {recipe: 8da4w, group_size: 64, keep_fp32: [lm_head],
                                              #    quantize_mha: false})
                                              #   for every target, or per target: {xnnpack: int8, portable: null}
+        qembedding: 4w                       # optional: with int8-dynamic / 8da4w, the embedding tables too:
+                                             #   8w (int8, a scale per row) or 4w (int4, a scale per 32 values)
         calibration: data.py:batches         # optional: int8's calibration data (a function spec or a
                                              #   safetensors URL; default: the factory's "calibration")
         min_sqnr: 20                         # optional: fail a quantized target below this SQNR (dB)
@@ -61,8 +63,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: An hf: model's keys: its task and the options of lowering.hf (load_hf).
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
-               "quantize", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops", "trust_pickle",
-               *HF_KEYS}
+               "quantize", "qembedding", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops",
+               "trust_pickle", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -268,7 +270,8 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
             raise ManifestError(f"{where}: 'dynamic_shapes' is only for a factory; a .pt2 program "
                                 "carries its own")
         dynamic_shapes = canonical_dynamic_shapes(dynamic_shapes, f"{where}: 'dynamic_shapes'")
-    quantize = recipes_by_target(raw.get("quantize"), targets, f"{where}: 'quantize'")
+    quantize = with_qembedding(recipes_by_target(raw.get("quantize"), targets, f"{where}: 'quantize'"),
+                               raw.get("qembedding"), f"{where}: 'qembedding'")
     runtime_ops = profiles_by_target(raw.get("runtime_ops"), targets, f"{where}: 'runtime_ops'")
     calibration = raw.get("calibration")
     if calibration is not None:
@@ -341,6 +344,23 @@ def recipes_by_target(value: Any, targets: list[str] | tuple[str, ...], where: s
     except QuantizeError as exc:
         raise ManifestError(f"{where}: {exc}") from None
     return recipes if any(r is not None for r in recipes.values()) else None
+
+
+def with_qembedding(recipes: dict | None, qembedding: Any, where: str = "qembedding") -> dict | None:
+    """``recipes`` (:func:`recipes_by_target`) with ``qembedding`` (``"8w"`` / ``"4w"``) in every
+    quantized target's recipe (a recipe's own ``qembedding`` is replaced); None leaves them."""
+    from lowering.quantize import QuantizeError, parse_recipe
+
+    if qembedding is None:
+        return recipes
+    if not recipes:
+        raise ManifestError(f"{where}: quantized embeddings come with a linear recipe: add 'quantize: 8da4w' "
+                            "(or int8-dynamic)")
+    try:
+        return {t: None if r is None else parse_recipe({**r, "qembedding": qembedding}).to_dict()
+                for t, r in recipes.items()}
+    except QuantizeError as exc:
+        raise ManifestError(f"{where}: {exc}") from None
 
 
 def profiles_by_target(value: Any, targets: list[str] | tuple[str, ...], where: str = "runtime_ops") -> dict | None:

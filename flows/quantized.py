@@ -18,7 +18,7 @@ from typing import Any
 
 from tasks.calibration import FROM_FACTORY, as_batches, read_calibration, remember
 
-from .manifest import recipes_by_target
+from .manifest import recipes_by_target, with_qembedding
 
 
 class CalibrationMissing(ValueError):
@@ -72,10 +72,10 @@ NO_QUANTIZATION = QuantSettings({})
 
 
 def quantize_options(quantize: str | None, calibration: str | None, min_sqnr: float | None,
-                     max_error: float | None, targets: list[str]) -> dict[str, Any]:
-    """The CLI's ``--quantize`` (a recipe name or JSON), ``--calibration``, ``--min-sqnr`` and
-    ``--max-error`` as ``lower_model`` parameters, validated as a manifest's are; a
-    ValueError naming the option otherwise."""
+                     max_error: float | None, targets: list[str], qembedding: str | None = None) -> dict[str, Any]:
+    """The CLI's ``--quantize`` (a recipe name or JSON), ``--qembedding``, ``--calibration``,
+    ``--min-sqnr`` and ``--max-error`` as ``lower_model`` parameters, validated as a manifest's
+    are; a ValueError naming the option otherwise."""
     import json
 
     from tasks.calibration import check_calibration_source
@@ -88,6 +88,11 @@ def quantize_options(quantize: str | None, calibration: str | None, min_sqnr: fl
         except json.JSONDecodeError as exc:
             raise ValueError(f"--quantize: not JSON: {exc}") from None
         out["quantize"] = recipes_by_target(value, targets, "--quantize")
+    if qembedding is not None:
+        if not out.get("quantize"):
+            raise ValueError("--qembedding needs --quantize 8da4w (or int8-dynamic): the embedding tables are "
+                             "quantized beside the linears")
+        out["quantize"] = with_qembedding(out["quantize"], qembedding, "--qembedding")
     if calibration is not None:
         out["calibration"] = check_calibration_source(calibration, "--calibration")
     out.update({k: v for k, v in (("min_sqnr", min_sqnr), ("max_error", max_error)) if v is not None})

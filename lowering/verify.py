@@ -226,10 +226,16 @@ def verify_call_sequence(
     *,
     atol: float = 1e-4,
     rtol: float = 1e-4,
+    references: dict[str, Any] | None = None,
 ) -> VerifyReport:
     """Run a sequence of method calls on ONE loaded program in each runtime against one
     copy of the eager modules run in the same order: the check of state shared
     across methods (``prefill`` then ``decode`` reading its KV cache).
+
+    ``references``: a quantized program's ``{method: quantized ExportedProgram}``; they run
+    in torch with their buffers of one name tied into one tensor (the state the methods
+    share), the runtimes must match them as :func:`verify` matches a quantized method, and
+    the error against the fp32 modules is reported.
 
     ``methods``: ``{name: (module, example_inputs)}``, deep-copied together so modules
     sharing a submodule still share it.  ``sequence``: ``[(method, inputs), ...]``;
@@ -239,19 +245,20 @@ def verify_call_sequence(
     """
     if sequence is None:
         sequence = round_robin(methods)
-    reference = fresh_copy({name: module for name, (module, _) in methods.items()})
     calls = [(name, pytree.tree_leaves(tuple(inputs))) for name, inputs in sequence]
-    expected = []
-    with torch.no_grad():
-        for name, inputs in sequence:
-            expected.append(pytree.tree_leaves(reference[name](*inputs)))
+    expected = _eager_sequence(fresh_copy({name: module for name, (module, _) in methods.items()}), sequence)
+    quantized = None
+    if references:
+        fp32, expected = expected, _eager_sequence(tied_references(references), sequence)
+        quantized = {"fp32": fp32, "min_sqnr": None, "max_error": None}
     names = sorted(methods)
     backend_ids = delegate_backend_ids(pte)
     missing = _missing_lowerflow_runtimes(backend_ids)
     if missing:
         checks = [RuntimeCheck("lowerflow", None, skipped=f"no backend runtime for {missing}")]
     else:
-        checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(pte, names, calls), expected, atol, rtol)]
+        checks = [_check("lowerflow", lambda: _run_lowerflow_sequence(pte, names, calls), expected, atol, rtol,
+                         quantized)]
     runner = executorch_runner()
     if runner is not None:
         missing = runner.missing_backends(backend_ids)
@@ -261,8 +268,29 @@ def verify_call_sequence(
         elif missing_ops:
             checks.append(RuntimeCheck("executorch", None, skipped=f"operators not in this runtime: {missing_ops}"))
         else:
-            checks.append(_check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol))
+            checks.append(_check("executorch", lambda: runner.sequence(pte, names, calls), expected, atol, rtol,
+                                 quantized))
     return VerifyReport(checks)
+
+
+def _eager_sequence(modules: dict[str, Any], sequence) -> list[list[torch.Tensor]]:
+    with torch.no_grad():
+        return [pytree.tree_leaves(modules[name](*inputs)) for name, inputs in sequence]
+
+
+def tied_references(programs: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    """``{method: program.module()}`` with every buffer of one name one tensor (the first
+    method's, in name order), so a buffer one method writes is what the others read."""
+    modules = {name: programs[name].module() for name in sorted(programs)}
+    seen: dict[str, torch.Tensor] = {}
+    for module in modules.values():
+        for fqn, buffer in list(module.named_buffers()):
+            if fqn not in seen:
+                seen[fqn] = buffer
+                continue
+            owner, _, leaf = fqn.rpartition(".")
+            (module.get_submodule(owner) if owner else module)._buffers[leaf] = seen[fqn]
+    return modules
 
 
 def round_robin(methods: dict[str, tuple[Any, Sequence[Any]]], rounds: int = 2) -> list[tuple[str, Sequence[Any]]]:

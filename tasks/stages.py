@@ -229,8 +229,10 @@ def quantize_versions() -> dict[str, str]:
 
 def count_quantized_nodes(program: torch.export.ExportedProgram) -> int:
     """Quantize / dequantize / choose-qparams nodes of the program (what the report shows)."""
+    from lowering.quant_ops import QUANT_NAMESPACES
+
     return sum(1 for n in program.graph.nodes if n.op == "call_function"
-               and getattr(n.target, "namespace", None) in ("quantized_decomposed", "torchao"))
+               and getattr(n.target, "namespace", None) in QUANT_NAMESPACES)
 
 
 def fused_ops_key(target: str, options: dict) -> str | None:
@@ -541,15 +543,18 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
 
 
 def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str,
-                        options: dict | None = None) -> dict:
+                        options: dict | None = None, references: dict | None = None) -> dict:
     """The check of state shared across methods: every method in program order, twice,
     on one loaded program against the eager modules (sharing their state) run the
-    same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's."""
+    same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's.
+    ``references``: a quantized program's ``{method: quantized program ref}``, run in torch
+    (sharing their state) as what the program must match (in the key only when given)."""
     _begin("verify_sequence")
     release_live()
     loaded = live_model(model, fingerprint, options)
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
-    return verify_call_sequence(store.get_bytes(pte), methods).to_dict()
+    quantized = {m: get_program(store, ref) for m, ref in references.items()} if references else None
+    return verify_call_sequence(store.get_bytes(pte), methods, references=quantized).to_dict()
 
 
 # --------------------------------------------------------------------------- Prefect tasks
@@ -608,6 +613,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
+    "verify_sequence": ("references",),
 }
 
 

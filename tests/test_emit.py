@@ -103,6 +103,43 @@ def test_mutated_buffer_starts_from_its_initial_value():
     assert_all_close(program.run("forward", [x]), expected[1])
 
 
+class _EqualStates(torch.nn.Module):
+    """Three mutated buffers, two of them with equal (non-zero) initial values, each updated its own way."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.full((4,), 3.0))
+        self.register_buffer("b", torch.full((4,), 3.0))
+        self.register_buffer("c", torch.arange(4, dtype=torch.float32))
+
+    def forward(self, x):
+        self.a.mul_(x)
+        self.b.add_(x)
+        self.c.sub_(x)
+        return self.a + self.b * 2 + self.c * 3
+
+
+def test_equal_initial_values_are_stored_once_and_each_buffer_keeps_its_own_state():
+    """Initial values are copied into each buffer's planned memory at load: buffers with equal
+    initial bytes (a decoder's zero KV caches) share one mutable-data blob, as in ExecuTorch's
+    emitter, and still evolve apart on both runtimes."""
+    x = torch.tensor([2.0, 3.0, 0.5, -1.0])
+    ep = export(_EqualStates(), (x,))
+    pte = emit_program(ep, memory_plan(ep))
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    initial = deserialize_pte_binary(pte).mutable_data
+    assert [bytes(b.storage) for b in initial] == [
+        b"", torch.full((4,), 3.0).numpy().tobytes(), torch.arange(4, dtype=torch.float32).numpy().tobytes()]
+    expected = _two_eager_calls(_EqualStates(), (x,))
+    got = run_in_executorch(pte, (x,), calls=2)
+    assert_all_close(got[0], expected[0])
+    assert_all_close(got[1], expected[1])
+    program = load(pte)
+    assert_all_close(program.run("forward", [x]), expected[0])
+    assert_all_close(program.run("forward", [x]), expected[1])
+
+
 def test_multi_output_structure_matches_eager_and_executorch(programs):
     from executorch.exir._serialize._program import deserialize_pte_binary
 

@@ -43,13 +43,15 @@ BOS, EOS = 1, 2
 VARIANTS = [("custom", "xnnpack"), ("standard", "xnnpack"), ("custom", "portable")]
 
 #: Run in a fresh interpreter: ExecuTorch's custom-ops library first (llama::*.out kernels;
-#: loading it after lowerflow's llama op definitions aborts the process), then the runner
-#: over every program given (one start-up for all); the generated pieces as JSON, one list
+#: loading it after lowerflow's llama op definitions aborts the process) and its quantized
+#: kernels (quantized_decomposed::*.out: a program with quantized embeddings calls
+#: embedding_byte / embedding_4bit), then the runner over every program given (one start-up for all); the generated pieces as JSON, one list
 #: per program, or {"unavailable": why} when the runner cannot be imported.
 _RUNNER = textwrap.dedent("""
     import json, sys
     try:
         import executorch.extension.llm.custom_ops.custom_ops
+        import executorch.kernels.quantized
         from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
     except ImportError as exc:
         print(json.dumps({"unavailable": str(exc)}))

@@ -64,6 +64,11 @@ def test_recipe_key_text_is_stable():
     assert QuantRecipe("int8", group_size=64).key_text() == parse_recipe("int8").key_text()
     assert json.loads(r.key_text())["recipe"] == "8da4w"
     assert hash(r) == hash(QuantRecipe("8da4w", 128, ("lm_head", "attn", "lm_head")))
+    # qembedding is in the key only when set (the keys above stay as they were)
+    assert parse_recipe({"recipe": "8da4w", "qembedding": "4w"}).key_text() == \
+        '{"group_size":32,"keep_fp32":[],"qembedding":"4w","quantize_mha":false,"recipe":"8da4w"}'
+    assert parse_recipe({"recipe": "int8-dynamic", "qembedding": "8w"}).key_text() == \
+        '{"keep_fp32":[],"qembedding":"8w","recipe":"int8-dynamic"}'
 
 
 @pytest.mark.parametrize(
@@ -88,6 +93,8 @@ def test_recipe_key_text_is_stable():
         ({"recipe": "int8", "keep_fp32": 3}, ["keep_fp32 must be a list"]),
         ({"recipe": "int8", "keep_fp32": ["fc", ""]}, ["non-empty strings"]),
         ({"recipe": 8}, ["'recipe' must be a string"]),
+        ({"recipe": "8da4w", "qembedding": "4bit"}, ["qembedding '4bit' is not one of 8w, 4w"]),
+        ({"recipe": "int8", "qembedding": "8w"}, ["qembedding applies to int8-dynamic and 8da4w"]),
     ],
 )
 def test_bad_recipe_names_the_input(spec, words):

@@ -311,3 +311,38 @@ def test_per_axis_4bit_weights_as_qbint4_and_as_qcint4():
         for out in compare(program, x):
             assert out["max"] <= 1e-5 * out["ref"], out
     torch.testing.assert_close(load(edited).run("forward", [x]), load(pte).run("forward", [x]), atol=1e-6, rtol=1e-5)
+
+
+class _Lookup(torch.nn.Module):
+    """An embedding table (rows of 64) looked up, then scaled (the scale is delegated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = torch.nn.Embedding(50, 64)
+
+    def forward(self, ids):
+        return self.table(ids) * 2.0
+
+
+@pytest.mark.parametrize("qembedding, op", [("8w", "embedding_byte"), ("4w", "embedding_4bit")])
+def test_quantized_embedding_lookups_are_bit_exact_with_executorch_and_the_reference(qembedding, op):
+    """lowerflow's qembedding tables (int8 per row; int4 two a byte, value 2j in the high nibble,
+    a scale per 32 values) read by ExecuTorch's quantized_decomposed::embedding_byte/4bit.out and
+    by lowerflow's own kernels: the same bits, and the quantized reference's (torch) too."""
+    import executorch.kernels.quantized  # noqa: F401  (the kernels, in this process)
+
+    from lowering import lower
+    from lowering.backends.xnnpack import XnnpackPartitioner
+    from lowering.export import export
+    from lowering.quantize import quantize
+
+    ids = torch.tensor([[0, 7, 49, 7, 3, 21]])
+    recipe = {"recipe": "8da4w", "qembedding": qembedding}
+    pte = lower(_Lookup(), (ids,), quantize=recipe, partitioner=XnnpackPartitioner()).pte
+    assert f"quantized_decomposed::{op}.out" in operators(pte)
+    assert [found["max"] for found in compare(pte, ids)] == [0.0]
+    reference = quantize(export(_Lookup(), (ids,)), recipe).module()(ids)
+    assert torch.equal(load(pte).run("forward", [ids])[0], reference)
+    fp32 = _Lookup()(ids)
+    assert 0 < (reference - fp32).abs().max() < fp32.abs().max() / (10 if qembedding == "4w" else 100)

@@ -95,6 +95,7 @@ class MethodEmitter:
         self.constants: list[bytes] = [b""]
         self._constant_index: dict[bytes, int] = {}
         self.mutable_data: list[bytes] = [b""]
+        self._mutable_index: dict[bytes, int] = {}
         self.delegate_payloads: list[bytes] = []
         self._payload_index: dict[bytes, int] = {}
         self.delegates: list[schema.BackendDelegateT] = []
@@ -527,8 +528,15 @@ class MethodEmitter:
         return self.add_value(tensor_evalue(table))
 
     def _add_mutable_data(self, tensor: torch.Tensor) -> int:
-        self.mutable_data.append(tensor_bytes(tensor.contiguous()))
-        return len(self.mutable_data) - 1
+        """The index of ``tensor``'s initial value; equal bytes are stored once (initial values
+        are read-only sources copied into each buffer's planned memory at load, as in
+        :class:`lowering.methods._DataPool` and ExecuTorch's emitter): e.g. a decoder's
+        zero KV caches of one shape share one blob."""
+        data = tensor_bytes(tensor.contiguous())
+        if data not in self._mutable_index:
+            self._mutable_index[data] = len(self.mutable_data)
+            self.mutable_data.append(data)
+        return self._mutable_index[data]
 
     # --------------------------------------------------------------- arguments
 

@@ -19,7 +19,7 @@ from ..control_flow_graph import is_control_flow
 from ..dynamic import is_sym_op
 from ..errors import MemoryPlanError
 from ..mutating_ops import is_auto_functionalized, out_variant as mutating_out_variant
-from ..quant_ops import out_variant_of
+from ..quant_ops import EMBEDDING_NAMESPACE, out_variant_of
 
 
 def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
@@ -63,8 +63,8 @@ def find_out_variants(graph: torch.fx.Graph) -> dict[str, str]:
 def out_variant_name(op: torch._ops.OpOverload) -> str | None:
     """``aten.add.Tensor`` -> ``"aten::add.out"``; None if no out overload matches."""
     schema = op._schema
-    if schema.name.startswith("quantized_decomposed::"):  # the stock runtime's quantized kernels
-        return out_variant_of(op)
+    if schema.name.startswith(("quantized_decomposed::", f"{EMBEDDING_NAMESPACE}::")):
+        return out_variant_of(op)  # the stock runtime's quantized kernels
     return _out_variant_table(schema.name).get(schema.overload_name or "default")
 
 

@@ -131,6 +131,10 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
 
     if recipe.name == "int8-dynamic":
         _quantize_convs(program, recipe)
+    if recipe.qembedding:
+        from .embedding import quantize_embeddings
+
+        quantize_embeddings(program, recipe.qembedding, recipe.keep_fp32)
     remove_unused(program)
     graph.lint()
     program.graph_module.recompile()

@@ -9,12 +9,20 @@ entry)::
     parse_recipe({"recipe": "8da4w", "group_size": 64,     # dynamic activations, int4 group weights
                   "keep_fp32": ["lm_head"]})
     parse_recipe({"recipe": "8da4w", "quantize_mha": True})  # nn.MultiheadAttention's projections too
+    parse_recipe({"recipe": "8da4w", "qembedding": "4w"})  # embedding tables too (int4, groups of 32)
 
 Which linears each recipe quantizes follows ExecuTorch's flow for it: ``int8`` and
 ``int8-dynamic`` (PT2E, graph level) every linear op (``int8-dynamic`` also the 2-D convolutions
 ``XNNPACKQuantizer``'s dynamic config takes); ``8da4w`` (torchao's ``quantize_``,
 module level) ``nn.Linear`` modules, so not ``nn.MultiheadAttention``'s packed in-projection
 and ``NonDynamicallyQuantizableLinear`` out-projection, unless ``quantize_mha``.
+
+``qembedding`` (``int8-dynamic`` / ``8da4w``): every embedding lookup of a constant table
+becomes one of the stock runtime's quantized embedding kernels, as optimum-executorch's
+``--qembedding`` (torchao ``IntxWeightOnlyConfig``, symmetric) makes them: ``"8w"`` int8
+[-128, 127] with one fp32 scale per row (``quantized_decomposed::embedding_byte``), ``"4w"``
+int4 [-8, 7] packed two per byte with an fp32 scale per group of 32 values of a row
+(``quantized_decomposed::embedding_4bit``); see :mod:`lowering.quantize.embedding`.
 
 ``key_text()`` is canonical JSON of every field that decides the output: the
 cache key of the quantize stage is built from it, so it must never change for
@@ -34,7 +42,10 @@ from ..errors import QuantizeError
 RECIPE_NAMES = ("int8", "int8-dynamic", "8da4w")
 
 #: Keys a mapping spec may have.
-_SPEC_KEYS = ("recipe", "group_size", "keep_fp32", "quantize_mha")
+_SPEC_KEYS = ("recipe", "group_size", "keep_fp32", "quantize_mha", "qembedding")
+
+#: ``qembedding`` values: optimum-executorch's ``--qembedding`` names.
+QEMBEDDING = ("8w", "4w")
 
 
 @dataclass(frozen=True)
@@ -51,12 +62,17 @@ class QuantRecipe:
     ``quantize_mha``: 8da4w only; also quantize the linears of ``nn.MultiheadAttention``
     (its in/out projections), which torchao's ``nn.Linear`` filter, and so ExecuTorch's
     8da4w flow, leaves fp32 (the default).
+    ``qembedding``: ``int8-dynamic`` / ``8da4w`` only; ``"8w"`` or ``"4w"`` quantizes the
+    embedding tables (weight only; None: they stay fp32).  A table tied to the LM head
+    is then stored twice, in two quantized forms: the embedding's own table (the stock
+    runtime's kernel) and the head's weights (the backend's), as optimum's programs do.
     """
 
     name: str
     group_size: int = 32
     keep_fp32: tuple[str, ...] = ()
     quantize_mha: bool = False
+    qembedding: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in RECIPE_NAMES:
@@ -83,6 +99,14 @@ class QuantRecipe:
             raise QuantizeError(
                 f"quantize recipe {self.name!r}: quantize_mha must be true or false, got {self.quantize_mha!r}"
             )
+
+        if self.qembedding is not None:
+            if self.qembedding not in QEMBEDDING:
+                raise QuantizeError(f"quantize recipe {self.name!r}: qembedding {self.qembedding!r} is not one of "
+                                    f"{', '.join(QEMBEDDING)}{_suggestion(str(self.qembedding), QEMBEDDING)}")
+            if self.name == "int8":
+                raise QuantizeError("quantize recipe 'int8': qembedding applies to int8-dynamic and 8da4w "
+                                    "(weight-only tables beside dynamic linears), not to static int8")
 
     @property
     def skips_mha(self) -> bool:
@@ -113,6 +137,8 @@ class QuantRecipe:
             out["group_size"] = self.group_size
             out["quantize_mha"] = self.quantize_mha
         out["keep_fp32"] = list(self.keep_fp32)
+        if self.qembedding is not None:  # only when set: the keys of recipes without it stay
+            out["qembedding"] = self.qembedding
         return out
 
     def key_text(self) -> str:
@@ -129,14 +155,15 @@ class QuantRecipe:
         extra = f", group_size={self.group_size}" if self.name == "8da4w" else ""
         extra += ", quantize_mha=True" if self.quantize_mha and self.name == "8da4w" else ""
         keep = f", keep_fp32={list(self.keep_fp32)}" if self.keep_fp32 else ""
-        return f"{self.name}{extra}{keep}"
+        embedding = f", qembedding={self.qembedding}" if self.qembedding else ""
+        return f"{self.name}{extra}{keep}{embedding}"
 
 
 def parse_recipe(spec: Any) -> QuantRecipe:
     """A :class:`QuantRecipe` from a recipe, a name or a mapping.
 
     Mapping keys: ``recipe`` (required), ``group_size``, ``keep_fp32`` (a list,
-    or one string), ``quantize_mha``.  Anything else raises :class:`QuantizeError` naming the input.
+    or one string), ``quantize_mha``, ``qembedding``.  Anything else raises :class:`QuantizeError` naming the input.
     """
     if isinstance(spec, QuantRecipe):
         return spec
@@ -175,7 +202,7 @@ def _from_mapping(spec: Mapping) -> QuantRecipe:
     elif not isinstance(keep, (list, tuple)):
         raise QuantizeError(f"quantize recipe {dict(spec)!r}: keep_fp32 must be a list of strings, got {keep!r}")
     return QuantRecipe(name, group_size=spec.get("group_size", 32), keep_fp32=tuple(keep),
-                       quantize_mha=spec.get("quantize_mha", False))
+                       quantize_mha=spec.get("quantize_mha", False), qembedding=spec.get("qembedding"))
 
 
 def _name(name: str, raw: Any) -> str:

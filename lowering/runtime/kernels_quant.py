@@ -10,6 +10,9 @@ runs them from ``executorch/kernels/quantized`` and lowerflow here, with the sam
     choose_qparams  min/max (with 0) -> scale = (max - min) / (qmax - qmin) in double,
                   raised to 6.1e-5 for tiny ranges; zp from the side with the smaller error,
                   nudged (rint) into [qmin, qmax]; ``eps`` is ignored as ExecuTorch does
+    embedding_byte / embedding_4bit   rows ``indices`` of an int8 / packed int4 table,
+                  ``(f32(q) - f32(zp)) * f32(scale)`` per group of a row
+                  (:func:`lowering.quant_ops.quantized_embedding`; ``op_embedding*.cpp``)
 
 Schemas are those of ExecuTorch's ``quantized.yaml`` (arguments in order, ``out`` tensors
 last); each entry is ``(number of arguments, call, positions written)``.
@@ -143,6 +146,19 @@ def choose_qparams_per_token_asymmetric(values: list) -> None:
     zero_point_out.copy_(torch.tensor([z for _, z in pairs], dtype=torch.int64).reshape(zero_point_out.shape))
 
 
+def _embedding(bits: int) -> Callable[[list], None]:
+    def embedding(values: list) -> None:
+        from ..quant_ops import quantized_embedding
+
+        weight, scales, zero_points, _qmin, _qmax, indices, out = values
+        result = quantized_embedding(weight, scales, zero_points, indices, bits).to(out.dtype)
+        if tuple(out.shape) != tuple(result.shape):
+            out.resize_(result.shape)  # a dynamic (DYNAMIC_BOUND) output: the executor emptied it
+        out.copy_(result)
+
+    return embedding
+
+
 #: qualified name -> (number of schema arguments, call, positions of the written arguments).
 QUANT_KERNEL_SPECS: dict[str, tuple[int, Callable[[list], None], tuple[int, ...]]] = {
     "quantized_decomposed::quantize_per_tensor.out": (7, quantize_per_tensor, (6,)),
@@ -155,4 +171,6 @@ QUANT_KERNEL_SPECS: dict[str, tuple[int, Callable[[list], None], tuple[int, ...]
     "quantized_decomposed::dequantize_per_token.out": (8, dequantize_per_token, (7,)),
     "quantized_decomposed::choose_qparams.Tensor_out": (7, choose_qparams, (5, 6)),
     "quantized_decomposed::choose_qparams_per_token_asymmetric.out": (4, choose_qparams_per_token_asymmetric, (2, 3)),
+    "quantized_decomposed::embedding_byte.out": (7, _embedding(8), (6,)),
+    "quantized_decomposed::embedding_4bit.out": (7, _embedding(4), (6,)),
 }

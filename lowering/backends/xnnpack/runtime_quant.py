@@ -267,6 +267,11 @@ def _fully_connected(n: QNode, floats: dict) -> Any:
     return _static_out(n, (x - pin.zero_point).to(F64) @ w.t(), pin, pw)
 
 
+#: Most per-block partial sums (float64) :func:`_blockwise_fc` holds at once: rows are done in
+#: chunks (an LLM head at a 1023-token prefill is 1023 x 49152 x 18 of them: 7 GB at once).
+BLOCKWISE_CHUNK = 1 << 22
+
+
 def _blockwise_fc(n: QNode, x: DynamicQ, xq: torch.Tensor, w: torch.Tensor, pw: QParams) -> torch.Tensor:
     gs = pw.group_size
     oc, ic = w.shape
@@ -274,8 +279,13 @@ def _blockwise_fc(n: QNode, x: DynamicQ, xq: torch.Tensor, w: torch.Tensor, pw: 
     pad = blocks * gs - ic
     if pad:
         xq, w = F.pad(xq, (0, pad)), F.pad(w, (0, pad))
-    acc = torch.einsum("...bk,obk->...ob", xq.reshape(*xq.shape[:-1], blocks, gs), w.reshape(oc, blocks, gs))
-    summed = (acc.to(F32).to(F64) * pw.scale.to(F64)).sum(-1).to(F32)
+    rows, wb, scale = xq.reshape(-1, blocks, gs), w.reshape(oc, blocks, gs), pw.scale.to(F64)
+    step = max(1, BLOCKWISE_CHUNK // (oc * blocks))
+    summed = torch.empty(rows.shape[0], oc, dtype=F32)
+    for start in range(0, rows.shape[0], step):  # each row alone: the same sums as all at once
+        acc = torch.einsum("mbk,obk->mob", rows[start:start + step], wb)
+        summed[start:start + step] = (acc.to(F32).to(F64) * scale).sum(-1).to(F32)
+    summed = summed.reshape(*xq.shape[:-1], oc)
     bias, _ = _bias(n)
     return n.finish_float(summed * x.scale if bias is None else _fma(summed, x.scale, bias))
 
