@@ -18,7 +18,7 @@ import abc
 import dataclasses
 import hashlib
 from importlib import metadata
-from typing import Mapping
+from typing import Any, Mapping
 
 from torch.export import ExportedProgram
 
@@ -73,12 +73,26 @@ def named_data_key(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def named_blob(data: Any) -> bytes | memoryview:
+    """A blob of named data as a lowered module keeps it: bytes, or a read-only memoryview
+    (a weight tensor's memory, :func:`lowering.serialize.tensor_memory`) as it is, so a
+    weight is not copied until the ``.pte`` is joined; anything else copied to bytes."""
+    if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
+        return data
+    return bytes(data)
+
+
+def same_blob(a: Any, b: Any) -> bool:
+    """Whether two blobs of named data hold the same bytes (without copying either)."""
+    return a is b or (len(a) == len(b) and hashlib.sha256(a).digest() == hashlib.sha256(b).digest())
+
+
 @dataclasses.dataclass(frozen=True)
 class PreprocessResult:
     """What ``BackendDetails.preprocess`` returns.
 
-    ``named_data`` maps keys to blobs (weights) the payload refers to by key; they
-    are stored in the program's ``named_data`` table, one segment per distinct
+    ``named_data`` maps keys to blobs (weights) the payload refers to by key (bytes, or
+    read-only views of the weights' memory: :func:`named_blob`); they are stored in the program's ``named_data`` table, one segment per distinct
     blob, and handed to the backend's runtime when it loads the delegate.
     """
 
@@ -89,12 +103,12 @@ class PreprocessResult:
     def __post_init__(self) -> None:
         named = {}
         for key, blob in dict(self.named_data or {}).items():
-            if not isinstance(key, str) or not isinstance(blob, (bytes, bytearray)):
+            if not isinstance(key, str) or not isinstance(blob, (bytes, bytearray, memoryview)):
                 raise TypeError(
                     f"PreprocessResult.named_data: key {key!r} must be str and its blob bytes, "
                     f"got {type(key).__name__} and {type(blob).__name__}"
                 )
-            named[key] = bytes(blob)
+            named[key] = named_blob(blob)
         object.__setattr__(self, "named_data", dict(sorted(named.items())))
 
 

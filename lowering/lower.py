@@ -229,6 +229,7 @@ def lower_methods(
         if quantize is not None and partitioner is None:
             _parse_recipe(quantize).check_portable(f"lower_methods: method {name!r}")
         programs[name] = _quantize(program, quantize, calibration_of, timings[name], name)
+        del program  # a quantized method's fp32 program: nothing reads it again (its weights go)
     modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
     (check_shared_state_names if share_mutable_buffers else check_no_shared_state)(modules, mutated)

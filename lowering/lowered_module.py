@@ -24,6 +24,7 @@ from .delegation import (  # re-exported: their historical home
     canonical_backend_id,
     find_backend,
 )
+from .delegation import named_blob
 from .errors import BackendError
 
 __all__ = [
@@ -59,7 +60,7 @@ class LoweredBackendModule(torch.nn.Module):
         self._backend_id = backend_id
         self._processed_bytes = bytes(processed_bytes)
         self._compile_specs = list(compile_specs)
-        self._named_data = {k: bytes(v) for k, v in sorted((named_data or {}).items())}
+        self._named_data = {k: named_blob(v) for k, v in sorted((named_data or {}).items())}
 
     @property
     def original_module(self) -> ExportedProgram:

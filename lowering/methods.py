@@ -51,6 +51,8 @@ from torch.export.graph_signature import InputKind
 from .delegation import SHARED_STATE
 from .errors import EmitError, LoweringError
 from .pte import PteData, schema, serialize
+from .pte.format import blob_key
+from .delegation import same_blob
 
 
 class MethodError(LoweringError):
@@ -156,8 +158,8 @@ class _DataPool:
         self._named_by: dict[str, str] = {}
 
     def add_method(self, name: str, plan: schema.ExecutionPlanT, pte: PteData) -> None:
-        constants = [self._constant(bytes(data)) if i else 0 for i, data in enumerate(pte.constants)]
-        mutable = [self._mutable(bytes(data)) if i else 0 for i, data in enumerate(pte.mutable_data)]
+        constants = [self._constant(data) if i else 0 for i, data in enumerate(pte.constants)]
+        mutable = [self._mutable(data) if i else 0 for i, data in enumerate(pte.mutable_data)]
         for value in plan.values or []:
             if value.valType != schema.KernelTypes.Tensor or not value.val.dataBufferIdx:
                 continue
@@ -171,24 +173,26 @@ class _DataPool:
         for delegate in plan.delegates or []:
             delegate.processed.index = payloads[delegate.processed.index]
         for key, blob in pte.named_data.items():
-            if self.named_data.setdefault(key, bytes(blob)) != bytes(blob):
+            if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise EmitError(f"method {name!r}: named data key {key!r} is already used by method "
                                 f"{self._named_by[key]!r} for different bytes")
             self._named_by.setdefault(key, name)
 
     def _constant(self, data: bytes) -> int:
-        if data not in self._constant_index:
-            self._constant_index[data] = len(self.constants)
+        key = blob_key(data)  # data may be a view of a weight (not hashable, never copied)
+        if key not in self._constant_index:
+            self._constant_index[key] = len(self.constants)
             self.constants.append(data)
-        return self._constant_index[data]
+        return self._constant_index[key]
 
     def _mutable(self, data: bytes) -> int:
         """Initial values are read-only sources copied into planned memory at load:
         equal bytes are stored once (a shared buffer's value is in every method)."""
-        if data not in self._mutable_index:
-            self._mutable_index[data] = len(self.mutable_data)
+        key = blob_key(data)
+        if key not in self._mutable_index:
+            self._mutable_index[key] = len(self.mutable_data)
             self.mutable_data.append(data)
-        return self._mutable_index[data]
+        return self._mutable_index[key]
 
     def _payload(self, data: bytes) -> int:
         if data not in self._payload_index:

@@ -107,7 +107,8 @@ class SerializationError(LoweringError):
 
 @dataclass(frozen=True)
 class Serialized:
-    """A manifest and the blobs it names (``{sha256 hex: bytes}``)."""
+    """A manifest and the blobs it names (``{sha256 hex: bytes}``; a tensor's blob is a
+    read-only view of its memory, :func:`tensor_memory`)."""
 
     manifest: bytes
     blobs: dict[str, bytes]
@@ -161,11 +162,13 @@ def manifest_blobs(manifest: bytes) -> list[str]:
 # --------------------------------------------------------------------------- tensors
 
 
-def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dict[str, Any], bytes]:
+def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dict[str, Any], memoryview]:
     """Raw bytes of ``tensor`` in memory order and the JSON metadata to rebuild it.
 
     The metadata's ``"blob"`` is the digest of the bytes.  Strides of dense tensors
-    (e.g. channels-last) are kept; other layouts are stored contiguous.
+    (e.g. channels-last) are kept; other layouts are stored contiguous.  The bytes
+    are a read-only view of the tensor's memory (:func:`tensor_memory`), not a copy:
+    serializing a program holds no second copy of its weights.
     """
     if not isinstance(tensor, torch.Tensor):
         raise SerializationError(f"{name}: expected a tensor, got {type(tensor).__name__}")
@@ -178,7 +181,7 @@ def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dic
     dense = t.permute(order) if order is not None else t.contiguous()
     if order is None:
         t = dense
-    data = dense.reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = tensor_memory(dense)
     meta = {
         "blob": blob_digest(data),
         "dtype": str(t.dtype).removeprefix("torch."),
@@ -190,8 +193,20 @@ def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dic
     return meta, data
 
 
+def tensor_memory(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU ``tensor`` as a flat read-only memoryview of its memory
+    (no copy; it keeps the tensor's storage alive).  Compares, hashes and joins as bytes."""
+    flat = tensor.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+
+
 def tensor_from_blob(meta: Mapping[str, Any], data: bytes, *, name: str = "<tensor>") -> torch.Tensor:
-    """Rebuild the tensor :func:`tensor_to_blob` described, from its (verified) bytes."""
+    """Rebuild the tensor :func:`tensor_to_blob` described, from its (verified) bytes.
+
+    A ``bytearray`` (what the artifact store reads) becomes the tensor's memory as it
+    is; other bytes are copied first (the tensor must own writable memory)."""
     try:
         dtype = _DTYPES[meta["dtype"]]
         shape, stride = [int(s) for s in meta["shape"]], [int(s) for s in meta["stride"]]
@@ -206,7 +221,8 @@ def tensor_from_blob(meta: Mapping[str, Any], data: bytes, *, name: str = "<tens
         )
     # Dims from outermost to innermost in memory: the reverse of ascending stride.
     order = sorted(range(len(shape)), key=lambda d: (stride[d], shape[d]), reverse=True)
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    buffer = data if isinstance(data, bytearray) else bytearray(data)
+    raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
     dense = raw.view(dtype).reshape([shape[d] for d in order])
     tensor = dense.permute(_inverse(order))
     if list(tensor.stride()) != stride and numel > 1:
@@ -337,7 +353,7 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
     state_dict = tensors(obj["state_dict"], "state_dict entry")
     constants = tensors(obj["constants"], "constant")
     example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
-    graph = blob(obj["graph"], "graph")
+    graph = bytes(blob(obj["graph"], "graph"))
     # torch's deserializer eval()s symbolic sizes: a graph blob someone else wrote is checked first.
     check_program_bytes(graph, f"stored program graph {obj['graph'][:12]}", rule=STORE_RULE, trust_hint=False)
     try:
@@ -703,9 +719,10 @@ def deserialize_delegated_program(manifest: bytes, get_blob: Callable[[str], byt
         name = entry["name"]
         original = deserialize_program(blob(entry["original_program"], f"{name} program"), get_blob)
         specs = [CompileSpec(c["key"], bytes.fromhex(c["value"])) for c in entry["compile_specs"]]
-        named = named_data_from_json(entry.get("named_data", []), lambda d, w: blob(d, f"{name} {w}"))
+        # bytes, as a lowered module holds them (a store may hand writable buffers, for tensors)
+        named = named_data_from_json(entry.get("named_data", []), lambda d, w: bytes(blob(d, f"{name} {w}")))
         modules[name] = LoweredBackendModule(
-            original, entry["backend_id"], blob(entry["processed"], f"{name} payload"), specs, named
+            original, entry["backend_id"], bytes(blob(entry["processed"], f"{name} payload")), specs, named
         )
     for scope, gm in list(iter_scopes(program.graph_module)):
         for node in list(gm.graph.nodes):
@@ -729,7 +746,7 @@ def named_data_to_json(named_data: Mapping[str, bytes], blobs: dict[str, bytes])
     each blob is added to ``blobs`` under its digest (content-addressed, stored once)."""
     out = []
     for key in sorted(named_data):
-        data = bytes(named_data[key])
+        data = named_data[key]  # bytes or a weight's read-only view: stored as it is
         digest = blob_digest(data)
         blobs[digest] = data
         out.append({"key": key, "blob": digest})

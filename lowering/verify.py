@@ -299,11 +299,21 @@ def _run_cases(pte: Pte, cases: list[_Case], calls: int, atol: float, rtol: floa
 
 def _eager(model: torch.nn.Module, inputs: Sequence[Any], calls: int) -> list[list[torch.Tensor]]:
     """Flat outputs of ``calls`` successive calls of a fresh copy of ``model``."""
-    import copy
-
-    reference = copy.deepcopy(model)
+    reference = fresh_copy(model)
     with torch.no_grad():
         return [pytree.tree_leaves(reference(*inputs)) for _ in range(calls)]
+
+
+def fresh_copy(modules: Any) -> Any:
+    """A deep copy of ``modules`` (a module, or a dict of modules copied together) whose
+    state starts afresh, sharing the parameters: running it under ``no_grad`` writes
+    its buffers (a KV cache), never its weights, so copying those would only hold a
+    second copy of the model while verify runs."""
+    import copy
+
+    found = modules.values() if isinstance(modules, dict) else [modules]
+    shared = {id(p): p for module in found for p in module.parameters()}
+    return copy.deepcopy(modules, shared)
 
 
 def verify_methods(
@@ -369,12 +379,10 @@ def verify_call_sequence(
     order, twice, so each method runs after every other one).  Every method is
     loaded before the first call (loading a method writes its initial state).
     """
-    import copy
-
     if sequence is None:
         sequence = round_robin(methods)
     calls = [(name, pytree.tree_leaves(tuple(inputs))) for name, inputs in sequence]
-    expected = _eager_sequence(copy.deepcopy({name: module for name, (module, _) in methods.items()}), sequence)
+    expected = _eager_sequence(fresh_copy({name: module for name, (module, _) in methods.items()}), sequence)
     quantized = None
     if references:
         fp32, expected = expected, _eager_sequence(tied_references(references), sequence)

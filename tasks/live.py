@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import threading
 from typing import Any, Callable
 
@@ -18,33 +19,47 @@ import torch
 class LiveObjects:
     """Objects this process stored, by artifact sha256, least recently used out.
 
-    Bounded by count and by the tensor bytes the objects hold (shared tensors are
-    counted once per object: an over-estimate).  The bounds must hold a whole
-    model's working set — its programs and every partition's program, 63 for
-    MobileNetV2 on the reference backend — or the stages re-read their inputs
-    from the store (the flow stays correct, only slower: 64 entries made
-    MobileNetV2's adjust re-read every partition, 7 s of 11).
+    Bounded by count and by the bytes of the distinct tensor storages (and byte
+    strings) the objects hold: a weight shared by several objects (the exported
+    program, the tagged program, the partitions' programs, the named data viewing
+    it) counts once, since evicting one of them frees none of it.  The bounds must
+    hold a whole model's working set — its programs and every partition's program,
+    63 for MobileNetV2 on the reference backend — or the stages re-read their inputs
+    from the store: the flow stays correct, but slower, and a program read back while
+    its live twin is still referenced elsewhere (by the model, by another program) is
+    a second copy of its weights (64 entries made MobileNetV2's adjust re-read every
+    partition, 7 s of 11; a 2 GiB bound made Qwen2.5-0.5B's stages hold several copies).
 
     An object kept here must be what reading its digest back from the store
     gives (see :func:`put_program`); stages must not modify the objects they get.
     """
 
-    def __init__(self, capacity: int = 1024, max_bytes: int = 2 << 30) -> None:
+    def __init__(self, capacity: int = 1024, max_bytes: int | None = None) -> None:
         self.capacity = capacity
-        self.max_bytes = max_bytes
-        self._items: collections.OrderedDict[str, tuple[Any, int]] = collections.OrderedDict()
-        self._bytes = 0
+        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
+        self._items: collections.OrderedDict[str, tuple[Any, dict[int, int]]] = collections.OrderedDict()
+        self._holders: collections.Counter[int] = collections.Counter()  # storage -> items holding it
+        self._bytes = 0  # of the distinct storages held
         self._lock = threading.Lock()
 
     def put(self, ref: ArtifactRef, obj: Any) -> None:
-        size = _held_bytes(obj)
+        storages = _held_storages(obj)
         with self._lock:
             if ref.sha256 in self._items:
-                self._bytes -= self._items.pop(ref.sha256)[1]
-            self._items[ref.sha256] = (obj, size)
-            self._bytes += size
+                self._forget(self._items.pop(ref.sha256)[1])
+            self._items[ref.sha256] = (obj, storages)
+            for key, size in storages.items():
+                self._holders[key] += 1
+                self._bytes += size if self._holders[key] == 1 else 0
             while self._items and (len(self._items) > self.capacity or self._bytes > self.max_bytes):
-                self._bytes -= self._items.popitem(last=False)[1][1]
+                self._forget(self._items.popitem(last=False)[1][1])
+
+    def _forget(self, storages: dict[int, int]) -> None:
+        for key, size in storages.items():
+            self._holders[key] -= 1
+            if not self._holders[key]:
+                del self._holders[key]
+                self._bytes -= size
 
     def get(self, ref: ArtifactRef, load: Callable[[], Any]) -> Any:
         with self._lock:
@@ -55,9 +70,15 @@ class LiveObjects:
         self.put(ref, obj)
         return obj
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the distinct storages the kept objects hold."""
+        return self._bytes
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+            self._holders.clear()
             self._bytes = 0
 
     @contextlib.contextmanager
@@ -70,6 +91,7 @@ class LiveObjects:
         with self._lock:
             capacity, self.capacity = self.capacity, 0
             self._items.clear()
+            self._holders.clear()
             self._bytes = 0
         try:
             yield
@@ -78,15 +100,28 @@ class LiveObjects:
                 self.capacity = capacity
 
 
-def _held_bytes(obj: Any) -> int:
-    """About how many bytes ``obj`` keeps alive: tensor storages of a program (and of
-    its lowered modules' programs and payloads), or the length of bytes."""
+def default_max_bytes() -> int:
+    """Half the machine's physical memory, at least 2 GiB: room for the working set of the
+    largest model that fits the machine at all (its weights are held once, whatever
+    number of stage objects share them)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 0
+    return max(2 << 30, physical // 2)
+
+
+def _held_storages(obj: Any) -> dict[int, int]:
+    """``{storage: bytes}`` of what ``obj`` keeps alive: tensor storages of a program (and of
+    its lowered modules' programs) by data pointer, byte strings, payloads and named data by id."""
+    if isinstance(obj, memoryview):
+        return {}  # a view of a weight (named data): its tensor's program counts it
     if isinstance(obj, (bytes, bytearray)):
-        return len(obj)
+        return {id(obj): len(obj)}
     if not isinstance(obj, torch.export.ExportedProgram):
-        return 0  # JSON documents, memory plans: small
+        return {}  # JSON documents, memory plans: small
     storages: dict[int, int] = {}
-    programs, total = [obj], 0
+    programs = [obj]
     while programs:
         program = programs.pop()
         for value in (*program.state_dict.values(), *program.constants.values()):
@@ -97,8 +132,11 @@ def _held_bytes(obj: Any) -> int:
             original = getattr(module, "original_module", None)
             if isinstance(original, torch.export.ExportedProgram):
                 programs.append(original)
-                total += len(getattr(module, "processed_bytes", b""))
-    return total + sum(storages.values())
+                processed = getattr(module, "processed_bytes", b"")
+                storages[id(processed)] = len(processed)
+                for blob in (getattr(module, "named_data", None) or {}).values():
+                    storages.update(_held_storages(blob))
+    return storages
 
 
 LIVE = LiveObjects()

@@ -395,10 +395,21 @@ def run_preprocess(
     processed = store.put_bytes(lowered.processed_bytes, "processed")
     result = {"processed": processed, "backend_id": lowered.backend_id}
     if lowered.named_data:  # weights the payload refers to by key, one stored blob each
-        result["named_data"] = [
-            {"key": key, "blob": store.put_bytes(blob, "named_data")} for key, blob in lowered.named_data.items()
-        ]
+        result["named_data"] = [{"key": key, "blob": put_blob(store, blob)} for key, blob in lowered.named_data.items()]
     return result
+
+
+def put_blob(store: ArtifactStore, blob: Any, kind: str = "named_data") -> ArtifactRef:
+    """Store a blob of named data and keep it live: mostly a view of a weight of the
+    partition's program (:func:`lowering.serialize.tensor_memory`), so adjust reads it
+    without a second copy of the weight."""
+    ref = store.put_bytes(blob, kind)
+    LIVE.put(ref, blob)
+    return ref
+
+
+def get_blob(store: ArtifactStore, ref: ArtifactRef) -> Any:
+    return LIVE.get(ref, lambda: store.get_bytes(ref))
 
 
 def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions: list) -> dict:
@@ -414,7 +425,7 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
         delegated_nodes += sum(1 for n in original.graph.nodes if n.op == "call_function")
         lowered = LoweredBackendModule(
             original, part["backend_id"], store.get_bytes(part["processed"]), _specs(part["compile_specs"]),
-            {entry["key"]: store.get_bytes(entry["blob"]) for entry in part.get("named_data", [])},
+            {entry["key"]: get_blob(store, entry["blob"]) for entry in part.get("named_data", [])},
         )
         insert_lowered_module(program, call, lowered, io)
     delegated = adjust_original_program(program)
@@ -513,6 +524,14 @@ def put_pte(store: ArtifactStore, pte: bytes) -> ArtifactRef:
     return ref
 
 
+def release_live() -> None:
+    """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
+    reads only the ``.pte`` and the eager model: the programs' weights that nothing else
+    holds are freed while verify runs two runtimes.  A later stage (another target)
+    reads what it needs back from the store."""
+    LIVE.clear()
+
+
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None) -> dict:
@@ -528,6 +547,7 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
+    release_live()
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
@@ -551,6 +571,7 @@ def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fing
     ``references``: a quantized program's ``{method: quantized program ref}``, run in torch
     (sharing their state) as what the program must match (in the key only when given)."""
     _begin("verify_sequence")
+    release_live()
     loaded = live_model(model, fingerprint, options)
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
     quantized = {m: get_program(store, ref) for m, ref in references.items()} if references else None

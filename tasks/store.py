@@ -140,21 +140,25 @@ class ArtifactStore:
     # ------------------------------------------------------------------ objects
 
     def put_bytes(self, data: bytes, kind: str) -> ArtifactRef:
-        """Store ``data`` under its sha256 (no rewrite if present) and return its ref."""
-        data = bytes(data)
-        digest = sha256_hex(data)
+        """Store ``data`` (bytes or any contiguous buffer, e.g. a tensor's memoryview: not
+        copied) under its sha256 (no rewrite if present) and return its ref."""
+        view = byte_view(data)
+        return self._put_digested(sha256_hex(view), view, kind)
+
+    def _put_digested(self, digest: str, view: memoryview, kind: str) -> ArtifactRef:
+        """The write path: store ``view``, whose sha256 is ``digest``, unless present."""
         path = self.object_path(digest)
         size = self._size(path)
-        if size is not None and size != len(data):
+        if size is not None and size != view.nbytes:
             self._quarantine(path, digest)
             size = None
-        if size is None and self._window_size(digest) == len(data):
+        if size is None and self._window_size(digest) == view.nbytes:
             self._touch(self.window_path(digest))  # kept as a window of a bigger object
         elif size is None:
-            self._write_atomic(path, data)
+            self._write_atomic(path, view)
         elif self.is_local:
             os.utime(path)  # in use again: garbage collection counts its age from now
-        return ArtifactRef(self.uri(path), digest, len(data), kind)
+        return ArtifactRef(self.uri(path), digest, view.nbytes, kind)
 
     def get_bytes(self, ref: ArtifactRef) -> bytes:
         """The bytes of ``ref`` (an object, or a named output of this store), digest-checked."""
@@ -184,6 +188,18 @@ class ArtifactStore:
             return None
         path = self.object_path(ref.sha256)
         return path if self._size(path) == ref.size else None
+
+    def read_object_buffer(self, sha256: str, *, what: str = "object") -> bytes | bytearray:
+        """:meth:`read_object`, as a ``bytearray`` on a local store (read in place, no copy:
+        what :func:`lowering.serialize.tensor_from_blob` keeps as a tensor's memory); a window
+        of a bigger object is read as its range (bytes)."""
+        try:
+            return self._read_verified(self.object_path(sha256), sha256, what, quarantine=True, writable=True)
+        except ArtifactMissing:
+            data = self._read_window(sha256, what)
+            if data is None:
+                raise
+            return data
 
     def has(self, sha256: str) -> bool:
         """Whether an object named ``sha256`` is present (without checking its bytes)."""
@@ -241,10 +257,10 @@ class ArtifactStore:
 
     def put_named(self, name: str, data: bytes, kind: str = "named") -> ArtifactRef:
         """Atomically write ``data`` at ``<root>/outputs/<name>`` (overwriting) and return its ref."""
-        data = bytes(data)
+        view = byte_view(data)
         path = self.named_path(name)
-        self._write_atomic(path, data)
-        return ArtifactRef(self.uri(path), sha256_hex(data), len(data), kind)
+        self._write_atomic(path, view)
+        return ArtifactRef(self.uri(path), sha256_hex(view), view.nbytes, kind)
 
     def publish_object(self, name: str, ref: ArtifactRef, kind: str = "named") -> ArtifactRef:
         """The object ``ref`` at ``<root>/outputs/<name>`` (overwriting), checked against its
@@ -333,15 +349,17 @@ class ArtifactStore:
         from lowering.serialize import serialize_any
 
         serialized = serialize_any(ep, keep_stack_traces=keep_stack_traces)
-        self.put_blobs(serialized.blobs.values())
+        for digest, data in serialized.blobs.items():  # views of the program's tensors, hashed once
+            self._put_digested(digest, byte_view(data), "blob")
         return self.put_bytes(serialized.manifest, "program")
 
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
-        """Load the program a :meth:`put_program` ref names, checking every digest."""
+        """Load the program a :meth:`put_program` ref names, checking every digest.  Each
+        weight is read into the buffer its tensor keeps (one copy, never two)."""
         from lowering.serialize import deserialize_any
 
         what = f"blob of program {ref.sha256[:12]}"
-        return deserialize_any(self.get_bytes(ref), lambda d: self.read_object(d, what=what))
+        return deserialize_any(self.get_bytes(ref), lambda d: self.read_object_buffer(d, what=what))
 
     def put_blobs(self, blobs: Iterable[bytes]) -> list[ArtifactRef]:
         """Store manifest blobs (kind ``"blob"``); present ones are not rewritten."""
@@ -467,9 +485,10 @@ class ArtifactStore:
         except FileNotFoundError:
             return None
 
-    def _read_verified(self, path: str, sha256: str, what: str, *, quarantine: bool) -> bytes:
+    def _read_verified(self, path: str, sha256: str, what: str, *, quarantine: bool,
+                       writable: bool = False) -> bytes:
         try:
-            data = self.fs.cat_file(path)
+            data = _read_into_buffer(path) if writable and self.is_local else self.fs.cat_file(path)
         except FileNotFoundError:
             raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url}") from None
         actual = sha256_hex(data)
@@ -482,8 +501,10 @@ class ArtifactStore:
             )
         return data
 
-    def _write_atomic(self, path: str, data: bytes) -> None:
+    def _write_atomic(self, path: str, data: bytes | memoryview) -> None:
         parent = posixpath.dirname(path)
+        if not self.is_local:
+            data = bytes(data)  # fsspec's remote filesystems take bytes
         if self._atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -521,6 +542,27 @@ def _server_side_copy(fs) -> bool:
     """Whether ``fs`` copies an object without the bytes passing through this process."""
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     return bool(protocols & {"s3", "s3a", "gs", "gcs", "abfs", "az"})
+
+
+def byte_view(data: Any) -> memoryview:
+    """``data`` (bytes, bytearray, memoryview, numpy array ...) as a flat memoryview of bytes, no copy."""
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _read_into_buffer(path: str) -> bytearray:
+    """A local file's bytes read straight into one ``bytearray`` (``cat_file`` would give bytes
+    that the caller then copies into writable memory)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buffer = bytearray(size)
+        view, done = memoryview(buffer), 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+    return buffer if done == size else buffer[:done]
 
 
 def _check_name(name: str) -> str:

@@ -213,3 +213,22 @@ def test_named_data_equal_to_a_constant_is_a_window_onto_it():
     alone = serialize(PteData(program=_program_with_constants(), constants=[b"", b"\x01" * 24],
                               named_data={"tied": weight, "own": other}))
     assert len(pte_bytes) <= len(alone) + SEGMENT_ALIGNMENT
+
+
+def test_weights_are_written_from_views_and_read_back_as_views_of_the_file():
+    """The emitter hands serialize views of the program's tensors (constants, named data):
+    the file is the same as from bytes, and reading it copies no weight (views of the file)."""
+    from lowering.serialize import tensor_memory
+
+    tied = torch.arange(2560, dtype=torch.float32)
+    own = torch.full((24,), 7.0)
+    as_bytes = PteData(program=_program_with_constants(), constants=[b"", b"\x01" * 24, tied.numpy().tobytes()],
+                       named_data={"tied": tied.numpy().tobytes(), "own": own.numpy().tobytes()})
+    as_views = PteData(program=_program_with_constants(), constants=[b"", b"\x01" * 24, tensor_memory(tied)],
+                       named_data={"tied": tensor_memory(tied), "own": tensor_memory(own)})
+    pte_bytes = serialize(as_views)
+    assert pte_bytes == serialize(as_bytes) and pte_bytes.count(tied.numpy().tobytes()) == 1
+    back = deserialize(pte_bytes)
+    for blob in (back.named_data["tied"], back.named_data["own"], back.constants[2]):
+        assert isinstance(blob, memoryview) and blob.readonly and blob.obj is pte_bytes
+    assert back.named_data == {"tied": tied.numpy().tobytes(), "own": own.numpy().tobytes()}

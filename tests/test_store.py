@@ -188,3 +188,28 @@ def test_programs_holding_lowered_modules_roundtrip_through_the_store(tmp_path):
     ref = store.put_program(delegated)
     store.verify(ref)
     torch.testing.assert_close(store.get_program(ref).module()(*inputs), model(*inputs))
+
+
+def test_programs_are_stored_and_read_without_a_second_copy_of_their_weights(tmp_path):
+    """Storing writes views of the program's own tensors; reading puts each weight in the
+    buffer read from the file (a local store), which the tensor then owns: no bytes + copy."""
+    from lowering.serialize import serialize_program, tensor_to_blob
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    model, inputs = MODELS["mlp"]()
+    ep = export(model, inputs)
+    weight = next(iter(ep.state_dict.values())).detach()
+    _, view = tensor_to_blob(weight)
+    assert isinstance(view, memoryview) and view.readonly
+    assert view.obj.__array_interface__["data"][0] == weight.data_ptr()  # the tensor's memory itself
+    blob = serialize_program(ep).blobs[hashlib.sha256(view).hexdigest()]
+    assert isinstance(blob, memoryview) and blob == weight.numpy().tobytes()
+    ref = store.put_program(ep)
+    assert store.put_bytes(view, "blob").sha256 == hashlib.sha256(weight.numpy().tobytes()).hexdigest()
+    buffer = store.read_object_buffer(hashlib.sha256(view).hexdigest())
+    assert isinstance(buffer, bytearray) and buffer == view
+    loaded = store.get_program(ref)
+    torch.testing.assert_close(loaded.module()(*inputs), ep.module()(*inputs), rtol=0, atol=0)
+    for tensor in loaded.state_dict.values():
+        tensor.detach().add_(1)  # each loaded weight owns writable memory of its own
+    torch.testing.assert_close(store.get_program(ref).module()(*inputs), ep.module()(*inputs), rtol=0, atol=0)

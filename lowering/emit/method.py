@@ -22,8 +22,11 @@ from ..errors import EmitError, LoweringError
 from ..memory_plan import SHARED_STATE_MEM_ID
 from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments, write_first_buffers
 from ..pte import PteData, schema, serialize
+from ..pte.format import blob_key
+from ..delegation import same_blob
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
+from ..serialize import tensor_memory
 from ..stock_ops.check import check_program_ops
 from .control_flow import emit_control_flow
 from .evalues import (
@@ -424,7 +427,7 @@ class MethodEmitter:
         except AttributeError as exc:
             raise self.error(f"{module_node.target!r} is not a lowered backend module: {exc}") from None
         for key, blob in (getattr(lowered, "named_data", None) or {}).items():
-            if self.named_data.setdefault(key, bytes(blob)) != blob:
+            if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise self.error(f"named data key {key!r} of {module_node.target!r} is already "
                                   "used by another delegate for different bytes")
         delegate = schema.BackendDelegateT()
@@ -515,12 +518,13 @@ class MethodEmitter:
         if tensor.dtype not in DTYPE_TO_SCALAR_TYPE:
             raise self.error(f"constant of dtype {tensor.dtype} cannot be stored")
         dense = tensor.contiguous()
-        data = tensor_bytes(dense)
+        data = tensor_memory(dense)  # a view of the program's own weight: the .pte is its one copy
         table = tensor_table(dense, list(range(dense.dim())))
-        if data not in self._constant_index:
-            self._constant_index[data] = len(self.constants)
+        key = blob_key(data)
+        if key not in self._constant_index:
+            self._constant_index[key] = len(self.constants)
             self.constants.append(data)
-        table.dataBufferIdx = self._constant_index[data]
+        table.dataBufferIdx = self._constant_index[key]
         return self.add_value(tensor_evalue(table))
 
     def _add_mutable_data(self, tensor: torch.Tensor) -> int:

@@ -35,6 +35,7 @@ byte lists held next to it, so that callers never deal with segment offsets.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 
@@ -118,10 +119,10 @@ def serialize(pte: PteData) -> bytes:
     # expects these lists to exist.
     program.backendDelegateData = []
     program.constantBuffer = []
-    segment_table, segment_blob = _layout_segments(segments)
+    segment_table, segment_parts = _layout_segments(segments)
     program.segments = segment_table
     flatbuffer = _finish_flatbuffer(program)
-    return _assemble(flatbuffer, segment_blob)
+    return _assemble(flatbuffer, segment_parts)
 
 
 def _copy_root(program: fb.ProgramT) -> fb.ProgramT:
@@ -132,14 +133,18 @@ def _copy_root(program: fb.ProgramT) -> fb.ProgramT:
     return copy
 
 
-def _add_subsegments(segments: list[bytes], blobs: list[bytes], alignment: int) -> fb.SubsegmentOffsetsT:
-    """Append one segment packing ``blobs`` (each ``alignment``-aligned); return its offsets."""
+def _add_subsegments(segments: list, blobs: list[bytes], alignment: int) -> fb.SubsegmentOffsetsT:
+    """Append one segment packing ``blobs`` (each ``alignment``-aligned); return its offsets.
+
+    The segment is a :class:`_Parts` (the blobs and their padding, not joined): the
+    file's bytes are joined once, in :func:`_assemble`.
+    """
     offsets: list[int] = []
-    parts: list[bytes] = []
+    parts: list = []
     position = 0
     for i, blob in enumerate(blobs):
         offsets.append(position)
-        parts.append(bytes(blob))
+        parts.append(blob)
         position += len(blob)
         if i < len(blobs) - 1:
             pad = _padding(position, alignment)
@@ -148,8 +153,24 @@ def _add_subsegments(segments: list[bytes], blobs: list[bytes], alignment: int) 
     table = fb.SubsegmentOffsetsT()
     table.segmentIndex = len(segments)
     table.offsets = offsets
-    segments.append(b"".join(parts))
+    segments.append(_Parts(parts, position))
     return table
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """A segment made of several byte strings written one after the other (``size`` bytes in all).
+
+    Segments are kept as their parts until the one join of the whole file, so the
+    weights are copied once when the ``.pte`` is built (joining each segment, then
+    the segments, then the header, was three copies of the file at once).
+    """
+
+    parts: list
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
 
 
 def _delegates_to_segments(plans, delegate_data: list[bytes], segments: list[bytes]):
@@ -204,13 +225,18 @@ class _Window:
     size: int
 
 
+def blob_key(data) -> bytes:
+    """The dict key of a data blob (bytes, or a tensor's memoryview, which is not hashable):
+    the sha256 of its bytes.  Equal keys, equal bytes; nothing is copied to compute it."""
+    return hashlib.sha256(data).digest()
+
+
 def _constant_windows(constants: list[bytes], table: fb.SubsegmentOffsetsT) -> dict[bytes, _Window]:
-    """Each distinct non-empty constant blob -> its window inside the constant segment."""
-    windows: dict[bytes, _Window] = {}
+    """Each distinct non-empty constant blob (by :func:`blob_key`) -> its window inside the constant segment."""
+    windows: dict[bytes, _Window] = {}  # by blob_key
     for blob, start in zip(constants, table.offsets):
-        blob = bytes(blob)
-        if blob and blob not in windows:
-            windows[blob] = _Window(table.segmentIndex, start, len(blob))
+        if len(blob) and blob_key(blob) not in windows:
+            windows[blob_key(blob)] = _Window(table.segmentIndex, start, len(blob))
     return windows
 
 
@@ -226,13 +252,14 @@ def _named_data_to_segments(
     segment_of_blob: dict[bytes, int] = {}
     table = []
     for key in sorted(named_data):
-        blob = bytes(named_data[key])
-        if blob not in segment_of_blob:
-            segment_of_blob[blob] = len(segments)
-            segments.append(windows.get(blob, blob))
+        blob = named_data[key]
+        digest = blob_key(blob)
+        if digest not in segment_of_blob:
+            segment_of_blob[digest] = len(segments)
+            segments.append(windows.get(digest, blob))
         entry = fb.NamedDataT()
         entry.key = key
-        entry.segmentIndex = segment_of_blob[blob]
+        entry.segmentIndex = segment_of_blob[digest]
         table.append(entry)
     return table
 
@@ -244,30 +271,33 @@ def _data_reference(location: int, index: int) -> fb.BackendDelegateDataReferenc
     return reference
 
 
-def _layout_segments(segments: list) -> tuple[list[fb.DataSegmentT], bytes]:
-    """Concatenate segments, each starting at a multiple of SEGMENT_ALIGNMENT; return table and blob.
+def _layout_segments(segments: list) -> tuple[list[fb.DataSegmentT], list]:
+    """Place segments, each starting at a multiple of SEGMENT_ALIGNMENT; return the table and the
+    byte strings of the segment data in file order (padding included), not joined.
 
-    The table is in index order; the blob in :func:`segment_order`.  A
+    The table is in index order; the data in :func:`segment_order`.  A
     :class:`_Window` adds a table entry inside an earlier segment and no bytes.
     """
     table: list[fb.DataSegmentT] = [fb.DataSegmentT() for _ in segments]
     real = [i for i, data in enumerate(segments) if not isinstance(data, _Window)]
-    parts: list[bytes] = []
+    parts: list = []
     position = 0
     for k in segment_order([len(segments[i]) for i in real]):
         index = real[k]
         pad = _padding(position, SEGMENT_ALIGNMENT)
-        parts.append(b"\0" * pad)
+        if pad:
+            parts.append(b"\0" * pad)
         position += pad
         table[index].offset = position
         table[index].size = len(segments[index])
-        parts.append(segments[index])
-        position += len(segments[index])
+        data = segments[index]
+        parts.extend(data.parts if isinstance(data, _Parts) else [data])
+        position += len(data)
     for index, data in enumerate(segments):
         if isinstance(data, _Window):
             table[index].offset = table[data.segment].offset + data.start
             table[index].size = data.size
-    return table, b"".join(parts)
+    return table, parts
 
 
 def segment_order(sizes: list[int]) -> list[int]:
@@ -312,23 +342,25 @@ def _padded_header_length() -> int:
     return EXTENDED_HEADER_LENGTH + _padding(EXTENDED_HEADER_LENGTH, SCHEMA_MAX_ALIGNMENT)
 
 
-def _assemble(flatbuffer: bytes, segment_blob: bytes) -> bytes:
-    """Insert the extended header after the file identifier and append the segments."""
+def _assemble(flatbuffer: bytes, segment_parts: list) -> bytes:
+    """Insert the extended header after the file identifier and append the segment data
+    (``segment_parts``, in file order): the file's bytes, joined once."""
     if flatbuffer[4:8] != FILE_IDENTIFIER:
         raise PteFormatError(f"flatbuffer identifier is {flatbuffer[4:8]!r}, expected {FILE_IDENTIFIER!r}")
+    segment_size = sum(len(part) for part in segment_parts)
     header_length = _padded_header_length()
     program_size = header_length + len(flatbuffer)
-    segment_base = program_size + _padding(program_size, SEGMENT_ALIGNMENT) if segment_blob else 0
+    segment_base = program_size + _padding(program_size, SEGMENT_ALIGNMENT) if segment_size else 0
     root_offset = int.from_bytes(flatbuffer[0:4], "little") + header_length
     parts = [
         root_offset.to_bytes(4, "little"),
         flatbuffer[4:8],
-        extended_header(program_size, segment_base, len(segment_blob)),
-        flatbuffer[8:],
+        extended_header(program_size, segment_base, segment_size),
+        memoryview(flatbuffer)[8:],
     ]
-    if segment_blob:
+    if segment_size:
         parts.append(b"\0" * (segment_base - program_size))
-        parts.append(segment_blob)
+        parts.extend(segment_parts)
     return b"".join(parts)
 
 
@@ -372,6 +404,10 @@ def deserialize(data: bytes) -> PteData:
     ``backend_delegate_data`` tables of files without segments) into the byte
     lists of PteData; the returned program has no segment tables, so
     ``serialize(deserialize(b))`` is a valid file again.
+
+    Constants and named data are read-only memoryviews of ``data`` (a program's
+    weights are not copied to be read; they compare equal to their bytes);
+    delegate payloads and mutable initial values are bytes.
     """
     data = bytes(data)
     if len(data) < 8 or data[4:8] != FILE_IDENTIFIER:
@@ -383,7 +419,7 @@ def deserialize(data: bytes) -> PteData:
     if program_size > len(data):
         raise PteFormatError(f"program size {program_size} exceeds file size {len(data)}")
     program = fb.ProgramT.InitFromPackedBuf(data[:program_size], 0)
-    segment_area = data[header.segment_base_offset:] if header and header.segment_base_offset else b""
+    segment_area = memoryview(data)[header.segment_base_offset:] if header and header.segment_base_offset else b""
     segments = _read_segments(program, segment_area)
     pte = PteData(
         program=program,
@@ -471,7 +507,7 @@ def _constant_sizes(program: fb.ProgramT) -> dict[int, int]:
     return sizes
 
 
-def _read_segments(program: fb.ProgramT, area: bytes) -> list[bytes]:
+def _read_segments(program: fb.ProgramT, area: memoryview) -> list[memoryview]:
     segments = []
     for i, entry in enumerate(program.segments or []):
         end = entry.offset + entry.size
@@ -503,7 +539,7 @@ def _read_mutable_data(program: fb.ProgramT, segments: list[bytes]) -> list[byte
     tables = program.mutableDataSegments or []
     if len(tables) > 1:
         raise PteFormatError(f"{len(tables)} mutable data segments; only one is supported")
-    return _split_subsegments(tables[0], segments, "mutable data") if tables else []
+    return [bytes(blob) for blob in _split_subsegments(tables[0], segments, "mutable data")] if tables else []
 
 
 def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
@@ -519,7 +555,7 @@ def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list
                     raise PteFormatError(
                         f"delegate {decode_string(delegate.id)!r}: segment {reference.index} >= {len(segments)} segments"
                     )
-                payload = segments[reference.index]
+                payload = bytes(segments[reference.index])
             else:
                 if reference.index >= len(inline):
                     raise PteFormatError(

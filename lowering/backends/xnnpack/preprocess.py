@@ -51,6 +51,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from ...delegation import named_data_key
+from ...serialize import tensor_memory
 from . import payload as P
 from .generated import xnngraph_generated as fbx
 from .ops import PLANS, check_node, lower_getitem, rule_of
@@ -234,7 +235,7 @@ class GraphBuilder:
         t = tensor.detach()
         t = (t.to(torch.float32) if datatype == P.DATATYPE_FP32 else t).contiguous()
         if data is None:
-            data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+            data = tensor_memory(t)  # a view of the weight: the named data holds no second copy
         return self.define(list(t.shape) or [1], datatype=datatype, quant=quant, constant=self.blob(data))
 
     def set_value(self, node: torch.fx.Node, vid: int, layout: str) -> None:

@@ -14,6 +14,7 @@ run here, unchanged.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -119,7 +120,17 @@ def _constant(tensor: fbx.XNNTensorValueT, params: Q.QParams | None, read) -> to
     count = _numel(dims)
     if len(data) < 4 * count:
         raise ExecutorError(f"XNNPACK payload: constant value {tensor.idOut} has {len(data)} bytes, needs {4 * count}")
-    return torch.frombuffer(bytearray(data[:4 * count]), dtype=torch.float32).reshape(dims)
+    return _read_only_floats(data, count).reshape(dims)
+
+
+def _read_only_floats(data: bytes, count: int) -> torch.Tensor:
+    """``count`` fp32 values of a constant as a tensor over the program's own bytes (no copy:
+    the interpreter's kernels never write a value in place; outputs are copies)."""
+    if not count:
+        return torch.empty(0, dtype=torch.float32)
+    with warnings.catch_warnings():  # torch warns that the bytes are not writable: they are never written
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(memoryview(data)[:4 * count], dtype=torch.float32)
 
 
 def _value_ids(body: Any) -> list[int]:
