@@ -28,21 +28,15 @@ from typing import Any, Callable, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
+from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
+    parse_runtime_ops, parse_spec,
+)
 from .load_options import add_load_arguments, load_arguments
 
 PROG = "lowerflow"
-#: Exit codes.
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Default ``-o`` of ``lower``: one file per target in the current directory.
 DEFAULT_OUTPUT = "{name}.{target}.pte"
-
-
-class CLIError(Exception):
-    """A failure to report as one line; ``code`` is the exit status."""
-
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,67 +173,6 @@ def _common_options(default: Any) -> argparse.ArgumentParser:
     common.add_argument("--verbose", action="store_true", default=default, help="show Prefect's own log lines")
     common.add_argument("--debug", action="store_true", default=default, help="print a traceback on errors")
     return common
-
-
-def parse_spec(text: str, args: argparse.Namespace | None = None):
-    """The ModelSpec of ``text``, checked (hf: with ``args``' task, options; a .pt2 read
-    without running code unless ``--trust-pickle``); a bad one is exit status 2."""
-    from tasks.model_spec import ModelSpec, check_pt2, check_spec, read_pt2
-
-    try:
-        spec = ModelSpec.parse(text)
-        options = load_arguments(args, text) if args is not None else None
-        if spec.kind != "pt2":
-            check_spec(spec, options=options)
-        elif not (options or {}).get("trust_pickle") and Path(spec.location).is_file():
-            check_pt2(spec, read_pt2(spec))
-        return spec
-    except ValueError as exc:  # ModelSpecError, or an hf: option for another kind of model
-        raise CLIError(str(exc), EXIT_USAGE) from exc
-
-
-def parse_dynamic_shapes(text: str | None, spec) -> Any:
-    """``--dynamic-shapes JSON`` validated and canonical; a bad one is exit status 2."""
-    from flows.manifest import ManifestError, dynamic_shapes_option
-
-    try:
-        return dynamic_shapes_option(text, spec)
-    except ManifestError as exc:
-        raise CLIError(str(exc), EXIT_USAGE) from None
-
-
-def parse_quantize(args: argparse.Namespace, targets: list[str]) -> dict[str, Any]:
-    """``--quantize`` / ``--calibration`` / ``--min-sqnr`` / ``--max-error`` as lower_model
-    parameters (:func:`flows.quantized.quantize_options`); bad ones are exit status 2."""
-    from flows.quantized import quantize_options
-
-    try:
-        return quantize_options(args.quantize, args.calibration, args.min_sqnr, args.max_error, targets,
-                                getattr(args, "qembedding", None))
-    except ValueError as exc:
-        raise CLIError(str(exc), EXIT_USAGE) from None
-
-
-def parse_runtime_ops(text: str | None, targets: list[str]) -> dict[str, Any]:
-    """``--runtime-ops portable,quantized`` as lower_model's ``runtime_ops``; a bad set name is exit status 2."""
-    from flows.manifest import ManifestError, profiles_by_target
-
-    try:
-        return {} if text is None else {"runtime_ops": profiles_by_target(text, targets, "--runtime-ops")}
-    except ManifestError as exc:
-        raise CLIError(str(exc), EXIT_USAGE) from None
-
-
-def check_targets(targets: Sequence[str]) -> None:
-    """Every target names ``portable`` or a known backend; otherwise exit status 2."""
-    from lowering.errors import BackendError
-    from lowering.targets import check_target
-
-    for target in targets:
-        try:
-            check_target(target)
-        except BackendError as exc:
-            raise CLIError(f"--target: {first_line(str(exc))}", EXIT_USAGE) from exc
 
 
 # --------------------------------------------------------------------------- lower

@@ -24,6 +24,10 @@ are totals over the methods), and every stage record of one method says
 The DAG is written once, over a ``run(stage, records, **inputs)`` callable: the
 flow's runs the stage tasks; :func:`plan_model`'s only looks the stages up in
 the cache (a dry run).
+
+Why one room: the DAG reads top-down in one place, as a Prefect flow should (the single-
+and several-method paths, quantize and delegate steps side by side); the stages' logic
+lives in tasks/ and lowering/, the reports in flows/reports.py.
 """
 
 from __future__ import annotations
@@ -613,7 +617,7 @@ class DryRun:
 def stored_control_flow(run: Run, program) -> bool:
     """Whether the cached exported program ``program`` (a ref) has cond / map nodes."""
     from lowering.control_flow_graph import control_flow_nodes
-    from tasks.stages import get_program
+    from tasks.artifacts import get_program
 
     store = getattr(run, "store", None)
     if store is None:

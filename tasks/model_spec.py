@@ -34,6 +34,11 @@ a ``package.module`` spec is reloaded when its file changed since it was importe
 
 :func:`resolve_factory` imports a spec's module and finds its factory without
 calling it: what a fleet manifest checks for every entry before any work.
+
+Why one room: parsing a spec, loading it and fingerprinting it are one contract (what a
+spec's ``key_text`` names is what loads, and what loads is what its fingerprint covers,
+deferred hf: loads included); the hf:, calibration and .pt2 specifics live in
+:mod:`tasks.hf_spec`, :mod:`tasks.calibration` and :mod:`lowering.untrusted`.
 """
 
 from __future__ import annotations

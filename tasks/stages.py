@@ -44,7 +44,6 @@ from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
 from lowering.methods import emit_methods, mark_shared_state, mutated_buffers, plan_method_state
 from lowering.partition import (
-    TAG,
     CompileSpec,
     apply_partition_tags,
     partition,
@@ -58,6 +57,7 @@ from lowering.targets import partitioner_for
 from lowering.to_backend import lower_control_flow_submodules, submodule_lowered_modules, to_backend
 from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
 
+from .artifacts import get_blob, get_doc, get_program, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE
 from .model_spec import live_model
@@ -92,65 +92,6 @@ FAULTS: set[str] = set()
 #: How many times each stage body ran in this process (cache hits do not count).
 EXECUTIONS: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
-
-
-# --------------------------------------------------------------------------- artifacts
-
-
-def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> ArtifactRef:
-    """Store a program (plain or holding lowered modules): blobs once by content, then its manifest.
-
-    Debug metadata (source lines, module paths) is dropped first, so the bytes,
-    and every downstream cache key, do not depend on where or in which class
-    the model's source lives.  Partition tags are dropped too (after the store
-    wrote the program, which never holds them; stage 2 stores them apart): the
-    object kept live must be what reading the digest back gives, or the next
-    stage would see another target's tags on a program whose digest is the
-    untagged one's (issue 7: reference's tags on the program xnnpack partitioned).
-    """
-    strip_debug_metadata(program)
-    ref = store.put_program(program, keep_stack_traces=False)
-    for node in program.graph.nodes:
-        node.meta.pop(TAG, None)
-    LIVE.put(ref, program)
-    return ref
-
-
-def get_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.ExportedProgram:
-    return LIVE.get(ref, lambda: store.get_program(ref))
-
-
-def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:
-    """Store a small JSON document (canonical bytes, so equal documents share one object)."""
-    ref = store.put_bytes(canonical_json(_jsonable(doc)), kind)
-    LIVE.put(ref, doc)
-    return ref
-
-
-def get_doc(store: ArtifactStore, ref: ArtifactRef) -> Any:
-    import json
-
-    return LIVE.get(ref, lambda: _from_jsonable(json.loads(store.get_bytes(ref))))
-
-
-def _jsonable(doc: Any) -> Any:
-    if isinstance(doc, ArtifactRef):
-        return {"$ref": doc.to_json()}
-    if isinstance(doc, dict):
-        return {k: _jsonable(v) for k, v in doc.items()}
-    if isinstance(doc, (list, tuple)):
-        return [_jsonable(v) for v in doc]
-    return doc
-
-
-def _from_jsonable(doc: Any) -> Any:
-    if isinstance(doc, dict):
-        if set(doc) == {"$ref"}:
-            return ArtifactRef.from_json(doc["$ref"])
-        return {k: _from_jsonable(v) for k, v in doc.items()}
-    if isinstance(doc, list):
-        return [_from_jsonable(v) for v in doc]
-    return doc
 
 
 def _specs_json(specs) -> list[dict[str, str]]:
@@ -399,19 +340,6 @@ def run_preprocess(
     return result
 
 
-def put_blob(store: ArtifactStore, blob: Any, kind: str = "named_data") -> ArtifactRef:
-    """Store a blob of named data and keep it live: mostly a view of a weight of the
-    partition's program (:func:`lowering.serialize.tensor_memory`), so adjust reads it
-    without a second copy of the weight."""
-    ref = store.put_bytes(blob, kind)
-    LIVE.put(ref, blob)
-    return ref
-
-
-def get_blob(store: ArtifactStore, ref: ArtifactRef) -> Any:
-    return LIVE.get(ref, lambda: store.get_bytes(ref))
-
-
 def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions: list) -> dict:
     """Stage 6: swap each submodule for its lowered module; the delegated program."""
     _begin("adjust")
@@ -511,17 +439,6 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
         for name, entry in methods.items()
     }, constants, runtime_ops=runtime_ops)
     return {"pte": put_pte(store, pte)}
-
-
-def put_pte(store: ArtifactStore, pte: bytes) -> ArtifactRef:
-    """Store an emitted ``.pte``; the blobs of earlier stages it holds verbatim (weights,
-    delegate named data) are then kept as windows of it, so each weight byte-string is
-    stored once across the stages and the program (ArtifactStore.keep_as_windows)."""
-    from lowering.pte.format import data_windows
-
-    ref = store.put_bytes(pte, "pte")
-    store.keep_as_windows(ref, data_windows(pte), pte)
-    return ref
 
 
 def release_live() -> None:

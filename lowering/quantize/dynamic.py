@@ -50,13 +50,13 @@ skips); :func:`quantize_dynamic` returns the names of both kinds.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
 
 from .graph import add_constant, call, constant_value, kept_fp32, unfold_linear_weights
 from .recipes import QuantRecipe
+from .weights import WeightScheme, quantize_weight
 
 #: The module class whose linears 8da4w leaves fp32 by default (see the module docstring).
 MHA_CLASS = torch.nn.MultiheadAttention
@@ -65,38 +65,10 @@ MHA_CLASS = torch.nn.MultiheadAttention
 ACT_QMIN, ACT_QMAX = -128, 127
 
 
-@dataclass(frozen=True)
-class WeightScheme:
-    """How a weight ``[N, K]`` is quantized: blocks ``[1, block]`` (block 0 = K), range."""
-
-    block: int
-    qmin: int
-    qmax: int
-
-    def block_size(self, k: int) -> list[int]:
-        return [1, self.block or k]
-
-
 def weight_scheme(recipe: QuantRecipe) -> WeightScheme:
     if recipe.name == "8da4w":
         return WeightScheme(recipe.group_size, -8, 7)
     return WeightScheme(0, -127, 127)
-
-
-def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(qdata int8 [N, K], scale fp32 [N, K/b], zero_point int8 [N, K/b])``, symmetric,
-    computed as torchao's ``IntxUnpackedToInt8Tensor.from_hp`` does (AFFINE algorithm)."""
-    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
-
-    block = tuple(scheme.block_size(weight.shape[1]))
-    with torch.no_grad():
-        scale, zero_point = choose_qparams_affine(
-            weight.float(), MappingType.SYMMETRIC, block, target_dtype=torch.int8,
-            quant_min=scheme.qmin, quant_max=scheme.qmax, zero_point_dtype=torch.int8, keepdim=True,
-        )
-        qdata = quantize_affine(weight.float(), block, scale, zero_point, output_dtype=torch.int8,
-                                quant_min=scheme.qmin, quant_max=scheme.qmax)
-    return qdata, scale, zero_point
 
 
 def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[ExportedProgram, list[str], list[str]]:

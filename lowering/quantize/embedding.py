@@ -40,8 +40,8 @@ import torch
 from torch.export import ExportedProgram
 
 from ..quant_ops import EMBEDDING_NAMESPACE, ensure_embedding_ops, pack_int4
-from .dynamic import WeightScheme, quantize_weight
 from .graph import add_constant, call, constant_value, kept_fp32
+from .weights import WeightScheme, quantize_weight
 
 log = logging.getLogger(__name__)
 
