@@ -78,8 +78,8 @@ STAGE_VERSIONS = {
     "memory_plan": "2",
     "emit": "1",
     "emit_methods": "1",
-    "verify": "2",
-    "verify_sequence": "1",
+    "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
+    "verify_sequence": "2",  # 2: as verify 3
 }
 
 

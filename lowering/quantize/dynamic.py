@@ -49,6 +49,7 @@ skips); :func:`quantize_dynamic` returns the names of both kinds.
 
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -231,3 +232,23 @@ def _is_float32(node) -> bool:
 
 def _position(node: torch.fx.Node) -> int:
     return list(node.graph.nodes).index(node)
+
+
+
+def bf16_group_scales(program: ExportedProgram) -> ExportedProgram:
+    """A copy of ``program`` whose 4-bit block scales (a ``dequantize_affine`` of [-8, 7]
+    whose K is a multiple of 32) are rounded to bf16, as XNNPACK's blockwise FullyConnected
+    stores them (lowering.backends.xnnpack.qparams / ops.quantized): the quantized reference of
+    a program whose 4-bit weights XNNPACK runs.  ``program`` is not changed (the copy shares
+    its graph)."""
+    lifted = program.graph_signature.inputs_to_lifted_tensor_constants
+    names = set()
+    for node in program.graph.find_nodes(op="call_function", target=torch.ops.torchao.dequantize_affine.default):
+        args = list(node.args) + [None] * 7
+        qdata, scale, qmin, qmax = args[0], args[2], node.kwargs.get("quant_min", args[5]), node.kwargs.get("quant_max", args[6])
+        if (qmin, qmax) == (-8, 7) and qdata.meta["val"].shape[-1] % 32 == 0 and scale.name in lifted:
+            names.add(lifted[scale.name])
+    rounded = copy.copy(program)
+    rounded._constants = {name: value.to(torch.bfloat16).to(torch.float32) if name in names else value
+                          for name, value in program.constants.items()}
+    return rounded
