@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from lowering.partition import TAG
+from lowering.program import strip_debug_metadata
 from lowering.serialize import canonical_json
 
 from .live import LIVE

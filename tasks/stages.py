@@ -49,7 +49,7 @@ from lowering.partition import (
     partition,
     partition_tags_of,
 )
-from lowering.program import copy_program, strip_debug_metadata
+from lowering.program import copy_program
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
