@@ -11,9 +11,12 @@ import collections
 import contextlib
 import os
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from .store import ArtifactRef
 
 
 class LiveObjects:
