@@ -150,7 +150,7 @@ def test_corrupt_pt2(tmp_path):
         ([MLP, {"model": f"{MODELS}:cnn", "targets": "nope"}], "target 'nope'"),
         ([MLP, {"model": f"{MODELS}:cnn", "targets": ["portable", "no_such_backend"]}],
          "unknown target 'no_such_backend'"),
-        ([MLP, {"model": f"{MODELS}:cnn", "verify": "yes"}], "'verify' must be true or false"),
+        ([MLP, {"model": f"{MODELS}:cnn", "verify": "yes"}], "'verify': 'yes' is not true, false or one of ['full', 'quick', 'off', 'auto']"),
     ],
 )
 def test_malformed_manifest_or_unknown_backend_is_rejected_before_any_work(tmp_path, entries, message):
