@@ -5,7 +5,7 @@ A ``.pt2`` is data, yet ``torch.export.load`` (torch 2.13) runs code for some of
 =========================================  ==============================================
 in the archive                              what torch.export.load does with it
 =========================================  ==============================================
-weight / constant marked ``use_pickle``     ``torch.load(..., weights_only=False)``
+weight / constant marked ``use_pickle``     ``torch.load`` with ``weights_only=False``
 constant ``opaque_obj_*``                   ``pickle.loads``
 constant ``custom_obj_*``                   ``torch._C._pickle_load_obj`` (TorchScript)
 sample inputs, legacy ``data/*/<m>.pt``     ``torch.load(weights_only=True)``, and on failure
