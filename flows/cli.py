@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
                        "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
     add_verify_argument(lower)
+    add_gate_arguments(lower, one_model=True)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(deployment lower-model/POOL, created from this checkout if missing; "
                             "needs PREFECT_API_URL); default: in this process")
     add_verify_argument(fleet, " (replaces every model's 'verify')")
+    add_gate_arguments(fleet, one_model=False)
     fleet.set_defaults(run=cmd_fleet)
 
     worker = sub.add_parser("worker", parents=[common], help="run a work pool's flow runs, forked from a warm process",
@@ -188,6 +190,39 @@ def add_verify_argument(parser: argparse.ArgumentParser, scope: str = "") -> Non
                              f"64 MiB of weights){scope}")
 
 
+def add_gate_arguments(parser: argparse.ArgumentParser, one_model: bool) -> None:
+    """``--accept-regressions``; for one model also ``--gates JSON`` and ``--no-benchmark`` (flows/gates.py)."""
+    parser.add_argument("--accept-regressions", action="store_true",
+                        help="publish a program even when a gate refuses it (worse than the published one); "
+                             "its record says so")
+    if one_model:
+        parser.add_argument("--gates", metavar="JSON", help="the largest changes allowed against the published "
+                            "program, e.g. '{\"latency\": 1.10, \"size\": 1.05, \"error\": 1.5, "
+                            "\"sqnr_drop_db\": 1.0}'")
+        parser.add_argument("--no-benchmark", action="store_true",
+                            help="do not time the program on ExecuTorch's runtime (the benchmark stage)")
+
+
+def gate_arguments(args: argparse.Namespace, targets: list[str]) -> dict[str, Any]:
+    """``lower_model``'s ``gates`` / ``benchmark`` / ``accept_regressions`` from the command line
+    (only when given); a bad ``--gates`` is exit 2."""
+    import json
+
+    from flows.gates import gates_by_target
+
+    out: dict[str, Any] = {}
+    if getattr(args, "gates", None):
+        try:
+            out["gates"] = gates_by_target(json.loads(args.gates), targets, "--gates")
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise CLIError(f"--gates {args.gates!r}: {exc}", EXIT_USAGE) from None
+    if getattr(args, "no_benchmark", False):
+        out["benchmark"] = False
+    if args.accept_regressions:
+        out["accept_regressions"] = True
+    return out
+
+
 def cmd_lower(args: argparse.Namespace) -> int:
     """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
     targets = args.targets or ["portable"]
@@ -197,7 +232,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
-    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets)}
+    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets),
+                **gate_arguments(args, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
@@ -219,6 +255,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
             path = outputs[target]
             size = write_pte(entry["pte"], manifest.get("store"), path)
             say(f"{target}: wrote {path} ({size:,} bytes)")
+            if entry.get("accepted_regressions"):
+                say(f"{target}: published although its gates refuse it (accepted): "
+                    f"{'; '.join(entry['accepted_regressions'])}")
             if entry.get("quantize"):
                 from flows.quantized import quantize_line
 
@@ -296,7 +335,8 @@ def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
-    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify)
+    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify,
+                        accept_regressions=args.accept_regressions)
     check_fleet(summary)
     return EXIT_OK
 
@@ -375,7 +415,8 @@ def model_error(manifest: dict) -> str:
     return manifest.get("error") or "failed"
 
 
-def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None) -> dict:
+def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None,
+              accept_regressions: bool = False) -> dict:
     """``lower_fleet`` with a progress line per model as it finishes, then the summary
     table; returns the fleet summary, failed models included (the demo uses this too).
     ``verify``: a mode every model's verify runs (``--verify``; None: each entry's own)."""
@@ -399,7 +440,8 @@ def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, 
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}))
+            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}),
+                                  **({"accept_regressions": True} if accept_regressions else {}))
         except FleetFailed as exc:
             summary = exc.summary
     say()

@@ -51,6 +51,8 @@ from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
 from .manifest import profiles_by_target
 from .outages import mark_outage
+from .gates import Publisher, Regressed, benchmark_by_target, gates_by_target
+from .history import append_history, manifest_to_store
 from .published import changed_since_last, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
 from .verify_mode import check_verify, stage_mode, target_mode
@@ -102,8 +104,18 @@ def lower_model(
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
     trust_pickle: bool = False,
+    benchmark: Any = True,
+    gates: Any = None,
+    accept_regressions: bool = False,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
+
+    ``benchmark``: time each verified program on ExecuTorch's runtime of this host, and
+    against the published one (:mod:`lowering.benchmark`): true, false, settings, or per
+    target.  ``gates``: ``{"latency": 1.10, "size": 1.05, "error": 1.5, "sqnr_drop_db": 1.0}``
+    (or per target): a program worse than the published one beyond a gate is not
+    published, the target fails ``regressed`` (:mod:`flows.gates`), unless
+    ``accept_regressions``.
 
     ``strict``: export with torch.export's strict mode.  ``hf``: an ``hf:`` model's
     task and options (``{"task": "text-generation", "max_seq_len": 1024, "dtype": ...,
@@ -132,7 +144,8 @@ def lower_model(
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
-                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle)
+                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle,
+                     benchmark, gates, accept_regressions)
 
 
 def run_model(
@@ -153,6 +166,9 @@ def run_model(
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
     trust_pickle: bool = False,
+    benchmark: Any = True,
+    gates: Any = None,
+    accept_regressions: bool = False,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -175,11 +191,9 @@ def run_model(
             records.pop()  # the lookup's would-run record; the task records itself
             return call_stage(getattr(stages, stage), records, **inputs)
 
-    def publish(name: str, target: str, pte_ref) -> dict:
-        # no second copy where the store can avoid one (a hard link in a local directory)
-        ref = stages.store.publish_object(f"{name}/{target}.pte", pte_ref, "pte")
-        return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
-
+    # publishes (a hard link in a local directory: no second copy) unless a gate refuses
+    publish = Publisher(stages.store, gates_by_target(gates, targets), accept_regressions,
+                        benchmark_by_target(benchmark, targets))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                          load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets))
@@ -191,7 +205,10 @@ def run_model(
     try:
         unpublish_failed(stages.store, manifest)
         keep_published(stages.store, manifest)
-        stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
+        stored = manifest_to_store(manifest, publish)
+        if stored is not None:  # None: every target regressed; last night's manifest stays as it is
+            stages.store.put_json(f"{manifest['name']}/manifest.json", stored)
+        append_history(stages.store, manifest)
         _publish_report(manifest, stages.store)
     except Exception as exc:  # the store went away: report the targets' own errors, and this
         manifest["store_error"] = f"cannot write the manifest to {stages.store.url}: {type(exc).__name__}: {one_line(str(exc))}"
@@ -352,9 +369,16 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
-        if publish is not None:  # only a verified program is published
-            result["pte"] = publish(name, target, emitted["pte"])
+        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
+        if bench is not None:
+            result["benchmark"] = {**run("benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprint,
+                                         options=load_options, **bench),
+                                   "pte_bytes": emitted["pte"].size, "arena_bytes": planned["arena_bytes"]}
+        if publish is not None:  # only a verified program that passes its gates is published
+            result["pte"] = publish(name, target, emitted["pte"], result)
         result["ok"] = True
+    except Regressed as exc:  # its figures stay in the record; last night's program stays published
+        result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         result.update(_failed(records, exc, target, dry=dry), pte=result["pte"])
     return result
@@ -473,8 +497,10 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
         if publish is not None:
-            result["pte"] = publish(name, target, emitted["pte"])
+            result["pte"] = publish(name, target, emitted["pte"], result)
         result["ok"] = True
+    except Regressed as exc:
+        result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         dry = DryRun(frozenset({target})) if quantized is not None else None
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)

@@ -591,6 +591,8 @@ def publish_model_report(
     notes: dict[str, str] = {}
     inlined: dict[str, int] = {}
     for target, entry in (model_manifest.get("targets") or {}).items():
+        if entry.get("regressed"):  # refused by a gate: last night's picture stays
+            continue
         published = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
         if published is None:
             continue

@@ -27,7 +27,10 @@ which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
+import os
+import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -38,6 +41,7 @@ from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
+from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
 from lowering.delegate import executorch_call_delegate
 from lowering.emit import emit_program
 from lowering.lowered_module import LoweredBackendModule, preprocess
@@ -80,6 +84,7 @@ STAGE_VERSIONS = {
     "emit_methods": "1",
     "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
     "verify_sequence": "2",  # 2: as verify 3
+    "benchmark": "1",
 }
 
 
@@ -496,6 +501,38 @@ def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fing
                                 references=quantized).to_dict()
 
 
+def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, settings: dict,
+                  host: dict, previous: ArtifactRef | None = None, options: dict | None = None) -> dict:
+    """Time the .pte on ExecuTorch's runtime of this host (lowering.benchmark): load time,
+    latency median / p90, a decoder's prefill and decode tokens/s.  ``previous``: last
+    night's published program of the same model and target (in the key only when given):
+    both run interleaved in this process and the report has the ratios new/old.
+    ``host`` (this machine's CPU and threads) is in the key: figures are the host's."""
+    _begin("benchmark")
+    release_live()
+    loaded = live_model(model, fingerprint, options)
+    if loaded.pt2 is not None or loaded.module is None:
+        return {"skipped": "a .pt2 model has no eager module to take inputs from"}
+    bench = BenchmarkSettings(**settings)
+    calls, prefill_calls = round_calls(loaded.module, loaded.inputs, bench)
+    with contextlib.ExitStack() as files:
+        path, old = (None if ref is None else local_pte(store, ref, files) for ref in (pte, previous))
+        return benchmark_pte(path, ["forward"], calls, bench, previous=old, prefill_calls=prefill_calls)
+
+
+def local_pte(store: ArtifactStore, ref: ArtifactRef, files: contextlib.ExitStack) -> str:
+    """A local file of the program ``ref``: the store's own where it is a local directory,
+    else a temporary copy (removed when ``files`` closes)."""
+    path = store.local_object_path(ref)
+    if path is not None:
+        return path
+    tmp = files.enter_context(tempfile.TemporaryDirectory(prefix="lowerflow-benchmark-"))
+    path = os.path.join(tmp, f"{ref.sha256}.pte")
+    with open(path, "wb") as f:
+        f.write(store.get_bytes(ref))
+    return path
+
+
 # --------------------------------------------------------------------------- Prefect tasks
 
 
@@ -547,6 +584,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
+    "benchmark": ("model", "options"),
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
@@ -554,6 +592,7 @@ STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
     "verify": ("mode",),
     "verify_sequence": ("references",),
+    "benchmark": ("previous",),
 }
 
 
