@@ -663,7 +663,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from flows.ui import UiError, serve
 
     try:
-        return serve(args.host, args.port)
+        return serve(args.host, args.port, verbose=args.verbose)
     except UiError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
 

@@ -256,7 +256,7 @@ def test_two_concurrent_runs_compute_each_stage_once(tmp_path, prefect_api):
             totals[stage] = totals.get(stage, 0) + n
     assert totals == {
         "export": 1, "memory_plan": 2, "emit": 2, "verify": 2, "partition": 1,
-        "create_submodule": 1, "build_programs": 1, "preprocess": 1, "adjust": 1,
+        "create_submodule": 1, "build_programs": 1, "preprocess": 1, "adjust": 1, "benchmark": 2,
     }
 
 
