@@ -209,7 +209,7 @@ def test_decoder_retrain_ships_only_a_new_ptd(llama_dirs, target, recipe, tmp_pa
     .pte): tonight's .ptd on last night's .pte gives tonight's logits."""
     from lowering.hf import load_hf
 
-    programs = [load_hf(str(d), "text-generation", max_seq_len=16) for d in llama_dirs]
+    programs = [load_hf(str(d), "text-generation", max_seq_len=16, attn="standard") for d in llama_dirs]
 
     def lowered(hf, external):
         return lower(hf.lower_input(), partitioner=partitioner_for(target), quantize=recipe,
