@@ -37,9 +37,10 @@ class ExternalDataError(LoweringError):
     """A ``.pte`` and a ``.ptd`` that do not go together (or a ``.ptd`` missing); one line."""
 
 
-def program_files(pte: PteData) -> tuple[bytes, bytes | None]:
-    """``(.pte bytes, .ptd bytes)`` of an emitted program; no ``.ptd`` (None) when nothing is external."""
-    return serialize(pte), serialize_ptd(pte.external) if pte.external else None
+def program_files(pte: PteData, external_weights: bool) -> tuple[bytes, bytes | None]:
+    """``(.pte bytes, .ptd bytes)`` of an emitted program (:func:`lowering.emit.method.build_pte`);
+    the ``.ptd`` is None without ``external_weights`` (and empty for a program without weights)."""
+    return serialize(pte), serialize_ptd(pte.external) if external_weights else None
 
 
 @dataclass(frozen=True)

@@ -121,9 +121,8 @@ def lower(
     from .external import program_files
 
     with _timed(timings, "emit"):
-        pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights))
-    if external_weights and ptd is None:
-        ptd = _empty_ptd()
+        pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights),
+                                 external_weights)
     return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd)
 
 
@@ -263,18 +262,10 @@ def lower_methods(
     with _timed(emit_seconds, "emit"):
         pte, ptd = program_files(build_methods_pte({name: (programs[name], plans[name]) for name in entries},
                                                    constants, runtime_ops=runtime_ops,
-                                                   external_weights=external_weights))
+                                                   external_weights=external_weights), external_weights)
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
-    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings,
-                              ptd=ptd if ptd is not None or not external_weights else _empty_ptd())
-
-
-def _empty_ptd() -> bytes:
-    """The ``.ptd`` of a program without weights: empty, still its pair."""
-    from .pte.flat_tensor import serialize_ptd
-
-    return serialize_ptd({})
+    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings, ptd=ptd)
 
 
 def _edge_program(
