@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
     lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
                        "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
+    lower.add_argument("--external-weights", action="store_true",
+                       help="write the weights to <out>.ptd beside the .pte (which keeps the program only): "
+                            "a retrain then ships a new .ptd and the same .pte (docs/external-weights.md)")
     add_verify_argument(lower)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
@@ -126,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", parents=[common], help="run a .pte and compare it with the eager model",
                             description="Run FILE.pte in every available runtime against the model's eager outputs.")
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
-    verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
+    verify.add_argument("--model", metavar="SPEC", help="model spec of the eager model and its inputs (without it, "
+                                                      "only the .pte / --data pair is checked)")
+    verify.add_argument("--data", metavar="FILE.ptd", help="the .ptd the program binds its weights from "
+                                                          "(checked key by key before anything runs)")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
     add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
@@ -207,6 +213,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
     try:
         manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
                                **({"verify": args.verify} if args.verify else {}),
+                               **({"external_weights": True} if args.external_weights else {}),
                                **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
@@ -219,6 +226,10 @@ def cmd_lower(args: argparse.Namespace) -> int:
             path = outputs[target]
             size = write_pte(entry["pte"], manifest.get("store"), path)
             say(f"{target}: wrote {path} ({size:,} bytes)")
+            if entry.get("ptd"):  # its weights: the .pte needs this file beside it
+                data_path = path.with_suffix(".ptd")
+                size = write_pte(entry["ptd"], manifest.get("store"), data_path, "ptd")
+                say(f"{target}: wrote {data_path} ({size:,} bytes, the weights {path.name} needs)")
             if entry.get("quantize"):
                 from flows.quantized import quantize_line
 
@@ -279,11 +290,12 @@ def check_writable(path: Path) -> None:
         raise CLIError(f"-o {str(path)!r}: cannot write there: {exc.strerror or exc}", EXIT_USAGE) from None
 
 
-def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
-    """Copy the target's .pte out of the store (digest-checked) to ``path``; returns its size."""
+def write_pte(pte: dict, store_url: str | None, path: Path, kind: str = "pte") -> int:
+    """Copy the target's .pte (or ``kind`` "ptd": its .ptd) out of the store (digest-checked)
+    to ``path``; returns its size."""
     from tasks.store import ArtifactRef, ArtifactStore
 
-    ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
+    ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return ArtifactStore(store_url).copy_out(ref, str(path))
@@ -506,6 +518,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     .pte has exactly those); exit 1 on a mismatch."""
     from tasks.model_spec import ModelSpecError, load_model
 
+    data = check_program_data(args.pte, args.data)
+    if args.model is None:
+        if args.data is None:
+            raise CLIError("verify: give --model SPEC (run against eager) or --data FILE.ptd (check the pair)",
+                           EXIT_USAGE)
+        say(f"{args.pte}: every weight it needs is in {args.data}")
+        return EXIT_OK
     spec = parse_spec(args.model, args)
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
@@ -520,7 +539,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
     from lowering.verify import verify, verify_methods
+    from lowering.verify_executorch import with_data
 
+    pte = with_data(pte, data)
     try:
         if not loaded.methods:
             reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
@@ -538,6 +559,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if bad:
         raise CLIError(f"{args.pte} does not match {args.model} in {', '.join(bad)}")
     return EXIT_OK
+
+
+def check_program_data(pte: str, data: str | None) -> bytes | None:
+    """The ``.ptd`` bytes of ``--data`` (None without it), after checking the pair key by key
+    (:func:`lowering.external.check_pair`): a program that needs a .ptd it was not given, or a
+    .ptd of another program, is one line and exit 2, before any runtime loads it."""
+    from lowering.external import ExternalDataError, check_pair
+
+    try:
+        program = Path(pte).read_bytes()
+    except OSError as exc:
+        raise CLIError(f"cannot read {pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+    blob = None
+    if data is not None:
+        try:
+            blob = Path(data).read_bytes()
+        except OSError as exc:
+            raise CLIError(f"cannot read {data!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+    try:
+        check_pair(program, blob, pte_name=pte, ptd_name=data or "data")
+    except ExternalDataError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
+    except Exception as exc:  # not a .pte at all
+        raise CLIError(f"cannot verify {pte!r}: {type(exc).__name__}: {first_line(str(exc))}", EXIT_USAGE) from None
+    return blob
 
 
 # --------------------------------------------------------------------------- gc
