@@ -161,7 +161,18 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(saved as the block custom-webhook/lowerflow-nightly)")
     automations.add_argument("--notify-block", metavar="TYPE/NAME",
                              help="or notify through a notification block you saved (e.g. slack-webhook/night-owl)")
+    automations.add_argument("--fleet-window", type=float, default=30.0, metavar="S",
+                             help="the same for lower-fleet runs (default: 30; the nightly deployment's send one "
+                                  "every 10 s, LOWERFLOW_HEARTBEAT_SECONDS): a lost fleet is retried sooner")
     automations.set_defaults(run=cmd_automations)
+
+    nights = sub.add_parser("nights", parents=[common], help="the last fleet runs: state, duration, cause, what to run",
+                            description="The latest lower-fleet runs on the Prefect server of PREFECT_API_URL, "
+                                        "newest first: when, state (and try), how long, the cause (the run's "
+                                        "state message), and the whole `prefect flow-run retry` command of a "
+                                        "failed one.  See flows/nights.py.")
+    nights.add_argument("--limit", type=int, default=5, metavar="N", help="how many (default: 5)")
+    nights.set_defaults(run=cmd_nights)
 
     ui = sub.add_parser("ui", parents=[common], help="serve the Prefect UI over the runs and reports made here",
                         description="Start a Prefect server on the database the CLI and the demo used "
@@ -352,13 +363,30 @@ def cmd_automations(args: argparse.Namespace) -> int:
             print(line)
         return EXIT_OK
     try:
-        created = automations.install(args.zombie_window, args.notify_url, args.notify_block)
+        created = automations.install(args.zombie_window, args.notify_url, args.notify_block, args.fleet_window)
     except automations.AutomationError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
     for name, automation_id in created.items():
         print(f"installed automation '{name}' ({automation_id})")
     if automations.FAILED_FLEET_AUTOMATION not in created:
         say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
+    return EXIT_OK
+
+
+def cmd_nights(args: argparse.Namespace) -> int:
+    """``lowerflow nights``: the last fleet runs (see :func:`flows.nights.night_lines`)."""
+    import datetime
+
+    from flows.nights import last_nights, night_lines
+
+    if not prefect_api_url():
+        raise CLIError("the nights are on a Prefect server: set PREFECT_API_URL "
+                       "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+    runs = last_nights(max(args.limit, 1))
+    if not runs:
+        say("no lower-fleet run yet")
+    for line in night_lines(runs, datetime.datetime.now(datetime.timezone.utc)):
+        print(line)
     return EXIT_OK
 
 

@@ -76,6 +76,8 @@ _TOP_KEYS = {"store", "locks", "defaults", "models"}
 class ManifestError(ValueError):
     """A fleet manifest that cannot be used; the message names the bad entry."""
 
+    explained = True  # its message says it all: one line, the traceback at DEBUG (flows/run_logs.py)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
