@@ -187,9 +187,10 @@ class Publisher:
         return {"settings": settings, "host": host(),
                 **({"previous": previous} if previous is not None else {})}
 
-    def __call__(self, name: str, target: str, pte: ArtifactRef, result: dict | None = None) -> dict:
-        """Publish ``pte`` as ``target``'s program, unless ``result`` (tonight's record) fails
-        a gate against the published one: then raise :class:`Regressed`, publishing nothing."""
+    def __call__(self, name: str, target: str, pte: ArtifactRef, kind: str = "pte", result: dict | None = None) -> dict:
+        """Publish ``pte`` as ``target``'s program (``kind`` ``"ptd"``: its data), unless
+        ``result`` (tonight's record) fails a gate against the published one: then raise
+        :class:`Regressed`, publishing nothing."""
         previous = self.previous(name, target)
         if result is not None and previous is not None and previous["pte"]["sha256"] != pte.sha256:
             figures = gate_figures(previous, {**result, "pte_size": pte.size})
@@ -200,5 +201,5 @@ class Publisher:
                 raise Regressed(failures, figures)
             if failures:
                 result["accepted_regressions"] = failures
-        ref = self.store.publish_object(f"{name}/{target}.pte", pte, "pte")
+        ref = self.store.publish_object(f"{name}/{target}.{kind}", pte, kind)
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
