@@ -521,6 +521,13 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
+        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
+        if bench is not None and len(programs) == 1 and not data:  # one traced method (an hf: model's forward)
+            [(method, _)] = programs.items()
+            result["benchmark"] = {**for_method(run, method)(
+                "benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
+                options=load_options, **bench), "pte_bytes": emitted["pte"].size,
+                "arena_bytes": result["memory_plan"]["arena_bytes"]}
         if publish is not None:
             publish_files(publish, result, name, target, emitted)
         result["ok"] = True

@@ -532,7 +532,8 @@ def _program_file(store: ArtifactStore, pte: ArtifactRef, ptd: ArtifactRef | Non
 
 
 def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, settings: dict,
-                  host: dict, previous: ArtifactRef | None = None, options: dict | None = None) -> dict:
+                  host: dict, previous: ArtifactRef | None = None, options: dict | None = None,
+                  method: str = "forward") -> dict:
     """Time the .pte on ExecuTorch's runtime of this host (lowering.benchmark): load time,
     latency median / p90, a decoder's prefill and decode tokens/s.  ``previous``: last
     night's published program of the same model and target (in the key only when given):
@@ -543,10 +544,10 @@ def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprin
     loaded, bench = live_model(model, fingerprint, options), BenchmarkSettings(**settings)
     if loaded.pt2 is not None or loaded.module is None:
         return {"skipped": "a .pt2 model has no eager module to take inputs from"}
-    calls, prefill_calls = round_calls(loaded.module, loaded.inputs, bench)
+    calls, prefill_calls = round_calls(loaded.module, loaded.inputs, bench, method)
     with contextlib.ExitStack() as files:
         path, old = (None if ref is None else local_pte(store, ref, files) for ref in (pte, previous))
-        return benchmark_pte(path, ["forward"], calls, bench, previous=old, prefill_calls=prefill_calls)
+        return benchmark_pte(path, [method], calls, bench, previous=old, prefill_calls=prefill_calls)
 
 
 # --------------------------------------------------------------------------- Prefect tasks
