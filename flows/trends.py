@@ -86,7 +86,7 @@ def change_lines(summary: Mapping[str, Any]) -> list[str]:
     for name, manifest in (summary.get("models") or {}).items():
         for target, entry in ((manifest or {}).get("targets") or {}).items():
             if entry.get("change"):
-                flag = " — **regressed, not published**" if entry.get("regressed") else (
+                flag = " — REGRESSED, not published" if entry.get("regressed") else (
                     " — published (accepted)" if entry.get("accepted_regressions") else "")
                 rows.append((not entry.get("regressed"), f"{name} / {target}: {change_cell(entry)}{flag}"))
     return [line for _, line in sorted(rows, key=lambda r: r[0])]

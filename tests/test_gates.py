@@ -130,3 +130,34 @@ def test_a_run_whose_every_target_regressed_leaves_the_manifest_alone(tmp_path):
     stored = manifest_to_store(two, Publisher(store))
     assert "portable" not in stored["targets"] and stored["targets"]["xnnpack"]["ok"]  # no published record to keep
     assert [line["regressed"] for line in history_lines(tonight)] == [True]
+
+
+def test_reports_say_regressed_first_with_the_change_and_where_latency_was_measured(tmp_path):
+    from flows.reports import fleet_report_markdown, fleet_rows, model_report_markdown
+    from flows.report_pictures import png_size, trend_png
+    from flows.trends import trend_images
+    from tasks.store import ArtifactStore
+
+    bench = {"figures": {"latency_ms": 0.5, "p90_ms": 1.2, "spread": 2.4, "load_ms": 0.3, "rounds": 40},
+             "ratios": {"latency": 1.42}, "host": {"cpu": "Some CPU", "threads": 2}, "load_average": 9.5}
+    regressed = {"ok": False, "regressed": {"latency": 1.42}, "change": {"latency": 1.42, "size": 1.0},
+                 "error": "regressed: latency ×1.42 > 1.1", "stages": [], "benchmark": bench}
+    fine = {"ok": True, "change": {"latency": 0.97, "size": 1.0}, "stages": []}
+    summary = {"store": "memory://s", "ok": False, "failed": ["b"],
+               "models": {"a": {"name": "a", "targets": {"portable": fine}},
+                          "b": {"name": "b", "targets": {"xnnpack": regressed}}}}
+    assert [(r["model"], r["ok"], r["change"]) for r in fleet_rows(summary)] == [
+        ("b", "regressed", "latency ×1.42, size ×1.00"), ("a", "ok", "latency ×0.97, size ×1.00")]
+    md = fleet_report_markdown(summary)
+    assert md.index("b / xnnpack: latency ×1.42, size ×1.00 — REGRESSED, not published") \
+        < md.index("a / portable: latency ×0.97, size ×1.00")
+    report = model_report_markdown({"name": "b", "targets": {"xnnpack": regressed}})
+    assert "## xnnpack — regressed" in report
+    assert "this host's CPU (Some CPU, 2 threads, load average 9.5); a device's latency differs" in report
+    assert "spread 2.40 (p90/median): a loaded machine" in report and "vs published: latency ×1.42" in report
+    # The trend picture: from the second night on, inlined in the model report.
+    store = ArtifactStore(str(tmp_path))
+    lines = [{"target": "xnnpack", "pte_bytes": 1000 + i, "latency_ms": 0.5, "spread": 1.1} for i in range(3)]
+    store.put_named("b/history.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode(), "history")
+    assert set(trend_images(store, {"name": "b", "targets": {"xnnpack": regressed}})) == {"xnnpack"}
+    assert png_size(trend_png(lines, title="b / xnnpack")) == (800, 220)
