@@ -87,7 +87,7 @@ def ratio_runs(store: Path, runs: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="cold nights of each kind (at least 1)")
     parser.add_argument("--ratio-runs", type=int, default=10)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="lowerflow-bench-benchmark-"))

@@ -8,8 +8,9 @@
     spread      p90 / median; above :data:`SPREAD_FLAG` the figures come from a loaded machine
 
 With a ``previous`` program (last night's published one), both are loaded in ONE process
-and their rounds interleaved call by call (new, old, old, new, ...), and the ratios new/old
-of the medians are recorded: on a shared machine a figure varies by ±30% from run to run,
+(each three times: the rounds rotate over the instances) and their rounds interleaved
+(new, old, old, new, ...); the ratios new/old are recorded, the latency's as the median of
+the round-by-round ratios: on a shared machine a figure varies by ±30% from run to run,
 the ratio of two programs timed side by side by a few percent.
 
 ExecuTorch is looked up at run time (:func:`lowering.verify_executorch.executorch_runner`,
@@ -39,8 +40,8 @@ class BenchmarkSettings:
     #: Loads of each program (interleaved; the median is reported).
     loads: int = 3
     min_rounds: int = 15
-    max_rounds: int = 400
-    seconds: float = 0.5
+    max_rounds: int = 300
+    seconds: float = 0.3
     #: A decoder's round: a prompt of ``prefill`` tokens, then ``decode`` single-token steps.
     prefill: int = 32
     decode: int = 16
@@ -89,16 +90,18 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
     interleaved between the programs (the order reversed every other round).  A decoder's
     first ``prefill_calls`` calls are its prefill, the rest decode steps."""
     settings = BenchmarkSettings(**settings)
+    # Each program is loaded ``loads`` times, interleaved (the first load of a file pays its page
+    # faults: the median is reported), and every loaded instance is kept: the rounds rotate over
+    # them, so where one instance's planned memory happens to sit (its alignment) is averaged out.
     loads: list[list[float]] = [[] for _ in programs]
-    for turn in range(settings.loads):  # the first load of a file pays its page faults: interleaved, median
-        loaded = []
+    instances: list[list[dict]] = [[] for _ in programs]
+    for turn in range(settings.loads):
         for i in (range(len(programs)) if turn % 2 == 0 else reversed(range(len(programs)))):
             start = time.perf_counter()
             program = runtime.load_program(programs[i])
             methods = {name: program.load_method(name) for name in names}
             loads[i].append(time.perf_counter() - start)
-            loaded.append((i, {**methods, "__program__": program}))  # the program outlives its methods
-        loaded = [methods for _, methods in sorted(loaded, key=lambda pair: pair[0])]
+            instances[i].append({**methods, "__program__": program})  # the program outlives its methods
 
     def one_round(methods: dict) -> list[float]:
         times = []
@@ -109,16 +112,21 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
         return times
 
     for _ in range(settings.warmup):
-        for methods in loaded:
-            one_round(methods)
-    rounds: list[list[list[float]]] = [[] for _ in loaded]
-    order = list(range(len(loaded)))
+        for each in instances:
+            for methods in each:
+                one_round(methods)
+    rounds: list[list[list[float]]] = [[] for _ in programs]
+    order = list(range(len(programs)))
     start, count = time.perf_counter(), 0
     while count < settings.max_rounds and (count < settings.min_rounds or time.perf_counter() - start < settings.seconds):
         for i in (order if count % 2 == 0 else order[::-1]):
-            rounds[i].append(one_round(loaded[i]))
+            rounds[i].append(one_round(instances[i][count % len(instances[i])]))
         count += 1
-    return [figures(statistics.median(load), timed, prefill_calls, settings) for load, timed in zip(loads, rounds)]
+    out = [figures(statistics.median(load), timed, prefill_calls, settings) for load, timed in zip(loads, rounds)]
+    if len(rounds) == 2:  # new / old round by round (both saw the same load), the median of those
+        out[0]["paired_latency_ratio"] = round(statistics.median(
+            sum(new) / sum(old) for new, old in zip(rounds[0], rounds[1]) if sum(old) > 0), 4)
+    return out
 
 
 def figures(load: float, rounds: list[list[float]], prefill_calls: int, settings: BenchmarkSettings) -> dict:
@@ -184,5 +192,6 @@ def benchmark_pte(pte: Any, names: Sequence[str], calls: Sequence[tuple[str, lis
                               "load_average": load_average()}
     if previous is not None:
         report["previous"] = measured[1]
-        report["ratios"] = ratios(measured[0], measured[1])
+        report["ratios"] = {**ratios(measured[0], measured[1]),
+                            "latency": measured[0].pop("paired_latency_ratio")}
     return report
