@@ -33,6 +33,7 @@ from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's A
     parse_runtime_ops, parse_spec,
 )
 from .load_options import add_load_arguments, load_arguments
+from .verify_mode import CHECK_MODES
 
 PROG = "lowerflow"
 #: Default ``-o`` of ``lower``: one file per target in the current directory.
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
     verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
+    verify.add_argument("--verify", choices=CHECK_MODES, default="auto", metavar="MODE",
+                        help="full (every input set, twice), quick (a decoder: one prefill and a few decode steps), "
+                             "or auto (the default: full, quick for a model above 64 MiB of weights), as lower's")
     add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
 
@@ -511,22 +515,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
     if spec.kind == "pt2":
         raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
+    pte = Path(args.pte)  # read by path: ExecuTorch's runtime maps the file
     try:
-        pte = Path(args.pte).read_bytes()
+        with pte.open("rb"):
+            pass
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify, verify_methods
+    from lowering.verify import resolve_mode, verify, verify_methods, verify_quick
 
+    mode = resolve_mode(args.verify, loaded.weights_size())
     try:
-        if not loaded.methods:
-            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
-        else:  # every method at once: one fresh interpreter for a program of llama:: ops
+        if loaded.methods:  # every method at once: one fresh interpreter for a program of llama:: ops
             reports = verify_methods(pte, {n: (m.module, m.inputs, m.dynamic_shapes) for n, m in loaded.methods.items()},
-                                     constants=loaded.constants)
+                                     constants=loaded.constants, mode=mode)
+        elif mode == "quick":
+            reports = {None: verify_quick(pte, loaded.module, loaded.inputs)}
+        else:
+            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []

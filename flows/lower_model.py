@@ -282,7 +282,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant)
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets) if publish is None else None
+        dry = DryRun.of(quant, targets, verify) if publish is None else None
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options=export_options(version, dynamic_shapes, extras))
@@ -378,7 +378,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                                             options=load_options)
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
-        return _all_failed(manifest, targets, records, exc, methods=True)
+        return _all_failed(manifest, targets, records, exc, methods=True, dry=DryRun.of(quant, targets, verify))
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
@@ -476,7 +476,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["pte"] = publish(name, target, emitted["pte"])
         result["ok"] = True
     except Exception as exc:
-        dry = DryRun(frozenset({target})) if quantized is not None else None
+        dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()))
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
 
@@ -590,22 +590,30 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
 @dataclasses.dataclass(frozen=True)
 class DryRun:
     """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
-    quantize, and whether the program has cond / map (stage ``lower_control_flow``)."""
+    quantize, which verify (``verify: off`` runs no verify stage), and whether the program
+    has cond / map (stage ``lower_control_flow``)."""
 
     quantized: frozenset = frozenset()
+    #: The targets whose verify mode is ``off``.
+    unverified: frozenset = frozenset()
     #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
     #: stages to list (reading the program costs time a fully cached plan need not spend).
     control_flow: Any = None
 
     @classmethod
-    def of(cls, quant: QuantSettings, targets) -> "DryRun":
-        return cls(frozenset(t for t in targets if quant.recipe(t) is not None))
+    def of(cls, quant: QuantSettings, targets, verify: dict[str, str]) -> "DryRun":
+        """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
+        return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
+                   frozenset(t for t in targets if verify[t] == "off"))
 
     def with_control_flow(self, probe) -> "DryRun":
         return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
 
     def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
-        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where they run."""
+        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where
+        they run, without ``verify`` where it is off."""
+        if target in self.unverified:
+            stages = tuple(s for s in stages if s != "verify")
         if target in self.quantized:
             stages = ("quantize", *stages)
         if "adjust" in stages and self.control_flow is not None and self.control_flow():

@@ -166,6 +166,58 @@ def test_lower_and_fleet_take_verify_modes(cli, prefect_api, llamas, tmp_path):
     assert verified["ok"] and {c["inputs"] for c in verified["checks"]} == {"quick: 4 calls"}
 
 
+def test_lowerflow_verify_runs_the_mode_asked_for(cli, llamas, ptes):
+    """``lowerflow verify --verify quick`` runs the quick check (one sequence of calls per
+    method; constant methods still checked) and fails a program of other weights; ``auto``
+    (the default) is full for this tiny model: every input set; ``off`` is not a check."""
+    spec = f"hf:{llamas[0]}"
+    args = ("--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN)
+    code, out, errors = cli("verify", ptes[0], *args, "--verify", "quick")
+    assert code == 0, (out, errors)
+    forward = [line for line in out.splitlines() if line.startswith("forward ")]
+    assert forward and all(line.endswith("(quick: 4 calls)") and " ok " in line for line in forward), out
+    assert {line.split()[1] for line in forward} == {"lowerflow", "executorch"}
+    assert "get_max_seq_len lowerflow   ok" in out
+    code, out, errors = cli("verify", ptes[1], *args, "--verify", "quick")
+    assert code == 1 and "MISMATCH" in out and "(quick: 4 calls)" in out
+    assert errors == [f"lowerflow: error: {ptes[1]} does not match {spec} in lowerflow (forward), "
+                      "executorch (forward)"], errors
+    code, auto, _ = cli("verify", ptes[0], *args)
+    assert code == 0 and "quick" not in auto and "(seq_length_dim=31)" in auto
+    assert auto == cli("verify", ptes[0], *args, "--verify", "full")[1]
+    code, _, errors = cli("verify", ptes[0], *args, "--verify", "off")
+    assert code == 2 and "--verify: invalid choice: 'off'" in errors[0]
+
+
+def test_the_plan_lists_verify_only_where_it_runs(cli, prefect_api, llamas, tmp_path):
+    """``lowerflow plan``: a target whose verify is off lists no verify stage, whether the
+    first miss is the export (nothing cached) or a stage after it (export cached)."""
+    from tests.test_validation import MODELS
+
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(f"store: ./store\nmodels:\n"
+                        f"  - {{model: 'hf:{llamas[0]}', task: text-generation, max_seq_len: {MAX_SEQ_LEN}, "
+                        "targets: [portable, xnnpack], verify: {portable: 'off'}}\n"
+                        f"  - {{name: mlp, model: '{MODELS}:mlp', verify: false}}\n")
+
+    def rows():
+        code, out, errors = cli("plan", manifest)
+        assert code == 0 and not errors, (out, errors)
+        return {tuple(line.split()[:2]): line.split(None, 3)[3] for line in out.splitlines()[2:5]}
+
+    cold = rows()
+    assert cold[("llama", "portable")] == "export[forward], memory_plan, emit_methods"
+    assert cold[("llama", "xnnpack")].startswith("export[forward], partition") and cold[("llama", "xnnpack")].endswith(
+        "emit_methods, verify")
+    assert cold[("mlp", "portable")] == "export, memory_plan, emit"
+    code, out, errors = cli("lower", f"hf:{llamas[0]}", "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,
+                            "-t", "xnnpack", "--verify", "off", "--store", tmp_path / "store", "-o", tmp_path / "x.pte")
+    assert code == 0, (out, errors)
+    warm = rows()
+    assert warm[("llama", "portable")] == "memory_plan[forward], emit_methods"
+    assert warm[("llama", "xnnpack")] == "verify[forward]", warm
+
+
 # --------------------------------------------------------------------------- hf: loads lazily
 
 
