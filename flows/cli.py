@@ -34,6 +34,7 @@ from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's A
 )
 from .load_options import add_load_arguments, load_arguments
 from .verify_mode import CHECK_MODES
+from tasks.heap import set_heap_policy
 
 PROG = "lowerflow"
 #: Default ``-o`` of ``lower``: one file per target in the current directory.
@@ -205,13 +206,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
-    from flows.lower_model import ModelLoweringFailed, lower_model
+    from flows.lower_model import ModelLoweringFailed, lower_cached, lower_model
 
     quiet_console(args.verbose)
-    try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
-                               **({"verify": args.verify} if args.verify else {}),
-                               **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    arguments = dict(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
+                     **({"verify": args.verify} if args.verify else {}),
+                     **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    try:  # a cached rerun with no API server configured starts none (lower_cached)
+        manifest = (lower_cached(**arguments) if not api_server_configured() else None) or lower_model(**arguments)
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []
@@ -236,6 +238,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
     if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
         raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
+
+
+def api_server_configured() -> bool:
+    """Whether Prefect has an API server to talk to (``PREFECT_API_URL``); without one, a
+    flow run starts Prefect's ephemeral server first."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
 
 
 def output_path(template: str, name: str, target: str, *, several: bool) -> Path:
@@ -642,6 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_environment(args.verbose, getattr(args, "store", None))
+        set_heap_policy()  # freed weights go back to the system: the peak is what a stage holds
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted", file=sys.stderr)

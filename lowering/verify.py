@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
+from .paging import page_out_module
 from .runtime import load
 from .verify_executorch import Pte, batch_outputs, executorch_runner, program_operators
 
@@ -91,6 +92,7 @@ def verify(
     reference = as_delegated(reference, pte)
     cases, reference_accuracy = _cases(model, example_inputs, calls, method, dynamic_shapes, reference,
                                        min_sqnr, max_error)
+    page_out_module(model)  # eager is done: its mapped weights need not stay beside the runtimes
     return VerifyReport([c for checks in _run_cases(pte, cases, calls, atol, rtol) for c in checks], reference_accuracy)
 
 
@@ -166,6 +168,7 @@ def verify_quick(
     calls = [(method, pytree.tree_leaves(tuple(each))) for each in inputs]
     label = f"quick: {len(calls)} calls"
     checks = []
+    page_out_module(model)  # eager is done: its mapped weights need not stay beside the runtimes
     executorch = _executorch_sequence_check(pte, [method], calls, expected, atol, rtol, quantized)
     if lowerflow is None:
         lowerflow = executorch is None or executorch.skipped is not None or _pte_size(pte) <= QUICK_ABOVE_BYTES
@@ -349,6 +352,8 @@ def verify_methods(
             module, inputs, *dynamic_shapes = methods[name]
             cases[name] = _cases(module, inputs, calls, name, (dynamic_shapes or [None])[0], None, None, None)[0]
             reports[name] = None  # its place in name order
+    for name in cases:
+        page_out_module(methods[name][0])
     checks = iter(_run_cases(pte, [case for each in cases.values() for case in each], calls, atol, rtol))
     for name, each in cases.items():
         reports[name] = VerifyReport([check for _ in each for check in next(checks)])
@@ -390,6 +395,8 @@ def verify_call_sequence(
         sequence = round_robin(methods)
     calls = [(name, pytree.tree_leaves(tuple(inputs))) for name, inputs in sequence]
     expected = _eager_sequence(fresh_copy({name: module for name, (module, _) in methods.items()}), sequence)
+    for module, _ in methods.values():
+        page_out_module(module)
     quantized = None
     if references:
         references = {name: as_delegated(ref, pte) for name, ref in references.items()}

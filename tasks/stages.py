@@ -27,6 +27,7 @@ which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it
 from __future__ import annotations
 
 import collections
+import gc
 import inspect
 import threading
 import time
@@ -50,6 +51,7 @@ from lowering.partition import (
     partition_tags_of,
 )
 from lowering.program import copy_program
+from lowering.paging import page_out_module
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
@@ -59,6 +61,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence, verify_q
 
 from .artifacts import get_blob, get_doc, get_program, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
+from .heap import return_freed
 from .live import LIVE
 from .model_spec import live_model
 from .run_names import task_run_name
@@ -123,6 +126,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
                                 strict=loaded.strict)
+        page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
@@ -444,9 +448,12 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
 def release_live() -> None:
     """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
     reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes.  A later stage (another target)
-    reads what it needs back from the store."""
+    holds are freed while verify runs two runtimes (collected now: a program's graph is a
+    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
+    (another target) reads what it needs back from the store."""
     LIVE.clear()
+    gc.collect()
+    return_freed()
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",

@@ -242,6 +242,52 @@ def test_a_cached_rerun_of_an_hf_model_never_loads_it(prefect_api, llamas, tmp_p
     assert HF_LOADS[key] == 2 and changed["fingerprint"]["parts"]["weights"] != cold["fingerprint"]["parts"]["weights"]
 
 
+#: ``lowerflow ARGS`` in a fresh interpreter, then whether Prefect's server module was imported
+#: (what starting its ephemeral server takes) and whether a flow ran.
+_LOWER_AND_TELL = """
+import sys
+from flows.cli import main
+code = main(sys.argv[1:])
+print("server imported:", "prefect.server.api.server" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_a_cached_rerun_with_no_api_server_starts_none_and_publishes_the_same(prefect_api, llamas, tmp_path):
+    """``lowerflow lower`` with no PREFECT_API_URL: a rerun whose stages all hit the cache runs
+    without a flow run (flows.lower_model.lower_cached), so Prefect's ephemeral server is never
+    started; it writes the same .pte and manifest (``flow_run`` None).  A miss still runs the flow."""
+    import os
+    import subprocess
+    import sys
+
+    from flows.lower_model import lower_model as run_model
+    from tests.test_cli import REPO
+
+    store = tmp_path / "store"
+    cold = run_model(f"hf:{llamas[0]}", ["xnnpack"], str(store), hf=dict(TASK))  # on the test's API server
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
+    env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+
+    def lower(*extra):
+        args = ["lower", f"hf:{llamas[0]}", "--task", "text-generation", "--max-seq-len", str(MAX_SEQ_LEN),
+                "-t", "xnnpack", "--store", str(store), "-o", str(tmp_path / "out.pte"), *extra]
+        result = subprocess.run([sys.executable, "-c", _LOWER_AND_TELL, *args], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    out = lower()
+    assert "server imported: False" in out and "verify[forward]     cached" in out, out
+    assert (tmp_path / "out.pte").read_bytes() == (store / "outputs" / "llama" / "xnnpack.pte").read_bytes()
+    manifest = json.loads((store / "outputs" / "llama" / "manifest.json").read_text())
+    assert manifest["flow_run"] is None and manifest["fingerprint"] == cold["fingerprint"]
+    assert manifest["targets"]["xnnpack"]["pte"] == cold["targets"]["xnnpack"]["pte"]
+    assert all(r["cached"] for r in manifest["targets"]["xnnpack"]["stages"])
+    out = lower("--verify", "quick")  # verify quick is not cached: the flow runs it
+    assert "server imported: True" in out and "verify[forward]     ran" in out, out
+
+
 @pytest.mark.parametrize("task, options", [
     ("text-generation", {"max_seq_len": MAX_SEQ_LEN}),
     ("text-generation", {"attn": "standard", "last_token_logits": True}),
