@@ -92,6 +92,7 @@ def verify(
     reference = as_delegated(reference, pte)
     cases, reference_accuracy = _cases(model, example_inputs, calls, method, dynamic_shapes, reference,
                                        min_sqnr, max_error)
+    reference = None  # run: not held while the runtimes run
     page_out_module(model)  # eager is done: its mapped weights need not stay beside the runtimes
     return VerifyReport([c for checks in _run_cases(pte, cases, calls, atol, rtol) for c in checks], reference_accuracy)
 
@@ -165,6 +166,7 @@ def verify_quick(
         fp32, expected = expected, _eager_in_order(as_delegated(reference, pte).module(), inputs)
         quantized = {"fp32": fp32, "min_sqnr": min_sqnr, "max_error": max_error}
         reference_accuracy = outputs_error(expected[0], fp32[0])
+        reference = None  # run: not held while the runtimes run (a caller that passed it alone frees it)
     calls = [(method, pytree.tree_leaves(tuple(each))) for each in inputs]
     label = f"quick: {len(calls)} calls"
     checks = []

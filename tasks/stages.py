@@ -27,6 +27,7 @@ which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import inspect
 import threading
@@ -475,15 +476,12 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    quantized = {}
-    if reference is not None:
-        quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
+    thresholds = {} if reference is None else {"min_sqnr": min_sqnr, "max_error": max_error}
     program = store.local_object_path(pte) or store.get_bytes(pte)
-    if mode == "quick":
-        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized)
-    else:
-        report = verify_pte(program, loaded.module, loaded.inputs, method=method,
-                            dynamic_shapes=loaded.dynamic_shapes, **quantized)
+    check = verify_quick if mode == "quick" else functools.partial(verify_pte, dynamic_shapes=loaded.dynamic_shapes)
+    # The quantized reference is read here for the check alone (not kept live): it drops it once run.
+    report = check(program, loaded.module, loaded.inputs, method=method,
+                   reference=None if reference is None else store.get_program(reference), **thresholds)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
