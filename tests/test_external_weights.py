@@ -225,3 +225,36 @@ def test_decoder_retrain_ships_only_a_new_ptd(llama_dirs, target, recipe, tmp_pa
     torch.testing.assert_close(retrained, embedded, atol=1e-5, rtol=1e-5)
     before = run_executorch(r1.pte, r1.ptd, [tokens, positions])[0]
     assert not torch.allclose(before, retrained, atol=1e-3)
+
+
+# --------------------------------------------------------------------------- weights-only updates
+
+
+@pytest.mark.parametrize("target", ["portable", "xnnpack"])
+def test_rebind_gives_the_cold_lowerings_files(target):
+    """lowering.rebind: tonight's weights bound to last night's lowered program: the same
+    .pte, and the .ptd a cold lowering of tonight's model writes (byte for byte)."""
+    from lowering.rebind import rebind_weights
+
+    x = (torch.randn(1, 3, 8, 8),)
+    m1, m2 = trained(CNN, 1), trained(CNN, 2)
+    cold = lower(m1, x, partitioner=partitioner_for(target), external_weights=True)
+    update = rebind_weights(cold, m2)
+    fresh = lower(m2, x, partitioner=partitioner_for(target), external_weights=True)
+    assert update.pte == cold.pte and update.ptd == fresh.ptd and update.ptd != cold.ptd
+
+
+def test_rebind_refuses_what_is_not_weights_only():
+    from lowering.rebind import NotWeightsOnly, rebind_weights
+
+    x = (torch.randn(2, 8),)
+    cold = lower(trained(MLP, 1), x, external_weights=True)
+    with pytest.raises(NotWeightsOnly, match="another architecture"):
+        rebind_weights(cold, torch.nn.Sequential(torch.nn.Linear(8, 4)))
+    wider = {k: torch.zeros(v.shape[0] + 1, *v.shape[1:]) for k, v in trained(MLP, 2).state_dict().items()}
+    with pytest.raises(NotWeightsOnly, match="another architecture"):
+        rebind_weights(cold, wider)
+    with pytest.raises(NotWeightsOnly, match="int8 \\(static\\) calibrates activations"):
+        rebind_weights(cold, trained(MLP, 2), quantize="int8")
+    with pytest.raises(NotWeightsOnly, match="not lowered with external_weights"):
+        rebind_weights(lower(trained(MLP, 1), x), trained(MLP, 2))

@@ -108,3 +108,30 @@ def test_stage_versions_did_not_move():
     for stage in ("partition", "emit", "emit_methods", "lower_control_flow"):
         assert "external_weights" in stages.STAGE_OPTIONAL[stage]
     assert "ptd" in stages.STAGE_OPTIONAL["verify"] and "ptd" in stages.STAGE_OPTIONAL["verify_sequence"]
+
+
+def test_a_retrain_publishes_the_same_pte_and_says_what_a_device_downloads(tmp_path):
+    """Same code, new weights (the factory reads its seed from a file): the manifest says
+    ``changed: [weights]``; the .pte is unchanged, so a device downloads the .ptd only."""
+    (tmp_path / "seed.txt").write_text("1")
+    (tmp_path / "retrained.py").write_text(
+        "import pathlib\nimport torch\nfrom examples.models import MLP\n\n\n"
+        "def model():\n"
+        "    torch.manual_seed(int((pathlib.Path(__file__).parent / 'seed.txt').read_text()))\n"
+        "    m = MLP().eval()\n"
+        "    torch.manual_seed(0)\n"
+        "    return m, (torch.randn(4, 64),)\n")
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["xnnpack"]},
+                "models": [{"name": "m", "model": f"{tmp_path / 'retrained.py'}:model", "external_weights": True}]}
+    first = lower_fleet(manifest)["models"]["m"]
+    assert first["targets"]["xnnpack"]["update"]["program"] == "new"
+    (tmp_path / "seed.txt").write_text("2")
+    second = lower_fleet(manifest)["models"]["m"]
+    entry, before = second["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert second["changed"] == ["weights"]
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]
+    assert entry["update"] == {"program": "unchanged", "download_bytes": entry["ptd"]["size"],
+                               "whole_bytes": entry["ptd"]["size"] + entry["pte"]["size"]}
+    from flows.reports import target_section
+
+    assert ".ptd only (the program is unchanged)" in target_section("xnnpack", entry)
