@@ -18,13 +18,11 @@ lowering or verification, 2 for bad usage or a bad manifest.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
@@ -32,6 +30,7 @@ from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's A
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
     parse_runtime_ops, parse_spec,
 )
+from .fleet_progress import FleetProgress
 from .load_options import add_load_arguments, load_arguments
 
 PROG = "lowerflow"
@@ -161,7 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(saved as the block custom-webhook/lowerflow-nightly)")
     automations.add_argument("--notify-block", metavar="TYPE/NAME",
                              help="or notify through a notification block you saved (e.g. slack-webhook/night-owl)")
+    automations.add_argument("--fleet-window", type=float, default=30.0, metavar="S",
+                             help="the same for lower-fleet runs (default: 30; the nightly deployment's send one "
+                                  "every 10 s, LOWERFLOW_HEARTBEAT_SECONDS): a lost fleet is retried sooner")
     automations.set_defaults(run=cmd_automations)
+
+    nights = sub.add_parser("nights", parents=[common], help="the last fleet runs: state, duration, cause, what to run",
+                            description="The latest lower-fleet runs on the Prefect server of PREFECT_API_URL, "
+                                        "newest first: when, state (and try), how long, the cause (the run's "
+                                        "state message), and the whole `prefect flow-run retry` command of a "
+                                        "failed one.  See flows/nights.py.")
+    nights.add_argument("--limit", type=int, default=5, metavar="N", help="how many (default: 5)")
+    nights.set_defaults(run=cmd_nights)
 
     ui = sub.add_parser("ui", parents=[common], help="serve the Prefect UI over the runs and reports made here",
                         description="Start a Prefect server on the database the CLI and the demo used "
@@ -352,13 +362,30 @@ def cmd_automations(args: argparse.Namespace) -> int:
             print(line)
         return EXIT_OK
     try:
-        created = automations.install(args.zombie_window, args.notify_url, args.notify_block)
+        created = automations.install(args.zombie_window, args.notify_url, args.notify_block, args.fleet_window)
     except automations.AutomationError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
     for name, automation_id in created.items():
         print(f"installed automation '{name}' ({automation_id})")
     if automations.FAILED_FLEET_AUTOMATION not in created:
         say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
+    return EXIT_OK
+
+
+def cmd_nights(args: argparse.Namespace) -> int:
+    """``lowerflow nights``: the last fleet runs (see :func:`flows.nights.night_lines`)."""
+    import datetime
+
+    from flows.nights import last_nights, night_lines
+
+    if not prefect_api_url():
+        raise CLIError("the nights are on a Prefect server: set PREFECT_API_URL "
+                       "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+    runs = last_nights(max(args.limit, 1))
+    if not runs:
+        say("no lower-fleet run yet")
+    for line in night_lines(runs, datetime.datetime.now(datetime.timezone.utc)):
+        print(line)
     return EXIT_OK
 
 
@@ -427,69 +454,6 @@ def load_fleet(path: str):
         return load_manifest(path)
     except ManifestError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-
-
-class FleetProgress(logging.Handler):
-    """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
-
-    It listens to the log records ``"<name>/<target> ok …"`` or ``"<name>/<target> FAILED
-    <error> …"`` that ``flows.lower_model`` writes when a model's targets are done, for
-    the models and targets of the manifest only.  They come from Prefect's run loggers
-    (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
-    INFO whatever the console shows.
-    """
-
-    LOGGER = "prefect"
-
-    def __init__(self, targets: dict[str, set[str]], emit_line: Callable[[str], None]) -> None:
-        super().__init__(logging.INFO)
-        self.pending = {name: set(t) for name, t in targets.items()}
-        self.failed: set[str] = set()
-        self.total = len(targets)
-        self.done = 0
-        self.emit_line = emit_line
-        self.started = time.monotonic()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Called under the handler's own lock (``Handler.handle``), so one thread at a time."""
-        try:
-            message = record.getMessage()
-        except Exception:
-            return
-        head, _, outcome = message.partition(" ")
-        name, _, target = head.rpartition("/")
-        if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
-            return
-        remaining = self.pending.get(name)
-        targets = set(target.split(","))  # "cnn/portable,xnnpack FAILED ...": one cause for both
-        if remaining is None or not targets & remaining:
-            return
-        remaining -= targets
-        if outcome != "ok":
-            self.failed.add(name)
-        if not remaining:
-            self.done += 1
-            status = "FAILED" if name in self.failed else "ok"
-            self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
-
-    def listening(self):
-        """Context manager attaching the handler to Prefect's run loggers' parent (level INFO)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def attached():
-            logger = logging.getLogger(self.LOGGER)
-            old_level = logger.level
-            if logger.getEffectiveLevel() > logging.INFO:
-                logger.setLevel(logging.INFO)
-            logger.addHandler(self)
-            try:
-                yield self
-            finally:
-                logger.removeHandler(self)
-                logger.setLevel(old_level)
-
-        return attached()
 
 
 # --------------------------------------------------------------------------- plan

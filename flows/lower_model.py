@@ -32,6 +32,10 @@ lives in tasks/ and lowering/, the reports in flows/reports.py.
 
 from __future__ import annotations
 
+from .console import quiet_flow_run
+
+quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
+
 import contextlib
 import dataclasses
 import functools
@@ -72,6 +76,7 @@ class ModelLoweringFailed(RuntimeError):
     """Some target of a model failed; ``manifest`` says which stage and why."""
 
     explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+    logged = True  # and its lines were logged (_log): Prefect's repeat of it goes to DEBUG
 
     def __init__(self, manifest: dict) -> None:
         failed = [f"{t}: {r['error']}" for t, r in manifest["targets"].items() if not r["ok"]]
@@ -739,10 +744,12 @@ def _log(manifest: dict) -> None:
         for r in result["stages"]:
             state = "cached" if r["cached"] else r["state"].lower()
             logger.debug("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
-        if not manifest.get("error"):
+        if result.get("ok") and not manifest.get("error"):
             logger.info("%s", run_logs.target_line(name, target, result))
-    if manifest.get("error"):  # one cause for every target: one line (flows/outages.py)
-        logger.error("%s/%s FAILED %s", name, ",".join(manifest["targets"]), manifest["error"])
+    for line in run_logs.failure_lines(name, manifest):  # a line per cause (flows/outages.py: one for all)
+        target = line.split(" ", 1)[0].split("/", 1)[1]
+        logger.error("%s", run_logs.target_line(name, target, manifest["targets"][target])
+                     if target in manifest["targets"] and not manifest.get("error") else line)  # one target: its stages too
 
 
 def _publish_report(manifest: dict, store) -> None:

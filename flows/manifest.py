@@ -25,7 +25,7 @@
         max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
         strict: true                         # optional: torch.export's strict mode (default false)
         trust_pickle: true                   # optional: a .pt2 / pytorch_model.bin you trust may unpickle
-                                             #   (run code); default false: refused (README "Security")
+                                             #   (run code); default false: refused (docs/security.md)
         runtime_ops: [portable, quantized]   # optional: the op sets the .pte may call (lowering.stock_ops;
                                              #   default all: portable, quantized, llm, fused), a list or
                                              #   "portable,quantized", for every target or per target
@@ -75,6 +75,8 @@ _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 class ManifestError(ValueError):
     """A fleet manifest that cannot be used; the message names the bad entry."""
+
+    explained = True  # its message says it all: one line, the traceback at DEBUG (flows/run_logs.py)
 
 
 @dataclasses.dataclass(frozen=True)
