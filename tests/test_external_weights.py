@@ -258,3 +258,21 @@ def test_rebind_refuses_what_is_not_weights_only():
         rebind_weights(cold, trained(MLP, 2), quantize="int8")
     with pytest.raises(NotWeightsOnly, match="not lowered with external_weights"):
         rebind_weights(lower(trained(MLP, 1), x), trained(MLP, 2))
+
+
+def test_portable_and_xnnpack_share_one_ptd_where_layouts_allow(pair):
+    """The MLP's weights are stored the same way by both targets (XNNPACK reads the folded
+    [in, out] weight as it is): one .ptd serves both programs."""
+    assert pair["portable"].ptd == pair["xnnpack"].ptd
+    x = torch.randn(2, 8)
+    shared = run_executorch(pair["xnnpack"].pte, pair["portable"].ptd, [x])
+    torch.testing.assert_close(shared[0], trained(MLP, 1)(x), atol=2e-5, rtol=1e-4)
+
+
+def test_the_methods_of_one_program_share_one_ptd():
+    """Two methods reading one module's weights: one .ptd, each weight in it once."""
+    m = trained(MLP, 1)
+    result = lower({"a": (m, (torch.randn(2, 8),)), "b": (m, (torch.randn(3, 8),))}, external_weights=True)
+    entries = deserialize_ptd(result.ptd)
+    assert set(entries) == set(deserialize_ptd(lower(m, (torch.randn(2, 8),), external_weights=True).ptd))
+    check_pair(result.pte, result.ptd)
