@@ -216,13 +216,18 @@ def test_decoder_retrain_ships_only_a_new_ptd(llama_dirs, target, recipe, tmp_pa
                      external_weights=external)
 
     r1, r2 = lowered(programs[0], True), lowered(programs[1], True)
-    e2 = lowered(programs[1], False)
     assert r1.pte == r2.pte and r1.ptd != r2.ptd
     check_pair(r1.pte, r2.ptd)
     tokens, positions = torch.tensor([[5, 9, 17]]), torch.arange(3)
     retrained = run_executorch(r1.pte, r2.ptd, [tokens, positions])[0]
-    embedded = run_executorch(e2.pte, None, [tokens, positions])[0]
-    torch.testing.assert_close(retrained, embedded, atol=1e-5, rtol=1e-5)
+    if recipe is None:  # fp32: tonight's eager logits
+        with torch.no_grad():
+            expected = programs[1].methods["forward"][0](tokens, positions)
+        expected = expected[0] if isinstance(expected, (tuple, list)) else expected
+        torch.testing.assert_close(retrained, expected, atol=1e-4, rtol=1e-4)
+    else:  # quantized: tonight's embedded program
+        embedded = run_executorch(lowered(programs[1], False).pte, None, [tokens, positions])[0]
+        torch.testing.assert_close(retrained, embedded, atol=1e-5, rtol=1e-5)
     before = run_executorch(r1.pte, r1.ptd, [tokens, positions])[0]
     assert not torch.allclose(before, retrained, atol=1e-3)
 
