@@ -57,7 +57,7 @@ from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
 from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
-from .published import changed_since_last, keep_published, unpublish_failed
+from .published import changed_since_last, device_updates, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
 from .verify_mode import check_verify, stage_mode, target_mode
 
@@ -206,6 +206,7 @@ def run_model(
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
+    device_updates(stages.store, manifest)
     mark_outage(manifest, stages.store.url)
     _log(manifest)
     try:

@@ -234,6 +234,14 @@ def check_status(ok: bool | None) -> str:
     return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
+def update_line(update: Mapping[str, Any]) -> str:
+    """What a device downloads for this run's update, against shipping the whole program."""
+    what = ".ptd only (the program is unchanged)" if update.get("program") == "unchanged" else \
+        f".pte + .ptd (the program is {update.get('program')})"
+    return (f"{format_bytes(update.get('download_bytes'))} B to download, {what}, "
+            f"of {format_bytes(update.get('whole_bytes'))} B for the whole program")
+
+
 def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None) -> str:
     """The markdown of one target: status, .pte, stages, delegation, memory, verify.
 
@@ -247,6 +255,11 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     pte = entry.get("pte")
     if pte:
         lines += [f"**.pte:** {format_bytes(pte.get('size'))} B, sha256 `{str(pte.get('sha256', ''))[:16]}`, `{pte.get('uri')}`", ""]
+    if entry.get("ptd"):
+        lines += [f"**.ptd** (the weights the .pte needs): {format_bytes(entry['ptd'].get('size'))} B, sha256 "
+                  f"`{str(entry['ptd'].get('sha256', ''))[:16]}`, `{entry['ptd'].get('uri')}`", ""]
+    if entry.get("update"):
+        lines += [f"**device update:** {update_line(entry['update'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):
