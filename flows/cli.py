@@ -28,7 +28,7 @@ from .console import configure_environment, quiet_console, say  # noqa: F401 - c
 from .console import first_line, verify_line
 from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
-    parse_runtime_ops, parse_spec,
+    add_gate_arguments, gate_arguments, parse_runtime_ops, parse_spec,
 )
 from .fleet_progress import FleetProgress
 from .load_options import add_load_arguments, load_arguments
@@ -92,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the weights to <out>.ptd beside the .pte (which keeps the program only): "
                             "a retrain then ships a new .ptd and the same .pte (docs/external-weights.md)")
     add_verify_argument(lower)
+    add_gate_arguments(lower, one_model=True)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(deployment lower-model/POOL, created from this checkout if missing; "
                             "needs PREFECT_API_URL); default: in this process")
     add_verify_argument(fleet, " (replaces every model's 'verify')")
+    add_gate_arguments(fleet, one_model=False)
     fleet.set_defaults(run=cmd_fleet)
 
     worker = sub.add_parser("worker", parents=[common], help="run a work pool's flow runs, forked from a warm process",
@@ -218,7 +220,8 @@ def cmd_lower(args: argparse.Namespace) -> int:
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     check_targets(targets)
-    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets)}
+    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets),
+                **gate_arguments(args, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
@@ -246,6 +249,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
                 data_path = path.with_suffix(".ptd")
                 size = write_pte(entry["ptd"], manifest.get("store"), data_path, "ptd")
                 say(f"{target}: wrote {data_path} ({size:,} bytes, the weights {path.name} needs)")
+            if entry.get("accepted_regressions"):
+                say(f"{target}: published although its gates refuse it (accepted): "
+                    f"{'; '.join(entry['accepted_regressions'])}")
             if entry.get("quantize"):
                 from flows.quantized import quantize_line
 
@@ -332,7 +338,8 @@ def write_pte(pte: dict, store_url: str | None, path: Path, kind: str = "pte") -
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
-    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify)
+    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify,
+                        accept_regressions=args.accept_regressions)
     check_fleet(summary)
     return EXIT_OK
 
@@ -428,7 +435,8 @@ def model_error(manifest: dict) -> str:
     return manifest.get("error") or "failed"
 
 
-def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None) -> dict:
+def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None,
+              accept_regressions: bool = False) -> dict:
     """``lower_fleet`` with a progress line per model as it finishes, then the summary
     table; returns the fleet summary, failed models included (the demo uses this too).
     ``verify``: a mode every model's verify runs (``--verify``; None: each entry's own)."""
@@ -452,7 +460,8 @@ def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, 
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}))
+            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}),
+                                  **({"accept_regressions": True} if accept_regressions else {}))
         except FleetFailed as exc:
             summary = exc.summary
     say()
@@ -650,7 +659,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from flows.ui import UiError, serve
 
     try:
-        return serve(args.host, args.port)
+        return serve(args.host, args.port, verbose=args.verbose)
     except UiError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
 

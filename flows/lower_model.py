@@ -57,6 +57,8 @@ from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
 from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
+from .gates import Publisher, Regressed, benchmark_by_target, gates_by_target
+from .history import append_history, manifest_to_store
 from .published import changed_since_last, device_updates, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
 from .verify_mode import check_verify, stage_mode, target_mode
@@ -110,8 +112,18 @@ def lower_model(
     runtime_ops: Any = None,
     trust_pickle: bool = False,
     external_weights: Any = None,
+    benchmark: Any = True,
+    gates: Any = None,
+    accept_regressions: bool = False,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
+
+    ``benchmark``: time each verified program on ExecuTorch's runtime of this host, and
+    against the published one (:mod:`lowering.benchmark`): true, false, settings, or per
+    target.  ``gates``: ``{"latency": 1.10, "size": 1.05, "error": 1.5, "sqnr_drop_db": 1.0}``
+    (or per target): a program worse than the published one beyond a gate is not
+    published, the target fails ``regressed`` (:mod:`flows.gates`), unless
+    ``accept_regressions``.
 
     ``strict``: export with torch.export's strict mode.  ``hf``: an ``hf:`` model's
     task and options (``{"task": "text-generation", "max_seq_len": 1024, "dtype": ...,
@@ -144,7 +156,7 @@ def lower_model(
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
                      quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle,
-                     external_weights)
+                     external_weights, benchmark, gates, accept_regressions)
 
 
 def run_model(
@@ -166,6 +178,9 @@ def run_model(
     runtime_ops: Any = None,
     trust_pickle: bool = False,
     external_weights: Any = None,
+    benchmark: Any = True,
+    gates: Any = None,
+    accept_regressions: bool = False,
     cached_only: bool = False,
 ) -> dict | None:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
@@ -192,10 +207,9 @@ def run_model(
             records.pop()  # the lookup's would-run record; the task records itself
             return call_stage(getattr(stages, stage), records, **inputs)
 
-    def publish(name: str, target: str, ref, kind: str = "pte") -> dict:
-        # no second copy where the store can avoid one (a hard link in a local directory)
-        ref = stages.store.publish_object(f"{name}/{target}.{kind}", ref, kind)
-        return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
+    # publishes (a hard link in a local directory: no second copy) unless a gate refuses
+    publish = Publisher(stages.store, gates_by_target(gates, targets), accept_regressions,
+                        benchmark_by_target(benchmark, targets))
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
@@ -212,7 +226,10 @@ def run_model(
     try:
         unpublish_failed(stages.store, manifest)
         keep_published(stages.store, manifest)
-        stages.store.put_json(f"{manifest['name']}/manifest.json", manifest)
+        stored = manifest_to_store(manifest, publish)
+        if stored is not None:  # None: every target regressed; last night's manifest stays as it is
+            stages.store.put_json(f"{manifest['name']}/manifest.json", stored)
+        append_history(stages.store, manifest)
         if not cached_only:  # the report is a Prefect artifact of the flow run: there is none
             _publish_report(manifest, stages.store)
     except Exception as exc:  # the store went away: report the targets' own errors, and this
@@ -396,9 +413,16 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
-        if publish is not None:  # only a verified program is published
+        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
+        if bench is not None and emitted.get("ptd") is None:  # (a program with a .ptd: not yet benchmarked)
+            result["benchmark"] = {**run("benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprint,
+                                         options=load_options, **bench),
+                                   "pte_bytes": emitted["pte"].size, "arena_bytes": planned["arena_bytes"]}
+        if publish is not None:  # only a verified program that passes its gates is published
             publish_files(publish, result, name, target, emitted)
         result["ok"] = True
+    except Regressed as exc:  # its figures stay in the record; last night's program stays published
+        result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         result.update(_failed(records, exc, target, dry=dry), pte=result["pte"])
     return result
@@ -520,9 +544,18 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
+        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
+        if bench is not None and len(programs) == 1 and not data:  # one traced method (an hf: model's forward)
+            [(method, _)] = programs.items()
+            result["benchmark"] = {**for_method(run, method)(
+                "benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
+                options=load_options, **bench), "pte_bytes": emitted["pte"].size,
+                "arena_bytes": result["memory_plan"]["arena_bytes"]}
         if publish is not None:
             publish_files(publish, result, name, target, emitted)
         result["ok"] = True
+    except Regressed as exc:
+        result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()))
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
@@ -634,7 +667,7 @@ def delegate_control_flow(run: Run, program, tagged, target, options, records, s
 def publish_files(publish, result: dict, name: str, target: str, emitted: dict) -> None:
     """Publish the target's ``.pte`` (and its ``.ptd``: the entry says which data file the
     program needs, with the sha256 of each) into ``result``."""
-    result["pte"] = publish(name, target, emitted["pte"])
+    result["pte"] = publish(name, target, emitted["pte"], result=result)  # raises Regressed past a gate
     if emitted.get("ptd") is not None:
         result["ptd"] = publish(name, target, emitted["ptd"], "ptd")
         result["pte"]["needs"] = f"{target}.ptd"

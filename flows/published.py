@@ -1,6 +1,7 @@
 """What a model run publishes beside the previous run's: outputs/<model>/manifest.json.
 
-- :func:`unpublish_failed`: a target that failed now loses its stale ``.pte``;
+- :func:`unpublish_failed`: a target that failed now loses its stale ``.pte`` (one a gate
+  refused keeps last night's: flows/gates.py);
 - :func:`keep_published`: targets lowered earlier (and still valid) keep their record;
 - :func:`changed_since_last`: what changed since the previous manifest (fingerprint parts,
   ``quantize``, ``calibration``);
@@ -19,7 +20,7 @@ def unpublish_failed(store, manifest: dict) -> None:
     from flows.reports import plan_image_name
 
     for target, result in manifest["targets"].items():
-        if not result["ok"]:
+        if not result["ok"] and not result.get("regressed"):  # a gate's refusal keeps last night's
             remove_program(store, manifest["name"], target)
             store.remove_named(plan_image_name(manifest["name"], target))
 

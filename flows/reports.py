@@ -41,6 +41,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 
+from .trends import benchmark_line, change_cell, change_lines, regressions_first, status_word, trend_images
 from .report_pictures import (
     INLINE_PNG_LIMIT,
     as_memory_plan,
@@ -63,10 +64,12 @@ STAGE_ORDER = (
     "memory_plan",
     "emit",
     "verify",
+    "benchmark",
 )
 
 #: Columns of :func:`fleet_rows` / the fleet tables.
-FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "delegated", "verify", "error")
+FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "delegated", "verify",
+                 "change", "error")
 
 #: Key prefix of the Prefect artifacts this module creates.
 ARTIFACT_PREFIX = "lowerflow"
@@ -242,14 +245,14 @@ def update_line(update: Mapping[str, Any]) -> str:
             f"of {format_bytes(update.get('whole_bytes'))} B for the whole program")
 
 
-def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None) -> str:
+def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None,
+                   trend: str | None = None) -> str:
     """The markdown of one target: status, .pte, stages, delegation, memory, verify.
 
     ``image`` is the URL (a ``data:`` URI in published reports) of the memory-plan
     picture, ``note`` a line under it (where the full-size PNG is, or why no picture).
     """
-    status = "ok" if entry.get("ok") else "FAILED"
-    lines = [f"## {_md_text(target)} — {status}", ""]
+    lines = [f"## {_md_text(target)} — {status_word(entry)}", ""]
     if entry.get("error"):
         lines += [f"**error:** `{first_line(entry['error'], 400)}`", ""]
     pte = entry.get("pte")
@@ -272,6 +275,8 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     if note:
         lines += [note, ""]
     lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
+    lines += [f"**benchmark:** {benchmark_line(entry)}", ""] if benchmark_line(entry) else []
+    lines += [f"![trend of {target}]({trend})", ""] if trend else []
     return "\n".join(lines)
 
 
@@ -316,6 +321,7 @@ def model_report_markdown(
     *,
     images: Mapping[str, str] | None = None,
     notes: Mapping[str, str] | None = None,
+    trends: Mapping[str, str] | None = None,
 ) -> str:
     """The report of one model: a section per target (see :func:`target_section`).
 
@@ -335,7 +341,8 @@ def model_report_markdown(
     if not targets:
         lines += ["no targets", ""]
     for target, entry in targets.items():
-        lines.append(target_section(target, entry, (images or {}).get(target), (notes or {}).get(target)))
+        lines.append(target_section(target, entry, (images or {}).get(target), (notes or {}).get(target),
+                                    (trends or {}).get(target)))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -350,10 +357,10 @@ def fleet_rows(fleet_summary: Mapping[str, Any], *, compact: bool = False) -> li
     the table to fit the V1 UI's content area at 1400 px (whole percentages, the
     verify runtimes as :data:`RUNTIME_ABBREVIATIONS`).
     """
-    return [
+    return regressions_first([
         _target_row(name, target, entry, compact) if entry is not None else _missing_row(name, error)
         for name, target, entry, error in _fleet_entries(fleet_summary)
-    ]
+    ])
 
 
 def fleet_errors(fleet_summary: Mapping[str, Any], limit: int = 400) -> list[tuple[str, str, str]]:
@@ -391,20 +398,22 @@ def _target_row(name: str, target: str, entry: Mapping[str, Any], compact: bool 
     return {
         "model": name,
         "target": target,
-        "ok": "ok" if entry.get("ok") else "FAILED",
+        "ok": status_word(entry),
         "pte bytes": format_bytes(pte.get("size")),
         "arena bytes": format_bytes(arena_bytes(plan)),
         "cached": f"{count_cached(stages)}/{len(stages)}",
         "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
         "delegated": delegation_cell(entry.get("delegation"), digits=0 if compact else 1),
         "verify": verify_cell(entry.get("verify"), short=compact),
+        "change": change_cell(entry),
         "error": first_line(entry.get("error"), 100),
     }
 
 
 def _missing_row(name: str, error: str) -> dict[str, Any]:
     return {"model": name, "target": "—", "ok": "FAILED", "pte bytes": "—", "arena bytes": "—",
-            "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "error": first_line(error, 100)}
+            "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "change": "—",
+            "error": first_line(error, 100)}
 
 
 def delegation_cell(delegation: Mapping[str, Any] | None, digits: int = 1) -> str:
@@ -465,7 +474,7 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
     status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(_md_text(n) for n in failed) or '?'}"
-    columns = [c for c in FLEET_COLUMNS if c != "error"]
+    columns = [c for c in FLEET_COLUMNS if c not in ("error", "change")]  # both listed under the table
     body = []
     for r in rows:
         cells = [_md_cell(r[c]) for c in columns]
@@ -485,6 +494,10 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
         "",
         f"verify: the runtimes whose outputs matched eager — {FLEET_RUNTIME_LEGEND}",
     ]
+    changes = change_lines(fleet_summary)
+    if changes:  # under the table, as the errors: a column would widen it past V1's content area
+        lines += ["", "**change against the published programs** (regressions first)", ""]
+        lines += [f"- {_md_text(line)}" for line in changes]
     errors = fleet_errors(fleet_summary)
     if errors:
         lines += ["", "**errors**", ""]
@@ -604,6 +617,8 @@ def publish_model_report(
     notes: dict[str, str] = {}
     inlined: dict[str, int] = {}
     for target, entry in (model_manifest.get("targets") or {}).items():
+        if entry.get("regressed"):  # refused by a gate: last night's picture stays
+            continue
         published = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
         if published is None:
             continue
@@ -621,7 +636,7 @@ def publish_model_report(
             notes[target] = full
         else:
             notes[target] = f"memory-plan picture not shown: over the {format_bytes(inline_limit)} B inline limit of the report; {full}"
-    markdown = model_report_markdown(model_manifest, images=inline, notes=notes)
+    markdown = model_report_markdown(model_manifest, images=inline, notes=notes, trends=trend_images(store, model_manifest))
     key = artifact_key("model", name)
     artifact_id = create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
     report = {"key": key, "artifact_id": str(artifact_id) if artifact_id else None}

@@ -22,11 +22,15 @@ Graph surgery that is cheap and deterministic (fusing a partition's nodes takes
 milliseconds) is redone from the stored tagged program by the stages that need
 the fused graph, rather than stored: ``create_submodule`` stores the plan of
 which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it.
+
+Why one room: each stage's body is ``run_<stage>`` here, found by name (:class:`StageTasks`)
+beside its version and the inputs its key ignores; the bodies are thin, the work is lowering/'s.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import inspect
@@ -40,6 +44,7 @@ from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
+from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
 from lowering.delegate import executorch_call_delegate
 from lowering.emit.method import build_pte
 from lowering.external import program_files
@@ -63,7 +68,7 @@ from lowering.to_backend import lower_control_flow_submodules, submodule_lowered
 from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
 from lowering.verify_executorch import with_data
 
-from .artifacts import get_blob, get_doc, get_program, put_blob, put_doc, put_pte, put_program
+from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
 from .heap import return_freed
 from .live import LIVE
@@ -87,6 +92,7 @@ STAGE_VERSIONS = {
     "emit_methods": "1",
     "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
     "verify_sequence": "2",  # 2: as verify 3
+    "benchmark": "1",
 }
 
 
@@ -530,6 +536,25 @@ def _program_file(store: ArtifactStore, pte: ArtifactRef, ptd: ArtifactRef | Non
     return with_data(program, store.local_object_path(ptd) or store.get_bytes(ptd))
 
 
+def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, settings: dict,
+                  host: dict, previous: ArtifactRef | None = None, options: dict | None = None,
+                  method: str = "forward") -> dict:
+    """Time the .pte on ExecuTorch's runtime of this host (lowering.benchmark): load time,
+    latency median / p90, a decoder's prefill and decode tokens/s.  ``previous``: last
+    night's published program of the same model and target (in the key only when given):
+    both run interleaved in this process and the report has the ratios new/old.
+    ``host`` (this machine's CPU and threads) is in the key: figures are the host's."""
+    _begin("benchmark")
+    release_live()
+    loaded, bench = live_model(model, fingerprint, options), BenchmarkSettings(**settings)
+    if loaded.pt2 is not None or loaded.module is None:
+        return {"skipped": "a .pt2 model has no eager module to take inputs from"}
+    calls, prefill_calls = round_calls(loaded.module, loaded.inputs, bench, method)
+    with contextlib.ExitStack() as files:
+        path, old = (None if ref is None else local_pte(store, ref, files) for ref in (pte, previous))
+        return benchmark_pte(path, [method], calls, bench, previous=old, prefill_calls=prefill_calls)
+
+
 # --------------------------------------------------------------------------- Prefect tasks
 
 
@@ -581,6 +606,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
+    "benchmark": ("model", "options"),
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
@@ -589,6 +615,7 @@ STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd"),
     "verify_sequence": ("references", "ptd"),
+    "benchmark": ("previous",),
 }
 
 
