@@ -114,6 +114,21 @@ def emit_recovered(line: str, flow_run_id: Any, flow_run_name: str) -> None:
 # --------------------------------------------------------------------------- lowerflow nights
 
 
+#: What Prefect puts before the message of the exception that failed a flow run.
+PREFECT_PREFIX = "Flow run encountered an exception: "
+
+
+def cause_of(message: str) -> str:
+    """A fleet run's state message without Prefect's prefix (``Flow run encountered an
+    exception: FleetFailed: ``), on one line: what failed and why."""
+    message = message.strip().replace("\n", " ")
+    if message.startswith(PREFECT_PREFIX):
+        message = message[len(PREFECT_PREFIX):]
+        for explained in ("FleetFailed: ", "FleetLost: ", "ManifestError: "):
+            message = message.removeprefix(explained)
+    return message
+
+
 def retry_command(run_id: Any) -> str:
     return f"prefect flow-run retry {run_id}"
 
@@ -136,7 +151,7 @@ def night_lines(runs: Iterable[tuple[Any, str | None]], now: Any = None) -> list
         if run.state is not None and run.state.is_running() and run.start_time is not None and now is not None:
             seconds = (now - run.start_time).total_seconds()
         name = run.name + (f" ({deployment})" if deployment else "")
-        message = (run.state.message or "").strip().replace("\n", " ") if run.state else ""
+        message = cause_of(run.state.message or "") if run.state else ""
         lines.append(f"{started:%Y-%m-%d %H:%M}  {state:<18} {_duration(seconds):>7}  {name}"
                      + (f"  {message}" if message else ""))
         final_bad = run.state is not None and run.state.is_final() and not run.state.is_completed()
