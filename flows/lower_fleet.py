@@ -78,11 +78,12 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
 
 
 def load_parameters(entry: ModelEntry) -> dict[str, Any]:
-    """The entry's ``strict``, ``trust_pickle``, hf: and ``runtime_ops`` settings as ``lower_model``
+    """The entry's ``strict``, ``trust_pickle``, hf:, ``runtime_ops`` and ``external_weights`` settings as ``lower_model``
     parameters (only when set)."""
     return {**({"strict": True} if entry.strict else {}), **({"trust_pickle": True} if entry.trust_pickle else {}),
             **({"hf": dict(entry.hf)} if entry.hf else {}),
-            **({"runtime_ops": dict(entry.runtime_ops)} if entry.runtime_ops else {})}
+            **({"runtime_ops": dict(entry.runtime_ops)} if entry.runtime_ops else {}),
+            **({"external_weights": dict(entry.external_weights)} if entry.external_weights else {})}
 
 
 def quantize_parameters(entry: ModelEntry) -> dict[str, Any]:
