@@ -776,11 +776,15 @@ def night_with_an_outage(deployment: Deployment, directory: Path, manifest: Path
 
 
 def assert_notified_once(deployment: Deployment, fleet_id: str, sentence: str) -> None:
-    """The failed night's notification has the cause ``sentence``, once, and the retry command."""
+    """The failed night's notification has the cause ``sentence``, once, and the retry command;
+    no worker's console has Prefect's repeats of it (``Failed to write result`` …) or a traceback."""
     [notified] = wait_until(lambda: [n for n in deployment.notifications if fleet_id in n["body"]],
                             "notification of the failed fleet", 60, {"server.sh": deployment.server})
     assert notified["body"].count(sentence) == 1, notified
     assert f"prefect flow-run retry {fleet_id}" in notified["body"], notified
+    for worker in deployment.workers:
+        console = deployment.worker_output(worker)
+        assert not [noise for noise in CONSOLE_NOISE if noise in console], (worker, console[-5000:])
 
 
 def test_redis_down_mid_night_fails_each_model_in_one_line(deployment, tmp_path):

@@ -54,6 +54,8 @@ def readme_commands() -> list[list[str]]:
                     command = []
                 elif not command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", token):
                     continue  # VAR=value before a command
+                elif not command and token in ("until", "while", "if", "!"):
+                    continue  # the command of a loop's or a test's condition
                 else:
                     command.append(token)
     return commands
