@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 
+from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
+    EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
+)
 from .trends import benchmark_line, change_cell, change_lines, regressions_first, status_word, trend_images
 from .report_pictures import (
     INLINE_PNG_LIMIT,
@@ -80,56 +83,6 @@ logger = logging.getLogger("lowerflow.reports")
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def format_bytes(n: int | None) -> str:
-    """``123456`` -> ``"123,456"``; None -> ``"—"``."""
-    return "—" if n is None else f"{int(n):,}"
-
-
-def format_seconds(s: float | None) -> str:
-    """Seconds with two decimals; None -> ``"—"``."""
-    return "—" if s is None else f"{float(s):.2f}"
-
-
-def first_line(text: str | None, limit: int = 160) -> str:
-    """The first non-empty line of ``text``, cut to ``limit`` characters ("" for None)."""
-    if not text:
-        return ""
-    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A GitHub markdown table; cells are escaped (``|``, newlines), ``right`` columns right-aligned."""
-    head = "| " + " | ".join(_md_cell(h) for h in headers) + " |"
-    rule = "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"
-    body = ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join([head, rule, *body])
-
-
-def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A fixed-width plain-text table for terminals (``right`` columns right-aligned)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
-
-
-def _md_cell(value: Any) -> str:
-    """A table cell's text: ``\\``, ``|`` and a ``_`` that could start or end emphasis
-    escaped, one line.  (Markdown the cell means, like ``**total**``, stays.)"""
-    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", text)
-
-
-#: An underscore not between two letters or digits: only those can open or close
-#: emphasis (CommonMark and GFM), so ``buffer_mutation`` needs no escape.
-_EMPHASIS_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 # --------------------------------------------------------------------------- model report
@@ -477,7 +430,7 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     columns = [c for c in FLEET_COLUMNS if c not in ("error", "change")]  # both listed under the table
     body = []
     for r in rows:
-        cells = [_md_cell(r[c]) for c in columns]
+        cells = [md_cell(r[c]) for c in columns]
         link = model_report_link((models.get(r["model"]) or {}).get("report"))
         if link:
             cells[0] = _md_link(r["model"], link)
@@ -534,7 +487,7 @@ def _md_text(text: Any) -> str:
     backslash-escaped, ``_`` only where it could open or close emphasis (``buffer_mutation``
     stays as it is: both Prefect UIs render it so, and a link's text must not need escapes)."""
     escaped = re.sub(r"([\\`*{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
+    return EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
 
 
 def _md_link(text: Any, url: str) -> str:
