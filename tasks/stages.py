@@ -327,14 +327,20 @@ def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) ->
 
 
 def run_preprocess(
-    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str
+    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str,
+    versions: dict | None = None,
 ) -> dict:
     """Stage 5, one partition.  ``label`` names it in errors and is not in the cache key,
-    so identical partitions of different models share one cache entry."""
+    so identical partitions of different models share one cache entry.  ``versions``: of
+    executorch and the vendor compiler of a plugin backend (:func:`lowering.targets.backend_versions`;
+    in the key only when given: a new coremltools recompiles, lowerflow's own backends keep their keys).
+    ``compile_seconds``: how long the backend's compile took (what a cache hit saved)."""
     _begin("preprocess")
+    start = time.perf_counter()
     lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
+    seconds = time.perf_counter() - start
     processed = store.put_bytes(lowered.processed_bytes, "processed")
-    result = {"processed": processed, "backend_id": lowered.backend_id}
+    result = {"processed": processed, "backend_id": lowered.backend_id, "compile_seconds": round(seconds, 4)}
     if lowered.named_data:  # weights the payload refers to by key, one stored blob each
         result["named_data"] = [{"key": key, "blob": put_blob(store, blob)} for key, blob in lowered.named_data.items()]
     return result
@@ -451,7 +457,8 @@ def release_live() -> None:
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
-               max_error: float | None = None, options: dict | None = None, mode: str | None = None) -> dict:
+               max_error: float | None = None, options: dict | None = None, mode: str | None = None,
+               tolerance: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
@@ -460,6 +467,8 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded with (its ``version`` and ``dynamic_shapes``), to load it again in another process.
     ``mode``: None runs the full check (lowering.verify.verify), ``"quick"`` the quick one
     (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
+    ``tolerance``: atol and rtol of a reduced-precision backend (:func:`lowering.targets.verify_tolerance`;
+    None: the fp32 default, and the key leaves it out).
     The runtimes read the program from the store's file where the store is a local directory."""
     _begin("verify")
     if mode not in (None, "quick"):
@@ -472,11 +481,12 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     if reference is not None:
         quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
     program = store.local_object_path(pte) or store.get_bytes(pte)
+    tolerances = {"atol": tolerance, "rtol": tolerance} if tolerance is not None else {}
     if mode == "quick":
-        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized)
+        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized, **tolerances)
     else:
         report = verify_pte(program, loaded.module, loaded.inputs, method=method,
-                            dynamic_shapes=loaded.dynamic_shapes, **quantized)
+                            dynamic_shapes=loaded.dynamic_shapes, **quantized, **tolerances)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
@@ -552,7 +562,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
-    "verify": ("mode",),
+    "verify": ("mode", "tolerance"), "preprocess": ("versions",),
     "verify_sequence": ("references",),
 }
 
