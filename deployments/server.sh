@@ -34,6 +34,7 @@
 #                           task runs written in batches     (default here: 200, 1 s; Prefect's: 1, 5 s)
 #
 #   LOWERFLOW_ZOMBIE_WINDOW seconds without a heartbeat before a run is Crashed (default: 90)
+#   LOWERFLOW_FLEET_WINDOW  the same for lower-fleet runs (heartbeats every 10 s; default: 30)
 #   LOWERFLOW_NOTIFY_URL    a webhook for failed nights, or LOWERFLOW_NOTIFY_BLOCK=TYPE/NAME a saved
 #                           notification block (default: none; an installed one is kept)
 #   LOWERFLOW_AUTOMATIONS   0: `start` installs no automation     (default: 1)
@@ -275,6 +276,7 @@ install_automations() {
   local server=$1 lowerflow=$2 host=$HOST args=(automations install) i
   case "$host" in 0.0.0.0|'') host=127.0.0.1 ;; ::) host=::1 ;; esac
   [ -z "${LOWERFLOW_ZOMBIE_WINDOW:-}" ] || args+=(--zombie-window "$LOWERFLOW_ZOMBIE_WINDOW")
+  [ -z "${LOWERFLOW_FLEET_WINDOW:-}" ] || args+=(--fleet-window "$LOWERFLOW_FLEET_WINDOW")
   [ -z "${LOWERFLOW_NOTIFY_URL:-}" ] || args+=(--notify-url "$LOWERFLOW_NOTIFY_URL")
   [ -z "${LOWERFLOW_NOTIFY_BLOCK:-}" ] || args+=(--notify-block "$LOWERFLOW_NOTIFY_BLOCK")
   for i in $(seq 1 720); do   # up to 6 min: a first start migrates the database

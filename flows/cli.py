@@ -18,13 +18,11 @@ lowering or verification, 2 for bad usage or a bad manifest.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
@@ -32,6 +30,7 @@ from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's A
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize, parse_targets,
     parse_runtime_ops, parse_spec,
 )
+from .fleet_progress import FleetProgress
 from .load_options import add_load_arguments, load_arguments
 
 PROG = "lowerflow"
@@ -89,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail a quantized target whose max |Δ| / max |fp32| is above E")
     lower.add_argument("--runtime-ops", metavar="SETS", help="the op sets the .pte may call: some of portable, "
                        "quantized, llm, fused, comma-separated (default: all); emit fails an op outside them")
+    lower.add_argument("--external-weights", action="store_true",
+                       help="write the weights to <out>.ptd beside the .pte (which keeps the program only): "
+                            "a retrain then ships a new .ptd and the same .pte (docs/external-weights.md)")
     add_verify_argument(lower)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
@@ -128,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", parents=[common], help="run a .pte and compare it with the eager model",
                             description="Run FILE.pte in every available runtime against the model's eager outputs.")
     verify.add_argument("pte", metavar="FILE.pte", help="the program to run")
-    verify.add_argument("--model", required=True, metavar="SPEC", help="model spec of the eager model and its inputs")
+    verify.add_argument("--model", metavar="SPEC", help="model spec of the eager model and its inputs (without it, "
+                                                      "only the .pte / --data pair is checked)")
+    verify.add_argument("--data", metavar="FILE.ptd", help="the .ptd the program binds its weights from "
+                                                          "(checked key by key before anything runs)")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
     add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
@@ -157,7 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(saved as the block custom-webhook/lowerflow-nightly)")
     automations.add_argument("--notify-block", metavar="TYPE/NAME",
                              help="or notify through a notification block you saved (e.g. slack-webhook/night-owl)")
+    automations.add_argument("--fleet-window", type=float, default=30.0, metavar="S",
+                             help="the same for lower-fleet runs (default: 30; the nightly deployment's send one "
+                                  "every 10 s, LOWERFLOW_HEARTBEAT_SECONDS): a lost fleet is retried sooner")
     automations.set_defaults(run=cmd_automations)
+
+    nights = sub.add_parser("nights", parents=[common], help="the last fleet runs: state, duration, cause, what to run",
+                            description="The latest lower-fleet runs on the Prefect server of PREFECT_API_URL, "
+                                        "newest first: when, state (and try), how long, the cause (the run's "
+                                        "state message), and the whole `prefect flow-run retry` command of a "
+                                        "failed one.  See flows/nights.py.")
+    nights.add_argument("--limit", type=int, default=5, metavar="N", help="how many (default: 5)")
+    nights.set_defaults(run=cmd_nights)
 
     ui = sub.add_parser("ui", parents=[common], help="serve the Prefect UI over the runs and reports made here",
                         description="Start a Prefect server on the database the CLI and the demo used "
@@ -215,6 +231,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
         manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
                                **({"options": target_options} if target_options else {}),
                                **({"verify": args.verify} if args.verify else {}),
+                               **({"external_weights": True} if args.external_weights else {}),
                                **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
@@ -227,6 +244,10 @@ def cmd_lower(args: argparse.Namespace) -> int:
             path = outputs[target]
             size = write_pte(entry["pte"], manifest.get("store"), path)
             say(f"{target}: wrote {path} ({size:,} bytes)")
+            if entry.get("ptd"):  # its weights: the .pte needs this file beside it
+                data_path = path.with_suffix(".ptd")
+                size = write_pte(entry["ptd"], manifest.get("store"), data_path, "ptd")
+                say(f"{target}: wrote {data_path} ({size:,} bytes, the weights {path.name} needs)")
             if entry.get("quantize"):
                 from flows.quantized import quantize_line
 
@@ -287,11 +308,12 @@ def check_writable(path: Path) -> None:
         raise CLIError(f"-o {str(path)!r}: cannot write there: {exc.strerror or exc}", EXIT_USAGE) from None
 
 
-def write_pte(pte: dict, store_url: str | None, path: Path) -> int:
-    """Copy the target's .pte out of the store (digest-checked) to ``path``; returns its size."""
+def write_pte(pte: dict, store_url: str | None, path: Path, kind: str = "pte") -> int:
+    """Copy the target's .pte (or ``kind`` "ptd": its .ptd) out of the store (digest-checked)
+    to ``path``; returns its size."""
     from tasks.store import ArtifactRef, ArtifactStore
 
-    ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
+    ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), kind)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         return ArtifactStore(store_url).copy_out(ref, str(path))
@@ -348,13 +370,30 @@ def cmd_automations(args: argparse.Namespace) -> int:
             print(line)
         return EXIT_OK
     try:
-        created = automations.install(args.zombie_window, args.notify_url, args.notify_block)
+        created = automations.install(args.zombie_window, args.notify_url, args.notify_block, args.fleet_window)
     except automations.AutomationError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
     for name, automation_id in created.items():
         print(f"installed automation '{name}' ({automation_id})")
     if automations.FAILED_FLEET_AUTOMATION not in created:
         say("no failure notification: give --notify-url URL or --notify-block TYPE/NAME to get one")
+    return EXIT_OK
+
+
+def cmd_nights(args: argparse.Namespace) -> int:
+    """``lowerflow nights``: the last fleet runs (see :func:`flows.nights.night_lines`)."""
+    import datetime
+
+    from flows.nights import last_nights, night_lines
+
+    if not prefect_api_url():
+        raise CLIError("the nights are on a Prefect server: set PREFECT_API_URL "
+                       "(e.g. http://127.0.0.1:4200/api; see deployments/README.md)", EXIT_USAGE)
+    runs = last_nights(max(args.limit, 1))
+    if not runs:
+        say("no lower-fleet run yet")
+    for line in night_lines(runs, datetime.datetime.now(datetime.timezone.utc)):
+        print(line)
     return EXIT_OK
 
 
@@ -425,69 +464,6 @@ def load_fleet(path: str):
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
-class FleetProgress(logging.Handler):
-    """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
-
-    It listens to the log records ``"<name>/<target> ok …"`` or ``"<name>/<target> FAILED
-    <error> …"`` that ``flows.lower_model`` writes when a model's targets are done, for
-    the models and targets of the manifest only.  They come from Prefect's run loggers
-    (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
-    INFO whatever the console shows.
-    """
-
-    LOGGER = "prefect"
-
-    def __init__(self, targets: dict[str, set[str]], emit_line: Callable[[str], None]) -> None:
-        super().__init__(logging.INFO)
-        self.pending = {name: set(t) for name, t in targets.items()}
-        self.failed: set[str] = set()
-        self.total = len(targets)
-        self.done = 0
-        self.emit_line = emit_line
-        self.started = time.monotonic()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Called under the handler's own lock (``Handler.handle``), so one thread at a time."""
-        try:
-            message = record.getMessage()
-        except Exception:
-            return
-        head, _, outcome = message.partition(" ")
-        name, _, target = head.rpartition("/")
-        if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
-            return
-        remaining = self.pending.get(name)
-        targets = set(target.split(","))  # "cnn/portable,xnnpack FAILED ...": one cause for both
-        if remaining is None or not targets & remaining:
-            return
-        remaining -= targets
-        if outcome != "ok":
-            self.failed.add(name)
-        if not remaining:
-            self.done += 1
-            status = "FAILED" if name in self.failed else "ok"
-            self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
-
-    def listening(self):
-        """Context manager attaching the handler to Prefect's run loggers' parent (level INFO)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def attached():
-            logger = logging.getLogger(self.LOGGER)
-            old_level = logger.level
-            if logger.getEffectiveLevel() > logging.INFO:
-                logger.setLevel(logging.INFO)
-            logger.addHandler(self)
-            try:
-                yield self
-            finally:
-                logger.removeHandler(self)
-                logger.setLevel(old_level)
-
-        return attached()
-
-
 # --------------------------------------------------------------------------- plan
 
 
@@ -514,6 +490,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     .pte has exactly those); exit 1 on a mismatch."""
     from tasks.model_spec import ModelSpecError, load_model
 
+    data = check_program_data(args.pte, args.data)
+    if args.model is None:
+        if args.data is None:
+            raise CLIError("verify: give --model SPEC (run against eager) or --data FILE.ptd (check the pair)",
+                           EXIT_USAGE)
+        say(f"{args.pte}: every weight it needs is in {args.data}")
+        return EXIT_OK
     spec = parse_spec(args.model, args)
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
@@ -528,7 +511,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
     from lowering.verify import verify, verify_methods
+    from lowering.verify_executorch import with_data
 
+    pte = with_data(pte, data)
     try:
         if not loaded.methods:
             reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
@@ -546,6 +531,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if bad:
         raise CLIError(f"{args.pte} does not match {args.model} in {', '.join(bad)}")
     return EXIT_OK
+
+
+def check_program_data(pte: str, data: str | None) -> bytes | None:
+    """The ``.ptd`` bytes of ``--data`` (None without it), after checking the pair key by key
+    (:func:`lowering.external.check_pair`): a program that needs a .ptd it was not given, or a
+    .ptd of another program, is one line and exit 2, before any runtime loads it."""
+    from lowering.external import ExternalDataError, check_pair
+
+    try:
+        program = Path(pte).read_bytes()
+    except OSError as exc:
+        raise CLIError(f"cannot read {pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+    blob = None
+    if data is not None:
+        try:
+            blob = Path(data).read_bytes()
+        except OSError as exc:
+            raise CLIError(f"cannot read {data!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+    try:
+        check_pair(program, blob, pte_name=pte, ptd_name=data or "data")
+    except ExternalDataError as exc:
+        raise CLIError(str(exc), EXIT_USAGE) from None
+    except Exception as exc:  # not a .pte at all
+        raise CLIError(f"cannot verify {pte!r}: {type(exc).__name__}: {first_line(str(exc))}", EXIT_USAGE) from None
+    return blob
 
 
 # --------------------------------------------------------------------------- gc

@@ -18,6 +18,33 @@ from typing import Any
 EPHEMERAL_STARTUP_TIMEOUT = "180"
 #: Loggers whose records the console shows unless ``--verbose``: lowerflow's own.
 OWN_LOGGERS = ("lowerflow", "lowering", "tasks", "flows")
+#: Set to 1 by a command run with ``--verbose``, for the processes it starts (``lowerflow
+#: worker``'s warm parent and flow runs): they show the libraries' warnings too.
+VERBOSE_ENV = "LOWERFLOW_VERBOSE"
+#: Libraries whose loggers warn at import (torchao: ``Failed to load …_C_mxfp8…so``,
+#: ``Detected no triton``): errors only, unless verbose.
+LIBRARY_LOGGERS = ("torchao", "transformers")
+
+
+def quiet_libraries() -> None:
+    """A worker's process (its warm parent, a flow run) as quiet as the CLI: no Python
+    warnings (torch's ``register_constant() … deprecated``, ``isinstance(treespec,
+    LeafSpec)``: every warning is a library's) and only errors from
+    :data:`LIBRARY_LOGGERS`, unless :data:`VERBOSE_ENV` is set."""
+    if os.environ.get(VERBOSE_ENV):
+        return
+    warnings.simplefilter("ignore")
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def quiet_flow_run() -> None:
+    """:func:`quiet_libraries` in a flow run a worker started (``PREFECT__FLOW_RUN_ID`` set;
+    ``LOWERFLOW_VERBOSE=1`` shows them), called by the flows' modules before they import
+    torch: Prefect loads an entrypoint ``flows/lower_model.py`` as a module of its own,
+    not through this package."""
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
+        quiet_libraries()
 
 
 def configure_environment(verbose: bool, store: str | None = None) -> None:
@@ -34,7 +61,9 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
-    if not verbose:
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"  # a worker's warm parent and flow runs show everything too
+    else:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
         # The ephemeral API server is a subprocess writing to our stderr; at shutdown it
         # logs cancelled event flushes with tracebacks.  What matters reaches us as API errors.

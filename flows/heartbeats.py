@@ -31,9 +31,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import os
 import threading
 from typing import Any, Iterator
 
+#: Seconds between a run's heartbeats when set below ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``
+#: (whose minimum is 30): the nightly fleet's deployment sets 10, so a lost fleet run is
+#: Crashed, and retried, after a shorter window (flows/automations.py, fleet_zombie_automation).
+HEARTBEAT_ENV = "LOWERFLOW_HEARTBEAT_SECONDS"
 #: The Prefect version whose engine :func:`send_heartbeats` stands in for.
 PREFECT_VERSION = "3.8.8"
 
@@ -43,12 +48,15 @@ def send_heartbeats(engine: Any, join_on_exit: bool = True) -> Iterator[None]:
     """Emit the engine's flow-run heartbeat every ``engine.heartbeat_seconds``
     while the block runs; on exit, stop at once.
 
+    ``$LOWERFLOW_HEARTBEAT_SECONDS`` (:data:`HEARTBEAT_ENV`) makes them more frequent.
     Same contract as Prefect's ``_send_heartbeats``: nothing when heartbeats
     are off (``heartbeat_seconds`` is None), no event once the run's state is
     final, a failed emit never fails the run, and the thread sees the caller's
     context (its settings and API URL).
     """
     seconds = engine.heartbeat_seconds
+    if seconds is not None and os.environ.get(HEARTBEAT_ENV):  # more often than Prefect allows (>= 30 s)
+        seconds = min(seconds, float(os.environ[HEARTBEAT_ENV]))
     if seconds is None:
         yield
         return

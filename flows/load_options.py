@@ -40,7 +40,7 @@ def add_load_arguments(parser: Any) -> None:
     parser.add_argument("--strict", action="store_true", help="export with torch.export's strict mode (TorchDynamo)")
     parser.add_argument("--trust-pickle", action="store_true",
                         help="a .pt2 or pytorch_model.bin you trust: load its pickles, which may run code "
-                             "(by default lowerflow refuses them; see README 'Security')")
+                             "(by default lowerflow refuses them; see docs/security.md)")
     parser.add_argument("--task", metavar="TASK",
                         help="an hf: model's task: text-generation, feature-extraction, fill-mask, "
                              "image-classification or automatic-speech-recognition")

@@ -26,6 +26,10 @@ Two ways to run the models' DAGs:
 
 from __future__ import annotations
 
+from .console import quiet_flow_run
+
+quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
+
 import contextvars
 import functools
 import time
@@ -38,7 +42,9 @@ from tasks.store import ArtifactStore
 
 from .lower_model import ModelLoweringFailed, lower_model, one_line, plan_model
 from .manifest import FleetManifest, ModelEntry, load_manifest
+from .nights import emit_recovered, failure_message, lost_run_error, recovered_line
 from .outages import outage, store_down
+from .run_logs import failure_lines
 
 
 class FleetFailed(RuntimeError):
@@ -46,14 +52,10 @@ class FleetFailed(RuntimeError):
     the models still out when the fleet timed out)."""
 
     explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+    logged = True  # and each failed model's line was logged: Prefect's repeat goes to DEBUG
 
     def __init__(self, summary: dict) -> None:
-        message = f"{len(summary['failed'])} of {len(summary['models'])} models failed: {', '.join(summary['failed'])}"
-        if summary.get("timed_out"):
-            message += f" (timed out waiting for {', '.join(summary['timed_out'])})"
-        if summary.get("store_error"):
-            message += f"; {summary['store_error']}"
-        super().__init__(message)
+        super().__init__(failure_message(summary))  # the models, and why (flows/nights.py)
         self.summary = summary
 
 
@@ -76,11 +78,12 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
 
 
 def load_parameters(entry: ModelEntry) -> dict[str, Any]:
-    """The entry's ``strict``, ``trust_pickle``, hf: and ``runtime_ops`` settings as ``lower_model``
+    """The entry's ``strict``, ``trust_pickle``, hf:, ``runtime_ops`` and ``external_weights`` settings as ``lower_model``
     parameters (only when set)."""
     return {**({"strict": True} if entry.strict else {}), **({"trust_pickle": True} if entry.trust_pickle else {}),
             **({"hf": dict(entry.hf)} if entry.hf else {}),
-            **({"runtime_ops": dict(entry.runtime_ops)} if entry.runtime_ops else {})}
+            **({"runtime_ops": dict(entry.runtime_ops)} if entry.runtime_ops else {}),
+            **({"external_weights": dict(entry.external_weights)} if entry.external_weights else {})}
 
 
 def quantize_parameters(entry: ModelEntry) -> dict[str, Any]:
@@ -115,11 +118,12 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     store = ArtifactStore(fleet.store)
     members = {e.name: {**member_parameters(e, store.url, fleet.locks), **({"verify": verify} if verify else {})}
                for e in fleet.models}
+    tried: dict[str, Any] = {}
     if pool is None:
         outcomes = lower_in_process(members)
     else:
-        outcomes = lower_on_pool(members, pool, store, timeout_seconds, crash_retries)
-    summary: dict[str, Any] = {"store": store.url, "models": {}, "failed": []}
+        outcomes = lower_on_pool(members, pool, store, timeout_seconds, crash_retries, tried)
+    summary: dict[str, Any] = {"store": store.url, "models": {}, "failed": [], **({"try": tried} if tried else {})}
     for entry in fleet.models:
         ok, summary["models"][entry.name] = outcomes[entry.name]
         if not ok:
@@ -139,6 +143,11 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     _publish_report(summary)
     if not summary["ok"]:
         raise FleetFailed(summary)
+    if (line := recovered_line(summary)) is not None:  # a later try completed: the night healed
+        from prefect.runtime import flow_run
+
+        logger.info("recovered: %s", line)
+        emit_recovered(line, flow_run.get_id(), flow_run.get_name())
     return summary
 
 
@@ -316,15 +325,22 @@ def ensure_model_deployment(pool: str) -> str:
     return name
 
 
-def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore,
-                  timeout_seconds: float | None = None, crash_retries: int = 0) -> dict[str, tuple[bool, dict]]:
+def lower_on_pool(members: dict[str, dict], pool: str, store: ArtifactStore, timeout_seconds: float | None = None,
+                  crash_retries: int = 0, tried: dict | None = None) -> dict[str, tuple[bool, dict]]:
     """Each model as a flow run of ``lower-model/<pool>``: submit all, wait for all,
     read their manifests.  Models whose run of this fleet run already completed (a
-    retried fleet run) are not submitted again."""
+    retried fleet run) are not submitted again.  ``tried`` (a later try of the fleet
+    run) gets ``run_count`` and the models ``submitted``, ``waited_for`` (left running
+    by the lost try) and ``done_before`` in this try."""
+    from prefect.runtime import flow_run
+
     logger = get_run_logger()
     deployment = model_deployment(pool)
     lost_tries(crash_retries)
     done, out = earlier_members(members)
+    if tried is not None and (flow_run.get_run_count() or 1) > 1:
+        tried.update(run_count=flow_run.get_run_count(), done_before=sorted(done), waited_for=sorted(out),
+                     submitted=[n for n in members if n not in done and n not in out])
     order, known = longest_first(list(members), deployment)
     runs = {}
     for name in order:
@@ -477,6 +493,8 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                 if run.state is None or not run.state.is_final() or run.id not in pending:
                     continue
                 name = pending.pop(run.id)
+                if run.state.is_crashed():  # its worker died with it: its task runs never ended
+                    crash_task_runs(client, run.id, run.state.message)
                 if run.state.is_crashed() and resubmit is not None and crashes[name] < crash_retries \
                         and _read_manifest(store, name, str(run.id)) is None:
                     crashes[name] += 1
@@ -485,13 +503,12 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                     logger.warning("%s: model run %s ended Crashed (%s); submitted again as %s (%d of %d)", name,
                                    run.id, one_line(run.state.message or ""), new, crashes[name], crash_retries)
                     continue
-                outcomes[name] = _finished(run, members[name], store)
-                if outcomes[name][1].get("error"):  # one cause for every target: one line
-                    logger.error("%s/%s FAILED %s", name, ",".join(outcomes[name][1]["targets"]),
-                                 outcomes[name][1]["error"])
-                    continue
+                outcomes[name] = _finished(run, members[name], store, crashes[name] + 1)
                 for target, result in outcomes[name][1]["targets"].items():
-                    logger.info("%s/%s %s", name, target, "ok" if result.get("ok") else f"FAILED {result.get('error')}")
+                    if result.get("ok"):
+                        logger.info("%s/%s ok", name, target)
+                for line in failure_lines(name, outcomes[name][1]):  # a line per cause
+                    logger.error("%s", line)
             if pending and deadline is not None and time.monotonic() > deadline:
                 outcomes.update(timed_out(client, pending, members, timeout_seconds))
                 break
@@ -501,6 +518,29 @@ def wait_for_runs(runs: dict[str, Any], members: dict[str, dict], store: Artifac
                     logger.info("waiting for %d model runs: %s", len(pending), ", ".join(sorted(pending.values())))
                 time.sleep(POLL_SECONDS)
     return outcomes
+
+
+def crash_task_runs(client, run_id, message: str | None) -> int:
+    """Mark the task runs of a Crashed flow run that still read Running (or Pending)
+    Crashed too, as its engine would have, had it lived (the zombie automation changes
+    the flow run only).  Returns how many; never raises (the fleet goes on)."""
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState,
+                                                TaskRunFilterStateType)
+    from prefect.states import Crashed
+
+    try:
+        stuck = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(
+                any_=["RUNNING", "PENDING"]))))
+        for task_run in stuck:
+            client.set_task_run_state(task_run.id, Crashed(message=f"its flow run crashed: {message or 'lost'}"),
+                                      force=True)
+        return len(stuck)
+    except Exception as exc:
+        get_run_logger().warning("could not mark the task runs of crashed flow run %s: %s: %s", run_id,
+                                 type(exc).__name__, one_line(str(exc)))
+        return 0
 
 
 def timed_out(client, pending: dict[Any, str], members: dict[str, dict], seconds: float) -> dict[str, tuple[bool, dict]]:
@@ -537,9 +577,10 @@ def cancel_runs(client, run_ids: list) -> dict[Any, str]:
     return before
 
 
-def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:
-    """(ok, manifest) of a final model run: its own manifest from the store when the run
-    wrote one, else a failed manifest carrying the run's state message."""
+def _finished(run, params: dict, store: ArtifactStore, tries: int = 1) -> tuple[bool, dict]:
+    """(ok, manifest) of a final model run (the ``tries``-th of its model): its own
+    manifest from the store when the run wrote one, else a failed manifest carrying
+    the run's state message."""
     manifest = _read_manifest(store, params["name"], str(run.id))
     if run.state.is_completed() and manifest is not None:
         return True, manifest
@@ -548,7 +589,11 @@ def _finished(run, params: dict, store: ArtifactStore) -> tuple[bool, dict]:
     message = one_line(run.state.message or "") or f"the model run ended {run.state.name}"
     # Its store (or Redis) unreachable, the model's manifest unread: the model's own line.
     down = outage(message, store.url)
-    return False, failed_manifest(params, down[0] if down else f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
+    if down:
+        return False, failed_manifest(params, down[0])
+    if run.state.is_crashed():  # the same words for every model a lost machine took
+        return False, failed_manifest(params, lost_run_error(tries, message))
+    return False, failed_manifest(params, f"flow run {run.name} ({run.id}) {run.state.name}: {message}")
 
 
 def _read_manifest(store: ArtifactStore, name: str, run_id: str) -> dict | None:

@@ -32,6 +32,10 @@ lives in tasks/ and lowering/, the reports in flows/reports.py.
 
 from __future__ import annotations
 
+from .console import quiet_flow_run
+
+quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
+
 import contextlib
 import dataclasses
 import functools
@@ -49,7 +53,7 @@ from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_op
 
 from . import heartbeats, run_logs
 from .load_options import export_options, load_extras
-from .manifest import profiles_by_target
+from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
 from .published import changed_since_last, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
@@ -72,6 +76,7 @@ class ModelLoweringFailed(RuntimeError):
     """Some target of a model failed; ``manifest`` says which stage and why."""
 
     explained = True  # its message says it all: no traceback at ERROR (flows/run_logs.py)
+    logged = True  # and its lines were logged (_log): Prefect's repeat of it goes to DEBUG
 
     def __init__(self, manifest: dict) -> None:
         failed = [f"{t}: {r['error']}" for t, r in manifest["targets"].items() if not r["ok"]]
@@ -102,6 +107,7 @@ def lower_model(
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
     trust_pickle: bool = False,
+    external_weights: Any = None,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
@@ -112,7 +118,10 @@ def lower_model(
     ``{target: ...}``; None: all); emit fails a target that calls an op outside them.
     ``trust_pickle``: a ``.pt2`` or ``pytorch_model.bin`` the user trusts loads its pickles,
     which may run code (by default refused: :mod:`lowering.untrusted`); the manifest says
-    ``"trust_pickle": true``.
+    ``"trust_pickle": true``.  ``external_weights``: true (every target), a list of targets or
+    ``{target: bool}``: such a target's weights go to ``outputs/<name>/<target>.ptd`` beside its
+    ``.pte``, which then holds the program only (:mod:`lowering.external`); its manifest entry
+    records both files.
 
     ``quantize``: a recipe (``"int8"``, ``"int8-dynamic"``, ``"8da4w"`` or its mapping
     form) for every target, or ``{target: recipe or None}``; ``calibration``: int8's
@@ -132,7 +141,8 @@ def lower_model(
     Raises :class:`ModelLoweringFailed` (after writing the manifest) if any target failed.
     """
     return run_model(model, targets, store, options, name, version, verify, locks, dynamic_shapes,
-                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle)
+                     quantize, calibration, min_sqnr, max_error, strict, hf, runtime_ops, trust_pickle,
+                     external_weights)
 
 
 def run_model(
@@ -153,6 +163,7 @@ def run_model(
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
     trust_pickle: bool = False,
+    external_weights: Any = None,
 ) -> dict:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
@@ -175,14 +186,15 @@ def run_model(
             records.pop()  # the lookup's would-run record; the task records itself
             return call_stage(getattr(stages, stage), records, **inputs)
 
-    def publish(name: str, target: str, pte_ref) -> dict:
+    def publish(name: str, target: str, ref, kind: str = "pte") -> dict:
         # no second copy where the store can avoid one (a hard link in a local directory)
-        ref = stages.store.publish_object(f"{name}/{target}.pte", pte_ref, "pte")
+        ref = stages.store.publish_object(f"{name}/{target}.{kind}", ref, kind)
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                         load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets))
+                         load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
+                         external_by_target(external_weights, targets))
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
@@ -222,20 +234,23 @@ def plan_model(
     hf: dict[str, Any] | None = None,
     runtime_ops: Any = None,
     trust_pickle: bool = False,
+    external_weights: Any = None,
 ) -> dict:
     """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
     verify = check_verify(verify, targets)
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
-                     load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets))
+                     load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
+                     external_by_target(external_weights, targets))
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
               quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None,
-              runtime_ops: dict | None = None) -> dict:
+              runtime_ops: dict | None = None, external: dict | None = None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages
-    (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`).
+    (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`;
+    ``external``: ``{target: True}`` of the targets with external weights, :func:`external_by_target`).
 
     The factory runs on every run, cached or not: the model's fingerprint (its
     weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
@@ -280,7 +295,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         manifest["methods"] = list(loaded.methods)
         with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
-                                     export_options(version, None, extras), runtime_ops or {}, quant)
+                                     export_options(version, None, extras), runtime_ops or {}, quant, external)
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets) if publish is None else None
         try:
@@ -300,6 +315,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     quantized=quantize_step(quant, target, calibration),
                     load_options=export_options(version, dynamic_shapes, extras), dry=dry,
                     runtime_ops=(runtime_ops or {}).get(target),
+                    external_weights=bool((external or {}).get(target)),
                 )
     return manifest
 
@@ -315,16 +331,20 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify: str,
                  quantized: dict | None = None, load_options: dict | None = None,
-                 dry: "DryRun | None" = None, runtime_ops: list[str] | None = None) -> dict:
+                 dry: "DryRun | None" = None, runtime_ops: list[str] | None = None,
+                 external_weights: bool = False) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
     ``verify``: the target's verify mode (``full``, ``quick`` or ``off``: flows.verify_mode).
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
-    compares with the quantized program and reports the error against fp32 eager."""
+    compares with the quantized program and reports the error against fp32 eager.
+    ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
+    runs the pair, both are published)."""
+    external = {"external_weights": True} if external_weights else {}  # in the keys only when on
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None,
-        **({"runtime_ops": runtime_ops} if runtime_ops else {}),
+        **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
     }
     reference = None
     try:
@@ -338,23 +358,25 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
-            program, result["delegation"] = delegate_target(run, name, program, target, options, records)
+            program, result["delegation"] = delegate_target(run, name, program, target, options, records,
+                                                              external=external)
         planned = run("memory_plan", records, program=program, state_of=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
-        emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops)
+        emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops, **external)
+        data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         options=load_options, **accuracy, **stage_mode(verify),
+                         options=load_options, **accuracy, **stage_mode(verify), **data,
                          tolerance=verify_tolerance(target, options))
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
         if publish is not None:  # only a verified program is published
-            result["pte"] = publish(name, target, emitted["pte"])
+            publish_files(publish, result, name, target, emitted)
         result["ok"] = True
     except Exception as exc:
         result.update(_failed(records, exc, target, dry=dry), pte=result["pte"])
@@ -363,7 +385,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify,
                       load_options: dict | None = None, runtime_ops: dict | None = None,
-                      quant: QuantSettings = NO_QUANTIZATION) -> dict:
+                      quant: QuantSettings = NO_QUANTIZATION, external: dict | None = None) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages.  ``load_options``: what the
     model was loaded with (default: its ``version``), for a stage retried in another process.
@@ -400,6 +422,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
                 quantized=quantize_step(quant, target, None),
+                external_weights=bool((external or {}).get(target)),
             )
     return manifest
 
@@ -409,7 +432,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                          load_options: dict | None = None, constants: dict | None = None,
                          runtime_ops: list[str] | None = None,
                          written_elsewhere: dict[str, list[str]] | None = None,
-                         quantized: dict | None = None) -> dict:
+                         quantized: dict | None = None, external_weights: bool = False) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -424,13 +447,15 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     as a one-method model's; mutable buffers are not touched, so shared state stays shared),
     and verify compares each method, and the sequence, with the quantized programs.
     ``verify``: the target's mode, as :func:`lower_target`'s (the check of shared state,
-    ``verify_sequence``, runs in both)."""
+    ``verify_sequence``, runs in both).  ``external_weights``: as :func:`lower_target`'s
+    (one ``.ptd`` for every method)."""
     load_options = load_options or {"version": version}
+    external = {"external_weights": True} if external_weights else {}  # in the keys only when on
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
-        **({"runtime_ops": runtime_ops} if runtime_ops else {}),
+        **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
     }
     references: dict[str, Any] = {}
     try:
@@ -444,7 +469,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate_target(
                     for_method(run, method), f"{name}.{method}", program, target, options, records,
-                    shared_state=(written_elsewhere or {}).get(method) or None)
+                    shared_state=(written_elsewhere or {}).get(method) or None, external=external)
             delegated[method] = program
         for method, program in delegated.items():
             state_of = {"method": method, "programs": dict(delegated), "share": bool(shared)} if stateful else None
@@ -458,23 +483,24 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         if target != PORTABLE:
             result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
         emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
-                      runtime_ops=runtime_ops)
+                      runtime_ops=runtime_ops, **external)
+        data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             for method in programs:
                 accuracy = {"reference": references[method], **quantized["thresholds"]} if references else {}
                 methods[method]["verify"] = for_method(run, method)(
                     "verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
-                    options=load_options, **accuracy, **stage_mode(verify))
+                    options=load_options, **accuracy, **stage_mode(verify), **data)
             reports = {m: e["verify"] for m, e in methods.items()}
             if shared:
                 result["verify_sequence"] = reports["(sequence)"] = run(
                     "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
-                    options=load_options, **({"references": references} if references else {}))
+                    options=load_options, **({"references": references} if references else {}), **data)
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
         if publish is not None:
-            result["pte"] = publish(name, target, emitted["pte"])
+            publish_files(publish, result, name, target, emitted)
         result["ok"] = True
     except Exception as exc:
         dry = DryRun(frozenset({target})) if quantized is not None else None
@@ -538,17 +564,18 @@ def _combined_verify(reports: dict[str, dict]) -> dict:
     return {"ok": ok, "checks": checks}
 
 
-def delegate_target(run: Run, name, program, target, options, records, shared_state: list[str] | None = None):
+def delegate_target(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
+                    external: dict | None = None):
     """:func:`delegate` for one backend, or for each backend of a chain in turn (each one's
     partitioner sees what the ones before it left); the summary says per backend what it took."""
     chain = chain_of(target, options)
     if chain is None:
-        return delegate(run, name, program, target, options, records, shared_state)
+        return delegate(run, name, program, target, options, records, shared_state, external)
     backends = {}
     for backend, backend_options in chain:
         with labelled(target=f"{target}:{backend}"):
             program, backends[backend] = delegate(run, name, program, backend, backend_options, records, shared_state,
-                                                  tags=True)
+                                                  external, tags=True)
     summaries = list(backends.values())
     summary = {
         "partitions": sum(s["partitions"] for s in summaries),
@@ -563,16 +590,20 @@ def delegate_target(run: Run, name, program, target, options, records, shared_st
 
 
 def delegate(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
-             tags: bool = False):
+             external: dict | None = None, tags: bool = False):
     """Stages 2–6: returns (delegated program ref, delegation summary).  ``shared_state``:
     buffers another method writes (:func:`lowering.methods.mark_shared_state`).  A plugin
     backend's compiles are keyed on its compiler versions too, and the summary holds the
-    seconds they took (``compile_seconds``, as when compiled: a cache hit costs none)."""
+    seconds they took (``compile_seconds``, as when compiled: a cache hit costs none).  ``tags``: the
+    summary lists the partitions' tags (a chain's step; always for a plugin backend).  ``external``:
+    ``{"external_weights": True}`` when the target's weights are external (the partitions ask
+    their backend for stable keys: :data:`lowering.delegation.EXTERNAL_WEIGHTS_SPEC`)."""
+    external = external or {}
     tagged = run("partition", records, program=program, target=target, options=options,
-                 fused_ops=fused_ops_key(target, options), shared_state=shared_state)
+                 fused_ops=fused_ops_key(target, options), shared_state=shared_state, **external)
     if not tagged["partitions"]:
         summary = {"partitions": 0, "delegated_nodes": 0, "total_nodes": tagged["total_nodes"]}
-        return delegate_control_flow(run, tagged["program"], tagged, target, options, records, summary)
+        return delegate_control_flow(run, tagged["program"], tagged, target, options, records, summary, external)
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
     built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
@@ -598,21 +629,30 @@ def delegate(run: Run, name, program, target, options, records, shared_state: li
         summary["partition_tags"] = [p["tag"] for p in partitions]
     if any(versions.values()):  # a plugin backend: its vendor compiles
         summary["compile_seconds"] = round(sum(p.get("compile_seconds", 0.0) for p in partitions), 4)
-    return delegate_control_flow(run, adjusted["program"], tagged, target, options, records, summary)
+    return delegate_control_flow(run, adjusted["program"], tagged, target, options, records, summary, external)
 
 
-def delegate_control_flow(run: Run, program, tagged, target, options, records, summary):
+def delegate_control_flow(run: Run, program, tagged, target, options, records, summary, external: dict | None = None):
     """The partitions inside cond branches / map bodies, when the program has any
     (stage ``lower_control_flow``); returns (program ref, summary with them counted)."""
     if not tagged.get("control_flow"):
         return program, summary
-    inner = run("lower_control_flow", records, program=program, target=target, options=options)
+    inner = run("lower_control_flow", records, program=program, target=target, options=options, **(external or {}))
     summary = {
         **summary,
         "partitions": summary["partitions"] + inner["partitions"],
         "delegated_nodes": summary["delegated_nodes"] + inner["delegated_nodes"],
     }
     return inner["program"], summary
+
+
+def publish_files(publish, result: dict, name: str, target: str, emitted: dict) -> None:
+    """Publish the target's ``.pte`` (and its ``.ptd``: the entry says which data file the
+    program needs, with the sha256 of each) into ``result``."""
+    result["pte"] = publish(name, target, emitted["pte"])
+    if emitted.get("ptd") is not None:
+        result["ptd"] = publish(name, target, emitted["ptd"], "ptd")
+        result["pte"]["needs"] = f"{target}.ptd"
 
 
 def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException, methods: bool = False,
@@ -741,10 +781,12 @@ def _log(manifest: dict) -> None:
         for r in result["stages"]:
             state = "cached" if r["cached"] else r["state"].lower()
             logger.debug("%s/%s %-16s %-9s %.3fs", name, target, r["stage"], state, r["seconds"])
-        if not manifest.get("error"):
+        if result.get("ok") and not manifest.get("error"):
             logger.info("%s", run_logs.target_line(name, target, result))
-    if manifest.get("error"):  # one cause for every target: one line (flows/outages.py)
-        logger.error("%s/%s FAILED %s", name, ",".join(manifest["targets"]), manifest["error"])
+    for line in run_logs.failure_lines(name, manifest):  # a line per cause (flows/outages.py: one for all)
+        target = line.split(" ", 1)[0].split("/", 1)[1]
+        logger.error("%s", run_logs.target_line(name, target, manifest["targets"][target])
+                     if target in manifest["targets"] and not manifest.get("error") else line)  # one target: its stages too
 
 
 def _publish_report(manifest: dict, store) -> None:

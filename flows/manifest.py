@@ -26,10 +26,12 @@
         max_error: 0.05                      # optional: ... or above this max|Δ| / max|fp32| vs fp32 eager
         strict: true                         # optional: torch.export's strict mode (default false)
         trust_pickle: true                   # optional: a .pt2 / pytorch_model.bin you trust may unpickle
-                                             #   (run code); default false: refused (README "Security")
+                                             #   (run code); default false: refused (docs/security.md)
         runtime_ops: [portable, quantized]   # optional: the op sets the .pte may call (lowering.stock_ops;
                                              #   default all: portable, quantized, llm, fused), a list or
                                              #   "portable,quantized", for every target or per target
+        external_weights: true               # optional: weights in <target>.ptd beside the .pte (true,
+                                             #   a list of targets, or {xnnpack: true}); docs/external-weights.md
       - model: hf:./tiny-llama               # a Hugging Face model directory (or hub id) ...
         task: text-generation                # ... with its task (required for hf:) and options:
         max_seq_len: 1024                    #   max_seq_len, dtype (float32/float16/bfloat16), attn (standard/custom),
@@ -68,12 +70,14 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
                "quantize", "qembedding", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops",
-               "trust_pickle", *HF_KEYS}
+               "trust_pickle", "external_weights", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
 class ManifestError(ValueError):
     """A fleet manifest that cannot be used; the message names the bad entry."""
+
+    explained = True  # its message says it all: one line, the traceback at DEBUG (flows/run_logs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +105,8 @@ class ModelEntry:
     hf: Mapping[str, Any] | None = None
     #: Target -> runtime profile (a list of op sets) or None (the default): :func:`profiles_by_target`.
     runtime_ops: Mapping[str, Any] | None = None
+    #: Target -> True for the targets whose weights go to a ``.ptd``: :func:`external_by_target`.
+    external_weights: Mapping[str, bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,6 +286,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     quantize = with_qembedding(recipes_by_target(raw.get("quantize"), targets, f"{where}: 'quantize'"),
                                raw.get("qembedding"), f"{where}: 'qembedding'")
     runtime_ops = profiles_by_target(raw.get("runtime_ops"), targets, f"{where}: 'runtime_ops'")
+    external_weights = external_by_target(raw.get("external_weights"), targets, f"{where}: 'external_weights'")
     calibration = raw.get("calibration")
     if calibration is not None:
         if isinstance(calibration, str) and ".py:" in calibration and "://" not in calibration:
@@ -309,6 +316,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         trust_pickle=trust_pickle,
         hf=hf,
         runtime_ops=runtime_ops,
+        external_weights=external_weights,
     )
 
 
@@ -393,6 +401,30 @@ def profiles_by_target(value: Any, targets: list[str] | tuple[str, ...], where: 
                 for t, v in profiles.items()}
     profiles = {t: None if p is None or tuple(p) == DEFAULT_PROFILE else p for t, p in profiles.items()}
     return profiles if any(p is not None for p in profiles.values()) else None
+
+
+def external_by_target(value: Any, targets: list[str] | tuple[str, ...],
+                       where: str = "external_weights") -> dict | None:
+    """An ``external_weights`` setting as ``{target: True}`` of the targets whose weights go
+    to a ``.ptd`` (None: none; then no stage key changes).
+
+    ``value``: None / false; true (every target); a list of targets; ``{target: bool}``.
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        chosen = list(targets)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        chosen = list(value)
+    elif isinstance(value, Mapping) and all(isinstance(v, bool) for v in value.values()):
+        chosen = [str(t) for t, on in value.items() if on]
+    else:
+        raise ManifestError(f"{where}: must be true, false, a list of targets or {{target: true|false}}, "
+                            f"got {value!r}")
+    stray = sorted(set(chosen) - set(targets))
+    if stray:
+        raise ManifestError(f"{where}: names targets not lowered: {stray} (lowered: {list(targets)})")
+    return {t: True for t in targets if t in chosen} or None
 
 
 def _profile(value: Any, where: str) -> list[str]:

@@ -18,7 +18,7 @@ def unpublish_failed(store, manifest: dict) -> None:
 
     for target, result in manifest["targets"].items():
         if not result["ok"]:
-            store.remove_named(f"{manifest['name']}/{target}.pte")
+            remove_program(store, manifest["name"], target)
             store.remove_named(plan_image_name(manifest["name"], target))
 
 
@@ -49,8 +49,14 @@ def keep_published(store, manifest: dict) -> None:
         if same_model and record.get("ok"):
             manifest["targets"][target] = {**record, "kept_from": record.get("kept_from") or previous.get("flow_run")}
         else:
-            store.remove_named(f"{manifest['name']}/{target}.pte")
+            remove_program(store, manifest["name"], target)
             store.remove_named(plan_image_name(manifest["name"], target))
+
+
+def remove_program(store, name: str, target: str) -> None:
+    """Remove a target's published program: its ``.pte`` and the ``.ptd`` it may need."""
+    store.remove_named(f"{name}/{target}.pte")
+    store.remove_named(f"{name}/{target}.ptd")
 
 
 def changed_since_last(store, manifest: dict) -> list[str] | None:

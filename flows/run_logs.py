@@ -47,6 +47,16 @@ class StageFinishedToDebug(logging.Filter):
 FLOW_RUN_LOGGER = "prefect.flow_runs"
 
 
+#: Prefect's records that repeat, for a failure lowerflow explains, what lowerflow's own
+#: line says (the flow engine's, the engine's, a failed run's result write).
+REPEATS = ("Encountered exception during execution", "Engine execution exited with unexpected exception")
+#: What Prefect logs when a failed run's exception could not be stored as its result
+#: (the store or Redis down): the failure itself is lowerflow's line.
+FAILED_RESULT_WRITE = "Failed to write result"
+#: lowerflow's flows (their failures are explained by their own lines).
+OWN_FLOWS = ("lower-model", "lower-fleet")
+
+
 class ExplainedTracebackToDebug(logging.Filter):
     """An ERROR record of a failure lowerflow already explains in one line keeps its line
     and loses its traceback, which goes to a DEBUG copy of the record instead::
@@ -62,10 +72,16 @@ class ExplainedTracebackToDebug(logging.Filter):
     ERROR records of an outage go to DEBUG whole: the model says it once, in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        logger = logging.getLogger(record.name)
+        if _failed_result_write(record):
+            return _to_debug(record, logger)
         if record.levelno < logging.ERROR:
             return True
         exc = record.exc_info[1] if record.exc_info else None
-        logger = logging.getLogger(record.name)
+        if exc is not None and getattr(exc, "logged", False) and _message(record).startswith(REPEATS):
+            return _to_debug(record, logger)  # lowerflow's line said it: Prefect's repeat, traceback and all
+        if exc is not None and getattr(exc, "explained", False) and _message(record).startswith(REPEATS[1]):
+            return _to_debug(record, logger)  # the flow engine's line said it already
         if record.name == TASK_RUN_LOGGER and _outage(str(exc) if exc is not None else _message(record)):
             record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
             return logger.isEnabledFor(logging.DEBUG)
@@ -76,6 +92,45 @@ class ExplainedTracebackToDebug(logging.Filter):
             copy.levelno, copy.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
             logger.handle(copy)
         record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _to_debug(record: logging.LogRecord, logger: logging.Logger) -> bool:
+    """The record at DEBUG (dropped unless its logger is enabled for DEBUG)."""
+    record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+    return logger.isEnabledFor(logging.DEBUG)
+
+
+def _failed_result_write(record: logging.LogRecord) -> bool:
+    """Prefect's "Failed to write result" for a failed run of lowerflow's (a stage task,
+    or a model's or fleet's flow run): the exception's record was not stored, which
+    nothing of lowerflow reads (a failed stage is never a cache hit)."""
+    if not isinstance(record.msg, str) or not record.msg.startswith(FAILED_RESULT_WRITE):
+        return False
+    return getattr(record, "task_name", None) in STAGE_VERSIONS or getattr(record, "flow_name", None) in OWN_FLOWS
+
+
+class HandledFailureOffConsole(logging.Filter):
+    """On a worker's console (Prefect's console handler), a failed model is lowerflow's one
+    line: Prefect's records of the same failure stay in the API (the UI's log tab) only::
+
+        before  ERROR Task run failed with exception: RuntimeError('sensor offline') … Traceback …
+                ERROR Finished in state Failed('Task run encountered an exception RuntimeError: …')
+                ERROR sensor/portable,reference FAILED verify: RuntimeError: sensor offline
+                INFO  Finished in state Failed('Flow run encountered an exception: ModelLoweringFailed: …')
+        after   ERROR sensor/portable,reference FAILED verify: RuntimeError: sensor offline
+
+    Off the console: a stage task's records at WARNING and above (the model's line names
+    the stage and the error), and the ``Finished in state Failed`` line of a run of
+    lowerflow's flows (the run's state; its own lines said why)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == TASK_RUN_LOGGER and record.levelno >= logging.WARNING \
+                and getattr(record, "task_name", None) in STAGE_VERSIONS:
+            return False
+        if record.name == FLOW_RUN_LOGGER and getattr(record, "flow_name", None) in OWN_FLOWS \
+                and isinstance(record.msg, str) and record.msg.startswith(FINISHED + "Failed"):
+            return False
         return True
 
 
@@ -93,13 +148,21 @@ def _message(record: logging.LogRecord) -> str:
 
 
 def install() -> None:
-    """Put the filters on Prefect's run loggers (once; Prefect's logging setup keeps them)."""
+    """Put the filters on Prefect's run loggers and its console handlers (once; Prefect's
+    logging setup keeps them)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
     for name, filters in ((TASK_RUN_LOGGER, (StageFinishedToDebug, ExplainedTracebackToDebug)),
                           (FLOW_RUN_LOGGER, (ExplainedTracebackToDebug,))):
         logger = logging.getLogger(name)
         for kind in filters:
             if not any(isinstance(f, kind) for f in logger.filters):
                 logger.addFilter(kind())
+    handlers = [h for name in ("", "prefect", TASK_RUN_LOGGER, FLOW_RUN_LOGGER) for h in logging.getLogger(name).handlers]
+    for handler in handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, HandledFailureOffConsole) for f in handler.filters):
+            handler.addFilter(HandledFailureOffConsole())
 
 
 def target_line(name: str, target: str, result: Mapping[str, Any]) -> str:
@@ -125,6 +188,18 @@ def target_line(name: str, target: str, result: Mapping[str, Any]) -> str:
     if result.get("ok"):
         return f"{name}/{target} ok {seconds:.2f} s: {stages}"
     return f"{name}/{target} FAILED {result.get('error')} | {seconds:.2f} s: {stages}"
+
+
+def failure_lines(name: str, manifest: Mapping[str, Any]) -> list[str]:
+    """A failed model's lines, one per cause: ``"<name>/<targets> FAILED <error>"``, the
+    targets that failed alike (or all, for the model's own ``error``) joined by commas."""
+    if manifest.get("error"):
+        return [f"{name}/{','.join(manifest.get('targets') or {})} FAILED {manifest['error']}"]
+    causes: dict[str, list[str]] = {}
+    for target, result in (manifest.get("targets") or {}).items():
+        if not result.get("ok"):
+            causes.setdefault(str(result.get("error")), []).append(target)
+    return [f"{name}/{','.join(targets)} FAILED {error}" for error, targets in causes.items()]
 
 
 def _label(record: Mapping[str, Any]) -> str:

@@ -143,6 +143,9 @@ def serve(path: str, extra: list[str] = ()) -> None:
     import importlib
     import select
 
+    from flows.console import quiet_libraries
+
+    quiet_libraries()  # before torch: its children's consoles are lowerflow's lines (and Prefect's)
     import torch
 
     from flows.source_watch import SourceWatch

@@ -68,6 +68,19 @@ class DelegationSpec:
         object.__setattr__(self, "compile_specs", tuple(self.compile_specs))
 
 
+#: The compile spec that asks a backend for external weights: its named data go to the
+#: program's ``.ptd`` under stable keys (the weight's name and role, never its bytes), so
+#: a retrain of the same program binds to the same keys (:mod:`lowering.external`).
+EXTERNAL_WEIGHTS_SPEC = CompileSpec("external_weights", b"\x01")
+
+
+def with_external_weights(spec: DelegationSpec) -> DelegationSpec:
+    """``spec`` with :data:`EXTERNAL_WEIGHTS_SPEC` (once)."""
+    if any(s.key == EXTERNAL_WEIGHTS_SPEC.key for s in spec.compile_specs):
+        return spec
+    return DelegationSpec(spec.backend_id, tuple(spec.compile_specs) + (EXTERNAL_WEIGHTS_SPEC,))
+
+
 def named_data_key(data: bytes) -> str:
     """The key ExecuTorch's backends give a blob of named data: its sha256 hex digest."""
     return hashlib.sha256(data).hexdigest()
@@ -193,9 +206,11 @@ __all__ = [
     "BackendDetails",
     "CompileSpec",
     "DelegationSpec",
+    "EXTERNAL_WEIGHTS_SPEC",
     "PreprocessResult",
     "UnknownBackendError",
     "canonical_backend_id",
     "find_backend",
     "named_data_key",
+    "with_external_weights",
 ]

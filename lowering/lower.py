@@ -29,6 +29,7 @@ from .control_flow_graph import iter_scopes
 from .errors import LoweringError
 from .export import export, to_edge
 from .memory_plan.plan import MemoryPlan, memory_plan
+from .partition import external_weights_partitioner
 from .stock_ops.table import runtime_profile, stock_decomposition
 
 #: The stages ``LowerResult.timings`` reports, in order.
@@ -44,6 +45,8 @@ class LowerResult:
     memory_plan: MemoryPlan
     exported_program: ExportedProgram
     timings: dict[str, float] = field(default_factory=dict)
+    #: The ``.ptd`` the ``.pte`` binds its weights from (``external_weights=True``), else None.
+    ptd: bytes | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -67,6 +70,7 @@ def lower(
     calibration: Any = None,
     runtime_ops: Any = None,
     strict: bool = False,
+    external_weights: bool = False,
 ) -> "LowerResult | MethodsLowerResult":
     """Lower a module or an exported program to an ExecuTorch ``.pte``.
 
@@ -89,6 +93,9 @@ def lower(
     ``"llm"``, ``"fused"``; None: all of them); an operator outside it fails the lowering
     with :class:`~lowering.errors.MissingOperatorError` before any bytes are written.
     ``strict``: torch.export's strict mode (see :func:`lowering.export.export`).
+    ``external_weights``: the weights go to ``LowerResult.ptd`` (ExecuTorch's ``.ptd``),
+    the ``.pte`` keeps the program only (:mod:`lowering.external`): a retrain of the same
+    model gives the same ``.pte`` bytes and a new ``.ptd``.
     """
     runtime_profile(runtime_ops)  # a bad name fails before any work
     if share_mutable_buffers and not isinstance(model_or_exported_program, Mapping):
@@ -100,7 +107,9 @@ def lower(
             raise LoweringError("lower: dynamic_shapes go inside the methods dict, a third element per method")
         return lower_methods(model_or_exported_program, partitioner=partitioner,
                              share_mutable_buffers=share_mutable_buffers, quantize=quantize,
-                             calibration=calibration, runtime_ops=runtime_ops, strict=strict)
+                             calibration=calibration, runtime_ops=runtime_ops, strict=strict,
+                             external_weights=external_weights)
+    partitioner = external_weights_partitioner(partitioner, external_weights)
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict)
@@ -108,11 +117,13 @@ def lower(
         _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
     program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
     program, plan = _delegate_and_plan(program, partitioner, timings)
-    from .emit.method import emit_program
+    from .emit.method import build_pte
+    from .external import program_files
 
     with _timed(timings, "emit"):
-        pte = emit_program(program, plan, runtime_ops=runtime_ops)
-    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings)
+        pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights),
+                                 external_weights)
+    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd)
 
 
 def _quantize(program: ExportedProgram, recipe: Any, calibration: Any, timings: dict[str, float],
@@ -159,6 +170,8 @@ class MethodsLowerResult:
     memory_plans: dict[str, MemoryPlan]
     exported_programs: dict[str, ExportedProgram]
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: The ``.ptd`` of every method's weights (``external_weights=True``), else None.
+    ptd: bytes | None = None
 
     @property
     def method_names(self) -> list[str]:
@@ -168,6 +181,7 @@ class MethodsLowerResult:
 def lower_methods(
     methods: Mapping[str, Any], *, partitioner: Any = None, share_mutable_buffers: bool = False,
     quantize: Any = None, calibration: Any = None, runtime_ops: Any = None, strict: bool = False,
+    external_weights: bool = False,
 ) -> MethodsLowerResult:
     """Lower several methods into one ``.pte``.
 
@@ -191,17 +205,19 @@ def lower_methods(
 
     ``quantize``: one recipe for every method; ``calibration``: a dict
     ``{method name: batches}`` (int8 needs one entry per method).  ``runtime_ops``: as
-    in :func:`lower`, for every method.
+    in :func:`lower`, for every method; ``external_weights`` as in :func:`lower` (one
+    ``.ptd`` for every method: a weight two methods share is stored once).
 
     A method whose value is a plain int, float, bool, str or a list of them is a
     *constant method* (no inputs; returns the value), as ExecuTorch's
     ``constant_methods``: ``{"forward": (m, (x,)), "get_max_seq_len": 128}``
     (:func:`lowering.methods.constant_methods`).
     """
+    from .external import program_files
     from .methods import (
+        build_methods_pte,
         check_no_shared_state,
         check_shared_state_names,
-        emit_methods,
         mark_shared_state,
         method_entries,
         mutated_buffers,
@@ -211,6 +227,7 @@ def lower_methods(
     )
 
     runtime_profile(runtime_ops)
+    partitioner = external_weights_partitioner(partitioner, external_weights)
     methods, constants = split_constant_methods(methods, "lower")
     entries = method_entries(methods, "lower")
     programs: dict[str, ExportedProgram] = {}
@@ -243,11 +260,12 @@ def lower_methods(
             plans[name] = memory_plan(programs[name], shared_state=states[name] if states else None)
     emit_seconds: dict[str, float] = {}
     with _timed(emit_seconds, "emit"):
-        pte = emit_methods({name: (programs[name], plans[name]) for name in entries}, constants,
-                           runtime_ops=runtime_ops)
+        pte, ptd = program_files(build_methods_pte({name: (programs[name], plans[name]) for name in entries},
+                                                   constants, runtime_ops=runtime_ops,
+                                                   external_weights=external_weights), external_weights)
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
-    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings)
+    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings, ptd=ptd)
 
 
 def _edge_program(

@@ -92,7 +92,8 @@ def split_constant_methods(methods: Any, where: str = "methods") -> tuple[Any, d
 
 
 def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]],
-                      constants: Mapping[str, Any] | None = None, *, runtime_ops: Any = None) -> PteData:
+                      constants: Mapping[str, Any] | None = None, *, runtime_ops: Any = None,
+                      external_weights: bool = False) -> PteData:
     """Emit each method alone, then :func:`merge_methods` (in name order), then the
     constant methods (in name order)."""
     from .emit.constant_method import constant_plan
@@ -105,7 +106,8 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]],
         check_method_name(name)
         program, plan = methods[name]
         try:
-            built.append((name, build_pte(program, plan, runtime_ops=runtime_ops)))
+            built.append((name, build_pte(program, plan, runtime_ops=runtime_ops,
+                                          external_weights=external_weights)))
         except EmitError as exc:
             raise type(exc)(f"method {name!r}: {exc}") from exc
     merged = merge_methods(built)
@@ -141,6 +143,7 @@ def merge_methods(methods: list[tuple[str, PteData]]) -> PteData:
         mutable_data=pool.mutable_data if len(pool.mutable_data) > 1 else [],
         delegate_data=pool.payloads,
         named_data=pool.named_data,
+        external=pool.external,
     )
 
 
@@ -155,6 +158,7 @@ class _DataPool:
         self.payloads: list[bytes] = []
         self._payload_index: dict[bytes, int] = {}
         self.named_data: dict[str, bytes] = {}
+        self.external: dict = {}
         self._named_by: dict[str, str] = {}
 
     def add_method(self, name: str, plan: schema.ExecutionPlanT, pte: PteData) -> None:
@@ -176,6 +180,12 @@ class _DataPool:
             if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise EmitError(f"method {name!r}: named data key {key!r} is already used by method "
                                 f"{self._named_by[key]!r} for different bytes")
+            self._named_by.setdefault(key, name)
+        for key, entry in pte.external.items():  # external weights: one .ptd for every method
+            known = self.external.setdefault(key, entry)
+            if known.layout != entry.layout or not same_blob(known.data, entry.data):
+                raise EmitError(f"method {name!r}: external weight {key!r} is already used by method "
+                                f"{self._named_by[key]!r} for different bytes or layout")
             self._named_by.setdefault(key, name)
 
     def _constant(self, data: bytes) -> int:

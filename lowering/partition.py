@@ -45,6 +45,7 @@ from .delegation import (  # re-exported here
     CompileSpec,
     DelegationSpec,
     find_backend,
+    with_external_weights,
 )
 from .errors import PartitionError
 
@@ -96,6 +97,32 @@ class ChainPartitioner(Partitioner):
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
                              "which delegates with each of its partitioners in turn")
+
+
+class ExternalWeightsPartitioner(Partitioner):
+    """Another partitioner's partitions, each asking its backend for external weights
+    (:data:`lowering.delegation.EXTERNAL_WEIGHTS_SPEC` added to its compile specs)."""
+
+    def __init__(self, inner: Partitioner) -> None:
+        self.inner = inner
+        self.fused_ops = tuple(getattr(inner, "fused_ops", ()))
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        result = self.inner.partition(exported_program)
+        tags = {tag: with_external_weights(spec) for tag, spec in result.partition_tags.items()}
+        return PartitionResult(result.tagged_exported_program, tags)
+
+    def __getattr__(self, name: str):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # the inner partitioner's options and reasons
+
+
+def external_weights_partitioner(partitioner: "Partitioner | None", on: bool) -> "Partitioner | None":
+    """``partitioner`` whose backends store weights externally when ``on`` (itself otherwise)."""
+    if not on or partitioner is None or isinstance(partitioner, ExternalWeightsPartitioner):
+        return partitioner
+    return ExternalWeightsPartitioner(partitioner)
 
 
 class _AllowlistSupport(OperatorSupportBase):

@@ -22,7 +22,15 @@ from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
 from .runtime import load
-from .verify_executorch import Pte, batch_outputs, executorch_runner, program_operators
+from .verify_executorch import (
+    Pte,
+    batch_outputs,
+    data_bytes,
+    data_of,
+    executorch_runner,
+    program_operators,
+    with_data,
+)
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +359,8 @@ def verify_methods(
 
 def _verify_constant(pte: Pte, name: str, value: Any) -> VerifyReport:
     """The constant method ``name`` returns ``value`` (a list: its items) on lowerflow's runtime."""
-    got = [v.item() if isinstance(v, torch.Tensor) else v for v in load(_LoadedOnce(pte).bytes()).run(name, [])]
+    got = [v.item() if isinstance(v, torch.Tensor) else v
+           for v in load(_LoadedOnce(pte).bytes(), data_bytes(pte)).run(name, [])]
     ok = got == (list(value) if isinstance(value, (list, tuple)) else [value])
     return VerifyReport([RuntimeCheck("lowerflow", ok, error=None if ok else f"{name} is {got}, expected {value!r}")])
 
@@ -443,7 +452,7 @@ def round_robin(methods: dict[str, tuple[Any, Sequence[Any]]], rounds: int = 2) 
 
 
 def _run_lowerflow_sequence(pte: bytes, names: list[str], calls: list) -> list[list[torch.Tensor]]:
-    program = load(pte)
+    program = load(pte, data_bytes(pte))
     for name in names:
         program.method(name)
     return [program.run(name, inputs) for name, inputs in calls]
@@ -512,7 +521,7 @@ def _missing_lowerflow_runtimes(backend_ids: list[str]) -> list[str]:
 
 
 def _run_lowerflow(pte: bytes, inputs: list, calls: int, method_name: str = "forward") -> list[list[torch.Tensor]]:
-    method = load(pte).method(method_name)
+    method = load(pte, data_bytes(pte)).method(method_name)
     return [method.execute(inputs) for _ in range(calls)]
 
 
@@ -527,5 +536,5 @@ class _LoadedOnce:
     def bytes(self) -> bytes:
         if self._bytes is None:
             with open(self.pte, "rb") as f:
-                self._bytes = f.read()
+                self._bytes = with_data(f.read(), data_of(self.pte))
         return self._bytes

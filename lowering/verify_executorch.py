@@ -36,8 +36,60 @@ from .stock_ops.table import LIBRARIES, needed_sets, stock_table
 
 log = logging.getLogger("lowering.verify")
 
-#: A program to run: its bytes, or the path of its ``.pte`` file.
+#: A program to run: its bytes, or the path of its ``.pte`` file (either one carrying its
+#: ``.ptd`` when its weights are external: :func:`with_data`).
 Pte = Union[bytes, str, os.PathLike]
+
+
+class _BytesWithData(bytes):
+    """A ``.pte``'s bytes that carry the ``.ptd`` (``data``: bytes or a path) they bind."""
+
+    data: Any = None
+
+
+class _PathWithData(str):
+    """A ``.pte`` file's path that carries the ``.ptd`` (``data``: bytes or a path) it binds."""
+
+    data: Any = None
+
+
+def with_data(pte: "Pte", data: "bytes | str | os.PathLike | None") -> "Pte":
+    """``pte`` (bytes or path) together with its external data (a ``.ptd``'s bytes or path):
+    every runtime verify runs binds the program's external weights from it.  Everything
+    that reads the program alone (its table, its size) sees ``pte`` as it was."""
+    if data is None:
+        return pte
+    pair = _BytesWithData(pte) if isinstance(pte, (bytes, bytearray, memoryview)) else _PathWithData(os.fspath(pte))
+    pair.data = data if isinstance(data, (bytes, bytearray)) else os.fspath(data)
+    return pair
+
+
+def data_of(pte: "Pte") -> "bytes | str | None":
+    """The external data (``.ptd`` bytes or path) ``pte`` carries, None if it has none."""
+    return getattr(pte, "data", None)
+
+
+def data_bytes(pte: "Pte") -> bytes | None:
+    """The ``.ptd`` bytes ``pte`` carries (read from its file if a path), None if none."""
+    data = data_of(pte)
+    if data is None or isinstance(data, (bytes, bytearray)):
+        return data
+    with open(data, "rb") as f:
+        return f.read()
+
+
+@contextlib.contextmanager
+def _data_path(pte: "Pte"):
+    """The path of ``pte``'s ``.ptd`` (bytes written to a temporary file), None without one."""
+    data = data_of(pte)
+    if data is None or not isinstance(data, (bytes, bytearray)):
+        yield data
+        return
+    with tempfile.TemporaryDirectory(prefix="lowerflow-ptd-") as tmp:
+        path = os.path.join(tmp, "data.ptd")
+        with open(path, "wb") as f:
+            f.write(data)
+        yield path
 
 #: ExecuTorch's Python runtime deadlocks when two threads execute methods at once
 #: (seen with two models verified concurrently in a fleet): one call at a time.
@@ -52,9 +104,10 @@ for module in request["modules"]:
     importlib.import_module(module)
 runtime = importlib.import_module("executorch.runtime").Runtime.get()
 results = []
-for path, names, calls in request["jobs"]:
+for path, data, names, calls in request["jobs"]:
     try:
-        program = runtime.load_program(path)  # a path: the runtime maps the file, nothing is copied
+        # a path: the runtime maps the file, nothing is copied; data: the .ptd it binds
+        program = runtime.load_program(path, data_path=data) if data else runtime.load_program(path)
         for name in names:
             if name not in program.method_names:
                 raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
@@ -96,6 +149,10 @@ class ExecutorchRunner:
         for it alone (fresh state); a program that needs the "llm" set runs them all in
         one fresh interpreter.  Per job: its outputs, or the exception it raised.
         ``pte``: the program's bytes, or its file's path (loaded from the file, memory-mapped)."""
+        try:  # before the runtime sees it: a missing or wrong .ptd crashes the stock runtime
+            _check_data(pte)
+        except Exception as exc:
+            return [exc] * len(jobs)
         sets = needed_sets(program_operators(pte))
         if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
             return run_in_fresh_interpreter(pte, jobs, sets)
@@ -111,7 +168,10 @@ class ExecutorchRunner:
         with _EXECUTORCH_LOCK, native_output_to_log():
             for name in sorted(sets):
                 _load_library(name)
-            program = self.runtime_module.Runtime.get().load_program(pte if isinstance(pte, bytes) else str(pte))
+            with _data_path(pte) as data:
+                source = bytes(pte) if isinstance(pte, bytes) else str(pte)
+                runtime = self.runtime_module.Runtime.get()
+                program = runtime.load_program(source, data_path=data) if data else runtime.load_program(source)
             for name in names:
                 if name not in program.method_names:
                     raise KeyError(f"program has no method {name!r}; methods: {sorted(program.method_names)}")
@@ -170,18 +230,19 @@ def run_programs_in_fresh_interpreter(jobs: list[tuple["Pte", list[str], list]],
     modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
     with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
         paths: dict[Any, str] = {}
-        for pte, _, _ in jobs:
-            if pte in paths:
+        for item in [pte for pte, _, _ in jobs] + [data_of(pte) for pte, _, _ in jobs]:
+            if item is None or _file_key(item) in paths:
                 continue
-            if isinstance(pte, bytes):
-                paths[pte] = os.path.join(tmp, f"program{len(paths)}.pte")
-                with open(paths[pte], "wb") as f:
-                    f.write(pte)
+            if isinstance(item, (bytes, bytearray)):
+                paths[_file_key(item)] = os.path.join(tmp, f"file{len(paths)}")
+                with open(paths[_file_key(item)], "wb") as f:
+                    f.write(item)
             else:
-                paths[pte] = os.fspath(pte)
+                paths[_file_key(item)] = os.fspath(item)
         request, outputs = os.path.join(tmp, "request.pt"), os.path.join(tmp, "outputs.pt")
         torch.save({"modules": modules,
-                    "jobs": [(paths[pte], list(names), [(name, list(inputs)) for name, inputs in calls])
+                    "jobs": [(paths[_file_key(pte)], paths.get(_file_key(data_of(pte))), list(names),
+                              [(name, list(inputs)) for name, inputs in calls])
                              for pte, names, calls in jobs]}, request)
         done = subprocess.run([sys.executable, "-c", _CHILD, request, outputs],
                               capture_output=True, text=True, timeout=900)
@@ -193,6 +254,22 @@ def run_programs_in_fresh_interpreter(jobs: list[tuple["Pte", list[str], list]],
             return [failed] * len(jobs)
         results = torch.load(outputs, weights_only=True)  # tensors, numbers, strings: nothing to unpickle
         return [RuntimeError(r["error"]) if isinstance(r, dict) else r for r in results]
+
+
+def _check_data(pte: "Pte") -> None:
+    """:func:`lowering.external.check_pair` of the program and the data it carries (a program
+    that needs none and carries none costs a read of its table)."""
+    from .external import check_pair
+
+    data = data_of(pte)
+    check_pair(pte, data, pte_name="the program", ptd_name="its .ptd")
+
+
+def _file_key(item: Any) -> Any:
+    """A dict key of a program's or data's bytes or path (plain bytes / str: carried data aside)."""
+    if item is None:
+        return None
+    return ("bytes", bytes(item)) if isinstance(item, (bytes, bytearray)) else ("path", os.fspath(item))
 
 
 def batch_outputs(result: "list | Exception") -> list:

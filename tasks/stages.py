@@ -39,13 +39,15 @@ from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
 from lowering.delegate import executorch_call_delegate
-from lowering.emit import emit_program
+from lowering.emit.method import build_pte
+from lowering.external import program_files
 from lowering.lowered_module import LoweredBackendModule, preprocess
 from lowering.memory_plan import MemoryPlan, memory_plan
-from lowering.methods import emit_methods, mark_shared_state, mutated_buffers, plan_method_state
+from lowering.methods import build_methods_pte, mark_shared_state, mutated_buffers, plan_method_state
 from lowering.partition import (
     CompileSpec,
     apply_partition_tags,
+    external_weights_partitioner,
     partition,
     partition_tags_of,
 )
@@ -56,6 +58,7 @@ from lowering.subprogram import create_exported_program_from_submodule
 from lowering.targets import partitioner_for
 from lowering.to_backend import lower_control_flow_submodules, submodule_lowered_modules, to_backend
 from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
+from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
@@ -194,17 +197,19 @@ def fused_ops_key(target: str, options: dict) -> str | None:
 
 def run_partition(
     store: ArtifactStore, program: ArtifactRef, target: str, options: dict, fused_ops: str | None = None,
-    shared_state: list[str] | None = None,
+    shared_state: list[str] | None = None, external_weights: bool | None = None,
 ) -> dict:
     """Stage 2: the tagged program and its tags (node name -> tag), stored apart.
 
     ``fused_ops`` is :func:`fused_ops_key` of the target, computed by the caller
     (it is part of the cache key); a stale value is an error, never a wrong hit.
     ``shared_state``: buffers another method writes, never constant data here
-    (in the key only when given).
+    (in the key only when given).  ``external_weights``: every partition asks its backend for
+    external weights (:func:`lowering.partition.external_weights_partitioner`; in the key only
+    when given).
     """
     _begin("partition")
-    partitioner = partitioner_for(target, options)
+    partitioner = external_weights_partitioner(partitioner_for(target, options), bool(external_weights))
     if fused_ops is not None and fused_ops != fused_ops_digest(fused_ops_of(partitioner)):
         raise RuntimeError(
             f"target {target!r}: the fused ops of its partitioner changed while the flow ran "
@@ -366,7 +371,8 @@ def run_adjust(store: ArtifactStore, tagged: dict, plan: ArtifactRef, partitions
     return {"program": put_program(store, delegated), "delegated_nodes": delegated_nodes}
 
 
-def run_lower_control_flow(store: ArtifactStore, program: ArtifactRef, target: str, options: dict) -> dict:
+def run_lower_control_flow(store: ArtifactStore, program: ArtifactRef, target: str, options: dict,
+                           external_weights: bool | None = None) -> dict:
     """Stages 2-6 inside every cond branch and map body of the (top-level delegated) program.
 
     The target's partitioner runs on each branch / body as a program of its own
@@ -376,7 +382,7 @@ def run_lower_control_flow(store: ArtifactStore, program: ArtifactRef, target: s
     """
     _begin("lower_control_flow")
     delegated = copy_program(get_program(store, program))
-    partitioner = partitioner_for(target, options)
+    partitioner = external_weights_partitioner(partitioner_for(target, options), bool(external_weights))
     lower_control_flow_submodules(delegated, lambda sub: to_backend(sub, partitioner))
     lowered = submodule_lowered_modules(delegated.graph_module)
     return {
@@ -420,31 +426,42 @@ def get_memory_plan(store: ArtifactStore, ref: ArtifactRef) -> MemoryPlan:
 
 
 def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
-             runtime_ops: list[str] | None = None) -> dict:
+             runtime_ops: list[str] | None = None, external_weights: bool | None = None) -> dict:
     """Stage 8: the .pte bytes.  ``runtime_ops``: the runtime profile every operator must
     be in (:func:`lowering.stock_ops.runtime_profile`; None: the default, and the key
-    leaves it out: :data:`STAGE_OPTIONAL`)."""
+    leaves it out: :data:`STAGE_OPTIONAL`).  ``external_weights``: the weights go to a
+    ``.ptd`` (``"ptd"`` in the result; :mod:`lowering.external`)."""
     _begin("emit")
-    pte = emit_program(get_program(store, program), get_memory_plan(store, plan), runtime_ops=runtime_ops)
-    return {"pte": put_pte(store, pte)}
+    built = build_pte(get_program(store, program), get_memory_plan(store, plan), runtime_ops=runtime_ops,
+                      external_weights=bool(external_weights))
+    return _emitted(store, built, bool(external_weights))
+
+
+def _emitted(store: ArtifactStore, built, external_weights: bool) -> dict:
+    """Store an emitted program: ``{"pte": ref}``, and ``"ptd"`` with external weights."""
+    pte, ptd = program_files(built, external_weights)
+    result = {"pte": put_pte(store, pte)}
+    if ptd is not None:
+        result["ptd"] = store.put_bytes(ptd, "ptd")
+    return result
 
 
 def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None = None,
-                     runtime_ops: list[str] | None = None) -> dict:
+                     runtime_ops: list[str] | None = None, external_weights: bool | None = None) -> dict:
     """Stage 8 of a model of several methods: ONE .pte holding every method.
 
     ``methods``: ``{name: {"program": ref, "plan": ref}}`` (the key covers the
     method set: names, programs and plans).  Methods are written in name order;
     shared weights and equal delegate payloads are stored once (lowering.methods).
     ``constants``: the constant methods ``{name: value}`` (an hf: model's metadata).
-    ``runtime_ops``: as :func:`run_emit`'s.
+    ``runtime_ops``, ``external_weights``: as :func:`run_emit`'s (one ``.ptd`` for every method).
     """
     _begin("emit_methods")
-    pte = emit_methods({
+    built = build_methods_pte({
         name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
         for name, entry in methods.items()
-    }, constants, runtime_ops=runtime_ops)
-    return {"pte": put_pte(store, pte)}
+    }, constants, runtime_ops=runtime_ops, external_weights=bool(external_weights))
+    return _emitted(store, built, bool(external_weights))
 
 
 def release_live() -> None:
@@ -458,7 +475,7 @@ def release_live() -> None:
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
-               tolerance: float | None = None) -> dict:
+               ptd: ArtifactRef | None = None, tolerance: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
@@ -467,9 +484,11 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded with (its ``version`` and ``dynamic_shapes``), to load it again in another process.
     ``mode``: None runs the full check (lowering.verify.verify), ``"quick"`` the quick one
     (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
+    The runtimes read the program from the store's file where the store is a local directory.
+    ``ptd``: the program's external weights; both runtimes run the pair, checked first
+    (:func:`lowering.external.check_pair`; in the key only when given).
     ``tolerance``: atol and rtol of a reduced-precision backend (:func:`lowering.targets.verify_tolerance`;
-    None: the fp32 default, and the key leaves it out).
-    The runtimes read the program from the store's file where the store is a local directory."""
+    None: the fp32 default, and the key leaves it out)."""
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
@@ -480,7 +499,7 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     quantized = {}
     if reference is not None:
         quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
-    program = store.local_object_path(pte) or store.get_bytes(pte)
+    program = _program_file(store, pte, ptd)
     tolerances = {"atol": tolerance, "rtol": tolerance} if tolerance is not None else {}
     if mode == "quick":
         report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized, **tolerances)
@@ -491,7 +510,8 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
 
 
 def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str,
-                        options: dict | None = None, references: dict | None = None) -> dict:
+                        options: dict | None = None, references: dict | None = None,
+                        ptd: ArtifactRef | None = None) -> dict:
     """The check of state shared across methods: every method in program order, twice,
     on one loaded program against the eager modules (sharing their state) run the
     same way (lowering.verify.verify_call_sequence).  ``fingerprint``: the model's.
@@ -502,8 +522,16 @@ def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fing
     loaded = live_model(model, fingerprint, options)
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
     quantized = {m: get_program(store, ref) for m, ref in references.items()} if references else None
-    return verify_call_sequence(store.local_object_path(pte) or store.get_bytes(pte), methods,
-                                references=quantized).to_dict()
+    return verify_call_sequence(_program_file(store, pte, ptd), methods, references=quantized).to_dict()
+
+
+def _program_file(store: ArtifactStore, pte: ArtifactRef, ptd: ArtifactRef | None):
+    """The program for verify: the store's file where it is local (else its bytes), with its
+    ``.ptd`` (:func:`lowering.verify_executorch.with_data`) when its weights are external."""
+    program = store.local_object_path(pte) or store.get_bytes(pte)
+    if ptd is None:
+        return program
+    return with_data(program, store.local_object_path(ptd) or store.get_bytes(ptd))
 
 
 # --------------------------------------------------------------------------- Prefect tasks
@@ -561,9 +589,10 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
-    "emit": ("runtime_ops",), "emit_methods": ("runtime_ops",), "partition": ("shared_state",),
-    "verify": ("mode", "tolerance"), "preprocess": ("versions",),
-    "verify_sequence": ("references",),
+    "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
+    "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
+    "verify_sequence": ("references", "ptd"),
 }
 
 

@@ -191,7 +191,7 @@ def test_console_script_is_declared():
 def test_fleet_progress_prints_a_line_per_finished_model():
     import logging
 
-    from flows.cli import FleetProgress
+    from flows.fleet_progress import FleetProgress
 
     lines: list[str] = []
     progress = FleetProgress({"mlp": {"portable", "reference"}, "cnn": {"portable"}}, lines.append)

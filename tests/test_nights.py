@@ -15,6 +15,7 @@ is tests/test_deployment.py's; server.sh and the systemd units are tests/test_se
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -42,6 +43,7 @@ def readme_commands() -> list[list[str]]:
                 tokens = shlex.split(line, comments=True)
             except ValueError as exc:
                 pytest.fail(f"deployments/README.md: cannot parse {line!r}: {exc}")
+            tokens = [t for t in tokens if not re.match(r"\d*[<>]", t)]  # redirections (>log, 2>&1)
             command: list[str] = []
             for token in [*tokens, ";"]:
                 if token in ("&&", ";", "|", "&", "||", "do", "done", "then", "fi") or token.endswith(";"):
@@ -118,7 +120,9 @@ def test_bucket_created_as_the_readme_says(s3_endpoint):
     from tests.conftest import S3_KEY, S3_SECRET
 
     text = README.read_text()
-    [line] = [l for l in text.splitlines() if "S3FileSystem().mkdir(" in l]
+    lines = [l.strip() for l in text.splitlines() if "S3FileSystem().mkdir(" in l]
+    assert len(set(lines)) == 1, lines  # step 3's, and the single-host trial's (the same)
+    line = lines[0]
     create = shlex.split(line, comments=True)
     assert create[0] == "python3"
     bucket = re.search(r'mkdir\("([^"]+)"\)', line).group(1)
@@ -177,3 +181,193 @@ def test_automation_options_are_checked_first():
         automations.notification_block_id(None, None, "just-a-name")
     with pytest.raises(automations.AutomationError, match="not an http"):
         automations.notification_block_id(None, "ftp://x", None)
+
+
+# --------------------------------------------------------------------------- what a night says (issue 31)
+
+
+def _failed(error: str | None = None, targets: dict | None = None) -> dict:
+    return {"error": error, "targets": targets or {}} if error else {"targets": targets or {}}
+
+
+def test_a_failed_fleet_says_one_cause_once_with_the_models_it_hit():
+    from flows.nights import failure_message
+
+    redis = ("cannot reach the stage locks' Redis redis://:***@127.0.0.1:6399/0: ConnectionError: Error 111; "
+             "check that it is up and reachable (LOWERFLOW_LOCKS, or locks: in the manifest), then run again")
+    summary = {"models": {"mlp": _failed(redis), "cnn": _failed(redis), "ok": {"targets": {}}},
+               "failed": ["mlp", "cnn"]}
+    assert failure_message(summary) == f"2 of 3 models failed: mlp, cnn; {redis}"
+    # The fleet's own fleet.json write failing the same way is not said twice; another cause is.
+    assert failure_message({**summary, "store_error": redis}).count(redis) == 1
+    assert failure_message({**summary, "store_error": "cannot write fleet.json"}).endswith(
+        " | mlp, cnn: " + redis + " | fleet.json: cannot write fleet.json")
+
+
+def test_a_failed_fleet_names_its_first_causes_each_with_its_models():
+    from flows.nights import MAX_CAUSES, failure_message
+
+    verify = {"portable": {"ok": False, "error": "verify: RuntimeError: sensor offline"},
+              "reference": {"ok": False, "error": "verify: RuntimeError: sensor offline"}}
+    summary = {"models": {"a": _failed(targets=verify), "b": _failed("export: ValueError: bad shape"),
+                          "c": _failed(targets=verify), "d": {"targets": {}}}, "failed": ["a", "b", "c"]}
+    assert failure_message(summary) == ("3 of 4 models failed: a, b, c | a, c: verify: RuntimeError: sensor offline"
+                                        " | b: export: ValueError: bad shape")
+    many = {"models": {f"m{i}": _failed(f"error {i}") for i in range(MAX_CAUSES + 2)},
+            "failed": [f"m{i}" for i in range(MAX_CAUSES + 2)]}
+    assert failure_message(many).endswith(" | 2 more causes in outputs/fleet.json")
+    # Timed-out models are said by the timeout clause, not again as a cause.
+    stuck = {"models": {"stuck": _failed("timed out: the fleet waited 15 s …")}, "failed": ["stuck"],
+             "timed_out": ["stuck"]}
+    assert failure_message(stuck) == "1 of 1 models failed: stuck (timed out waiting for stuck)"
+
+
+def test_models_a_lost_machine_took_share_one_cause():
+    from flows.nights import failure_message, lost_run_error
+
+    a = lost_run_error(3, "no heartbeat for 90 s: its worker or machine was lost (run 0b7a6c2e-1111-4e0f-9a7e-"
+                          "2a1b3c4d5e6f)")
+    b = lost_run_error(3, "no heartbeat for 90 s: its worker or machine was lost (run 9f7a6c2e-2222-4e0f-9a7e-"
+                          "2a1b3c4d5e6f)")
+    assert a == b and a.startswith("its worker or machine was lost (3 times; the model run ended Crashed: no heart")
+    summary = {"models": {"x": _failed(a), "y": _failed(b)}, "failed": ["x", "y"]}
+    assert failure_message(summary) == f"2 of 2 models failed: x, y; {a}"
+
+
+def test_recovered_line():
+    from flows.nights import recovered_line
+
+    assert recovered_line({"ok": True}) is None
+    assert recovered_line({"try": {"run_count": 2, "submitted": ["sensor"], "waited_for": [], "done_before": ["mlp"]}}) \
+        == "completed by retry 1, 1 models re-run (sensor)"
+    assert recovered_line({"try": {"run_count": 3, "submitted": [], "waited_for": ["orphan"]}}) \
+        == "completed by retry 2, 0 models re-run; waited for 1 left running by the lost try (orphan)"
+
+
+def test_night_lines_give_the_cause_and_the_whole_retry_command():
+    import datetime
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import Completed, Failed
+
+    from flows.nights import night_lines
+
+    start = datetime.datetime(2026, 11, 27, 2, 0, tzinfo=datetime.timezone.utc)
+    failed = FlowRun(id=uuid.uuid4(), name="witty-owl", flow_id=uuid.uuid4(), start_time=start, run_count=1,
+                     total_run_time=datetime.timedelta(seconds=35),
+                     state=Failed(message="1 of 2 models failed: sensor; verify: RuntimeError: sensor offline"))
+    healed = FlowRun(id=uuid.uuid4(), name="calm-fox", flow_id=uuid.uuid4(), start_time=start, run_count=2,
+                     total_run_time=datetime.timedelta(seconds=300), state=Completed())
+    lines = night_lines([(failed, "nightly-fleet"), (healed, None)])
+    assert lines[0] == ("2026-11-27 02:00  Failed                35 s  witty-owl (nightly-fleet)  1 of 2 models "
+                        "failed: sensor; verify: RuntimeError: sensor offline")
+    assert lines[1] == f"  next: prefect flow-run retry {failed.id}"
+    assert lines[2].startswith("2026-11-27 02:00  Completed (try 2)    5 min  calm-fox") and lines[3] == f"  id: {healed.id}"
+
+
+def test_the_notifications_say_the_cause_and_what_comes_next():
+    """Rendered as the server renders them (Prefect's user templates)."""
+    import uuid
+
+    from prefect.server.utilities.user_templates import render_user_template_sync
+
+    from flows import automations
+
+    run_id = uuid.uuid4()
+    for state, message, expected in (
+            ("Failed", "1 of 2 models failed: sensor; verify: RuntimeError: sensor offline",
+             f"next: fix the cause, then: prefect flow-run retry {run_id}"),
+            ("Crashed", "no heartbeat for 30 s: its fleet worker or machine was lost", "a retry is scheduled")):
+        context = {"flow_run": {"id": run_id, "name": "witty-owl", "state": {"name": state, "message": message},
+                                "parameters": {"manifest": "examples/nightly-fleet.yaml"}},
+                   "deployment": {"name": "nightly-fleet"}}
+        body = render_user_template_sync(automations.NOTIFICATION_BODY.replace("{{ flow_run|ui_url }}", ""), context)
+        subject = render_user_template_sync(automations.NOTIFICATION_SUBJECT, context)
+        assert f"ended {state}: {message}" in body and expected in body, body
+        assert ("a retry is scheduled" in subject) == (state == "Crashed"), subject
+    with pytest.raises(automations.AutomationError, match="more than a fleet run's heartbeat interval"):
+        automations.fleet_zombie_automation(10)
+    fleet = automations.fleet_zombie_automation(30)
+    assert fleet.trigger.within.total_seconds() == 30 and fleet.trigger.match_related
+
+
+# --------------------------------------------------------------------------- the single-host trial
+
+
+def trial_blocks() -> list[list[str]]:
+    """The lines of the ```bash blocks of the README's "Try it on one machine" section."""
+    text = README.read_text()
+    section = text[text.index("## Try it on one machine"):]
+    section = section[:section.index("\n## ", 1)]
+    return [block.strip().splitlines() for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_single_host_trial_services_start_and_stop(tmp_path):
+    """The trial's own services as its lines start them (free ports in place of 6379 and
+    5000, one of the checked ports taken): the port check names the taken one, Redis
+    answers with its password, the bucket is made on the S3 server, and each stop line
+    stops its service.  The deploy extra has moto's server."""
+    import shutil
+    import socket
+    import time
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "moto[server]" in extras["deploy"]
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    setup, stop = trial_blocks()
+    assert setup[0].startswith("git clone") and "pip install -e '.[deploy]'" in setup[1]
+    wanted = ("python3 -c 'import socket", "export TRIAL=", "export REDIS_PASSWORD=", "redis-server ", "moto_server ",
+              "export AWS_", "export LOWERFLOW_LOCKS=", "python3 -c 'import s3fs")
+    lines = [l for l in setup if l.startswith(wanted)]
+    assert len(lines) == 9, lines
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    python = sys.executable
+    script = "\n".join(l.replace("6379", str(ports[0])).replace("5000", str(ports[1])).replace("4200", str(
+        taken.getsockname()[1])).replace("python3 -c", f"{python} -c") for l in lines)
+    script += (f"\n{python} -c 'import redis, os; print(\"redis:\", redis.Redis.from_url(os.environ[\"LOWERFLOW_LOCKS\"])"
+               ".ping())'\n" + f"{python} -c 'import s3fs; print(\"buckets:\", s3fs.S3FileSystem().ls(\"\"))'\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LOWERFLOW_", "REDIS"))}
+    env.update(HOME=str(tmp_path), PATH=f"{Path(python).parent}:{env.get('PATH', '/usr/bin:/bin')}")
+    trial = tmp_path / ".lowerflow" / "trial"
+    pids = []
+    try:
+        result = subprocess.run(["bash", "-ec", script], env=env, capture_output=True, text=True, timeout=120,
+                                cwd=tmp_path)
+        pids = [int((trial / f"{name}.pid").read_text()) for name in ("redis", "moto") if (trial / f"{name}.pid").exists()]
+        assert result.returncode == 0, result.stdout + result.stderr
+        out = result.stdout.splitlines()
+        assert out[0] == f"port {taken.getsockname()[1]} is taken" and not [l for l in out if "5433" in l], out
+        assert "redis: True" in out and any("lowerflow-artifacts" in l for l in out if l.startswith("buckets:")), out
+        assert len(pids) == 2 and all(_alive(p) for p in pids), pids
+        kills = [l for l in stop if l.startswith("kill \"$(cat \"$TRIAL/")]
+        assert len(kills) == 2, stop
+        result = subprocess.run(["bash", "-ec", f"export TRIAL={trial}\n" + "\n".join(kills)], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "a service outlived its stop line"
+    finally:
+        taken.close()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)

@@ -22,6 +22,7 @@ from ..errors import EmitError, LoweringError
 from ..memory_plan import SHARED_STATE_MEM_ID
 from ..mutating_ops import is_auto_functionalized, mutated_bases, num_op_results, op_arguments, write_first_buffers
 from ..pte import PteData, schema, serialize
+from ..pte.flat_tensor import PtdEntry, TensorLayout
 from ..pte.format import blob_key
 from ..delegation import same_blob
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
@@ -55,7 +56,9 @@ _SYM_PLACEHOLDERS = {torch.SymInt: 0, torch.SymFloat: 0.0, torch.SymBool: False}
 
 
 def emit_program(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None) -> bytes:
-    """The complete ``.pte`` of ``exported_program`` laid out by ``memory_plan``.
+    """The complete ``.pte`` of ``exported_program`` laid out by ``memory_plan``
+    (weights inside; for a ``.pte`` and its ``.ptd`` see :func:`build_pte` with
+    ``external_weights`` and :func:`lowering.external.program_files`).
 
     ``memory_plan`` follows the contract of :mod:`lowering.memory_plan`
     (``out_variants``, ``allocations``, ``arena_sizes``, optional ``aliases``).
@@ -66,10 +69,19 @@ def emit_program(exported_program: ExportedProgram, memory_plan: Any, *, runtime
     return serialize(build_pte(exported_program, memory_plan, runtime_ops=runtime_ops))
 
 
-def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None) -> PteData:
+def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None,
+              external_weights: bool = False) -> PteData:
     """The program tables and data blobs, before serialization; every KernelCall's
-    operator checked against the runtime profile ``runtime_ops``."""
-    emitter = MethodEmitter(exported_program, memory_plan)
+    operator checked against the runtime profile ``runtime_ops``.
+
+    ``external_weights``: the program's weights (parameters, constant buffers, lifted
+    tensor constants) are ``EXTERNAL`` tensors named by their fully qualified names,
+    and the delegates' named data is external too: both go to ``PteData.external``
+    (the ``.ptd``), none into the ``.pte``.  The ``.pte`` then depends on the
+    program's structure only: a retrain (same program, new weights) emits the same
+    ``.pte`` bytes and a new ``.ptd``.
+    """
+    emitter = MethodEmitter(exported_program, memory_plan, external_weights=external_weights)
     plan = emitter.emit()
     check_program_ops(emitter.operator_nodes, runtime_ops)
     program = schema.ProgramT()
@@ -80,15 +92,19 @@ def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_op
         constants=emitter.constants,
         mutable_data=emitter.mutable_data if len(emitter.mutable_data) > 1 else [],
         delegate_data=emitter.delegate_payloads,
-        named_data=emitter.named_data,
+        named_data={} if external_weights else emitter.named_data,
+        external=emitter.external_data() if external_weights else {},
     )
 
 
 class MethodEmitter:
     """Builds one ExecutionPlan; holds the value table and data blobs while doing so."""
 
-    def __init__(self, ep: ExportedProgram, memory_plan: Any) -> None:
+    def __init__(self, ep: ExportedProgram, memory_plan: Any, external_weights: bool = False) -> None:
         self.ep = ep
+        #: Weights as EXTERNAL tensors (key: FQN) bound from the .ptd (see :func:`build_pte`).
+        self.external_weights = external_weights
+        self.external: dict[str, PtdEntry] = {}
         self.plan = memory_plan
         self.aliases: dict[str, str] = dict(getattr(memory_plan, "aliases", None) or {})
         self.values: list[schema.EValueT] = []
@@ -195,7 +211,11 @@ class MethodEmitter:
                 self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
             self.node_values[node] = value
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            self.node_values[node] = self._constant_tensor(self._state_tensor(spec.target))
+            tensor = self._state_tensor(spec.target)
+            if self.external_weights:
+                self.node_values[node] = self._external_tensor(spec.target, tensor)
+            else:
+                self.node_values[node] = self._constant_tensor(tensor)
         else:
             raise self.error(f"{kind.name} inputs are not supported")
 
@@ -526,6 +546,40 @@ class MethodEmitter:
             self.constants.append(data)
         table.dataBufferIdx = self._constant_index[key]
         return self.add_value(tensor_evalue(table))
+
+    def _external_tensor(self, name: str, tensor: torch.Tensor) -> int:
+        """A weight bound at load time from the ``.ptd`` by its name ``name`` and its layout.
+
+        Before: ``Tensor{data_buffer_idx: i}`` with the bytes in the constant segment.
+        After: ``Tensor{data_buffer_idx: 0, extra_tensor_info: {fully_qualified_name: name,
+        location: EXTERNAL}}`` and ``external[name] = (bytes, layout)``.
+        """
+        if tensor.dtype not in DTYPE_TO_SCALAR_TYPE:
+            raise self.error(f"constant of dtype {tensor.dtype} cannot be stored")
+        dense = tensor.contiguous()
+        table = tensor_table(dense, list(range(dense.dim())))
+        info = schema.ExtraTensorInfoT()
+        info.fullyQualifiedName = name
+        info.location = schema.TensorDataLocation.EXTERNAL
+        table.extraTensorInfo = info
+        entry = PtdEntry(tensor_memory(dense), TensorLayout(int(table.scalarType), tuple(int(d) for d in dense.shape),
+                                                            tuple(range(dense.dim()))))
+        known = self.external.setdefault(name, entry)
+        if known.layout != entry.layout or not same_blob(known.data, entry.data):
+            raise self.error(f"two different weights are both named {name!r}")
+        return self.add_value(tensor_evalue(table))
+
+    def external_data(self) -> dict[str, PtdEntry]:
+        """What the ``.ptd`` holds: the external tensors, then the delegates' named data (no layout);
+        a key both name is one entry (equal bytes: a weight the top level and a delegate share)."""
+        data = dict(self.external)
+        for key, blob in self.named_data.items():
+            if key in data:
+                if not same_blob(data[key].data, blob):
+                    raise EmitError(f"external weight {key!r}: a delegate names different bytes than the program")
+            else:
+                data[key] = PtdEntry(blob)
+        return data
 
     def _add_mutable_data(self, tensor: torch.Tensor) -> int:
         """The index of ``tensor``'s initial value; equal bytes are stored once (initial values

@@ -83,6 +83,11 @@ class PteData:
     - ``named_data``: key -> blob, the program's named data (weights that
       delegate payloads refer to by key); written in key order, blobs with
       equal bytes share one segment.
+    - ``external``: key -> :class:`~lowering.pte.flat_tensor.PtdEntry`, the data
+      the program binds at load time from its ``.ptd`` (external weights):
+      constant tensors whose table says ``EXTERNAL`` (key: their fully qualified
+      name) and delegate named data.  Not written by :func:`serialize`: by
+      :func:`~lowering.pte.flat_tensor.serialize_ptd`.
     """
 
     program: fb.ProgramT
@@ -90,6 +95,7 @@ class PteData:
     mutable_data: list[bytes] = field(default_factory=list)
     delegate_data: list[bytes] = field(default_factory=list)
     named_data: dict[str, bytes] = field(default_factory=dict)
+    external: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------

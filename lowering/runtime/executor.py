@@ -47,9 +47,16 @@ from .errors import ExecutorError
 from .kernels import Kernel, resolve_operator
 
 
-def load(pte_bytes: bytes) -> "LoadedProgram":
-    """Parse ``pte_bytes`` (a .pte from lowerflow or ExecuTorch) into a runnable program."""
-    return LoadedProgram(deserialize(pte_bytes))
+def load(pte_bytes: bytes, data: bytes | None = None) -> "LoadedProgram":
+    """Parse ``pte_bytes`` (a .pte from lowerflow or ExecuTorch) into a runnable program;
+    ``data``: the ``.ptd`` its external weights are bound from (by key, as ExecuTorch's
+    runtime binds them; check the pair first with :func:`lowering.external.check_pair`)."""
+    pte = deserialize(pte_bytes)
+    if data is not None:
+        from ..pte.flat_tensor import deserialize_ptd
+
+        pte.external = deserialize_ptd(data)
+    return LoadedProgram(pte)
 
 
 class LoadedProgram:
@@ -173,6 +180,15 @@ class LoadedMethod:
                 self.arenas[mem_id][offset:offset + nbytes].copy_(_bytes_tensor(blob, nbytes))
                 self._initialized.add(index)
             return tensor
+        info = table.extraTensorInfo
+        if info is not None and info.location == fb.TensorDataLocation.EXTERNAL:
+            key = decode_string(info.fullyQualifiedName)
+            if key not in self._pte.external:
+                raise ExecutorError(f"method {self.name!r}: value {index} is the external weight {key!r}, "
+                                    "which the program's data (.ptd) does not hold")
+            flat = _bytes_tensor(self._pte.external[key].data, nbytes).view(dtype) if nbytes \
+                else torch.empty(0, dtype=dtype)
+            return flat.as_strided(sizes, strides)
         if table.dataBufferIdx:
             blob = self._blob(self._pte.constants, table.dataBufferIdx, "constant", index)
             flat = _bytes_tensor(blob, nbytes).view(dtype) if nbytes else torch.empty(0, dtype=dtype)
@@ -207,7 +223,10 @@ class LoadedMethod:
         payload = self._pte.delegate_data[delegate.processed.index]
         specs = [CompileSpec(decode_string(s.key), vector_bytes(s.value)) for s in delegate.compileSpecs or []]
         if takes_named_data(runtime):
-            return runtime, runtime.init(payload, specs, named_data=self._pte.named_data)
+            named = self._pte.named_data
+            if self._pte.external:
+                named = {**named, **{key: entry.data for key, entry in self._pte.external.items()}}
+            return runtime, runtime.init(payload, specs, named_data=named)
         return runtime, runtime.init(payload, specs)
 
     def _compile_steps(self, plan: fb.ExecutionPlanT) -> list[_Step]:

@@ -18,9 +18,10 @@ it is found through the ``lowerflow.backends`` entry point (``xnnpack``).
 
 from __future__ import annotations
 
-from ...delegation import BackendDetails, PreprocessResult
+from ...delegation import EXTERNAL_WEIGHTS_SPEC, BackendDetails, PreprocessResult
 from . import fused  # defines lowerflow_xnnpack:: ops and their lowering rules
 from .partitioner import BACKEND_ID, XnnpackPartitioner
+from .payload import deserialize_payload
 from .preprocess import XnnpackPreprocessError, preprocess_program
 
 
@@ -33,8 +34,21 @@ class XnnpackBackend(BackendDetails):
 
     @staticmethod
     def preprocess(edge_program, compile_specs) -> PreprocessResult:
-        processed, named_data = preprocess_program(edge_program)
+        stable = any(spec.key == EXTERNAL_WEIGHTS_SPEC.key for spec in compile_specs)
+        processed, named_data = preprocess_program(edge_program, stable_keys=stable)
         return PreprocessResult(processed, named_data=named_data)
+
+    @staticmethod
+    def external_keys(processed: bytes) -> dict[str, int]:
+        """The named data a payload binds at load time: key -> bytes it must have (the
+        runtime checks neither; :func:`lowering.external.check_pair` does)."""
+        graph, _ = deserialize_payload(processed)
+        keys = {}
+        for entry in graph.constantData or []:
+            key = entry.namedKey.decode() if isinstance(entry.namedKey, bytes) else (entry.namedKey or "")
+            if key:
+                keys[key] = int(entry.size)
+        return keys
 
 
 __all__ = ["BACKEND_ID", "XnnpackBackend", "XnnpackPartitioner", "XnnpackPreprocessError"]

@@ -1,5 +1,6 @@
 """The :class:`GraphBuilder` every lowering room appends to: XNN values and nodes,
-constants (fp32 bytes in named data, keyed by sha256), layouts and clamp fusion.
+constants (bytes in named data, keyed by sha256 or, for external weights, by weight name
+and role), layouts and clamp fusion.
 
 Its own room, below the op table: the rooms under :mod:`.ops` type their lowerings with
 it, and the walk that dispatches nodes to them (:func:`.preprocess.lower_nodes`) is
@@ -15,7 +16,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
-from ...delegation import named_data_key
+from ...delegation import named_data_key, same_blob
 from ...serialize import tensor_memory
 from . import payload as P
 from .generated import xnngraph_generated as fbx
@@ -45,9 +46,13 @@ class GraphBuilder:
     nodes: list[fbx.XNodeT] = field(default_factory=list)
     constant_data: list[fbx.ConstantDataOffsetT] = field(default_factory=list)
     named_data: dict[str, bytes] = field(default_factory=dict)
+    #: Name constants from their weight and role (external weights), not by sha256.
+    stable_keys: bool = False
 
     def __post_init__(self) -> None:
         self.ctx = Context(self.ep)
+        self._storages: dict | None = None  # storage -> (weight name, its tensor), for stable keys
+        self._node_keys: dict[tuple[str, str], int] = {}
         self._constant_of_key: dict[str, int] = {}
         self._by_layout: dict[tuple[torch.fx.Node, str], int] = {}
         self._primary: dict[torch.fx.Node, Value] = {}
@@ -164,9 +169,20 @@ class GraphBuilder:
             return value.tensorValue.datatype, value.quantParams
         return value.datatype, None
 
-    def blob(self, data: bytes, prefix: str = "") -> int:
-        """The ``constant_data`` index of named data ``data`` (key ``prefix`` + sha256), stored once."""
-        key = prefix + named_data_key(data)
+    def blob(self, data: bytes, prefix: str = "", key: str | None = None) -> int:
+        """The ``constant_data`` index of named data ``data``, stored once per key.
+
+        The key is ``prefix`` + sha256 of the bytes (ExecuTorch's keying), or with
+        :attr:`stable_keys` ``key`` (a name from the weight and its role, see
+        :meth:`constant_key`; None: the node being lowered and a count).
+        """
+        if self.stable_keys:
+            key = key or self._node_key("scales" if prefix else "const")
+            if key in self._constant_of_key and not same_blob(self.named_data[key], data):
+                raise XnnpackPreprocessError(
+                    f"node {self._name()}: two different constants are both named {key!r} (external weights)")
+        else:
+            key = prefix + named_data_key(data)
         if key not in self._constant_of_key:
             entry = fbx.ConstantDataOffsetT()
             entry.offset, entry.size, entry.namedKey = P.NAMED_OFFSET, len(data), key
@@ -176,14 +192,72 @@ class GraphBuilder:
         return self._constant_of_key[key]
 
     def constant(self, tensor: torch.Tensor, *, datatype: int = P.DATATYPE_FP32, quant: Any = None,
-                 data: bytes | None = None) -> int:
+                 data: bytes | None = None, key: str | None = None) -> int:
         """A new value holding ``tensor`` (fp32 unless ``datatype`` says otherwise: its dtype's bytes
-        as they are, or ``data`` if given, e.g. packed 4-bit), as named data keyed by sha256."""
+        as they are, or ``data`` if given, e.g. packed 4-bit), as named data (see :meth:`blob`;
+        ``key``: its stable name, else :meth:`constant_key`)."""
         t = tensor.detach()
         t = (t.to(torch.float32) if datatype == P.DATATYPE_FP32 else t).contiguous()
+        if self.stable_keys and key is None:
+            key = self.constant_key(tensor, t.dtype, datatype, packed=data is not None)
         if data is None:
             data = tensor_memory(t)  # a view of the weight: the named data holds no second copy
-        return self.define(list(t.shape) or [1], datatype=datatype, quant=quant, constant=self.blob(data))
+        return self.define(list(t.shape) or [1], datatype=datatype, quant=quant, constant=self.blob(data, key=key))
+
+    # ------------------------------------------------- stable keys (external weights)
+
+    def weight_name(self, tensor: torch.Tensor) -> str | None:
+        """The fully qualified name of the weight whose memory ``tensor`` is (or views), else None."""
+        found = self._weight_of_storage(tensor)
+        return found[0] if found is not None else None
+
+    def node_weight_name(self, node: Any) -> str | None:
+        """The fully qualified name of the weight a static node reads (through permute / view /
+        clone / dequantize: their first input), else None."""
+        while isinstance(node, torch.fx.Node) and node not in self.ctx.static_targets:
+            if node.op != "call_function" or not node.args or not self.ctx.is_static(node):
+                return None
+            node = node.args[0]
+        return self.ctx.static_targets.get(node) if isinstance(node, torch.fx.Node) else None
+
+    def _weight_of_storage(self, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if self._storages is None:
+            self._storages = {}
+            for node, target in sorted(self.ctx.static_targets.items(), key=lambda item: item[1]):
+                source = self.ctx.tensor(node)
+                self._storages.setdefault(_storage_of(source), (target, source))
+        return self._storages.get(_storage_of(tensor))
+
+    def constant_key(self, tensor: torch.Tensor, stored_dtype: torch.dtype, datatype: int,
+                     packed: bool = False) -> str:
+        """A constant's name from the weight it is and its role, never from its bytes::
+
+            fc1.weight                 the weight as the program holds it
+            fc1.weight#t               transposed ([in, out])
+            conv.weight#p0231          permuted (OIHW -> OHWI)
+            layers.0.w#qc8 / #qb4      in XNNPACK's quantized types (4-bit packed)
+            <node>#c0, <node>#c1       computed (folded BatchNorm, a constant fill): the
+                                       node being lowered and the order it asked them in
+
+        The same name always means the same bytes in one program; a retrain (same
+        program, new weights) gives every constant its old name.
+        """
+        found = self._weight_of_storage(tensor)
+        if found is None:
+            return self._node_key("c")
+        name, source = found
+        roles = [_view_role(tensor, source)]
+        if stored_dtype != source.dtype:
+            roles.append(str(stored_dtype).replace("torch.", ""))
+        if datatype != P.DATATYPE_FP32 or packed:
+            roles.append(P.DATATYPE_NAMES.get(datatype, f"type{datatype}"))
+        roles = [r for r in roles if r]
+        return name + "".join(f"#{r}" for r in roles)
+
+    def _node_key(self, role: str) -> str:
+        where = self.node.name if self.node is not None else "graph"
+        count = self._node_keys[(where, role)] = self._node_keys.get((where, role), -1) + 1
+        return f"{where}#{role}{count}"
 
     def set_value(self, node: torch.fx.Node, vid: int, layout: str) -> None:
         self._by_layout[(node, layout)] = vid
@@ -341,3 +415,29 @@ class GraphBuilder:
 def _same_params(quant: Any, params: Any) -> bool:
     return isinstance(quant, fbx.PerTensorQuantT) and (quant.scale, quant.zeroPoint) == (
         float(params.scale), int(params.zero_point))
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _view_role(view: torch.Tensor, source: torch.Tensor) -> str:
+    """How ``view`` reads its weight ``source``: "" as it is, ``t`` / ``p<perm>`` a permutation,
+    ``<d0>x<d1>..`` a reshape, else its sizes, strides and offset (all of them structure)."""
+    if (view.shape, view.stride(), view.storage_offset()) == (source.shape, source.stride(), source.storage_offset()):
+        return ""
+    if view.storage_offset() == source.storage_offset() and view.dim() == source.dim():
+        for perm in _permutations(source.dim()):
+            if [source.shape[i] for i in perm] == list(view.shape) and \
+                    [source.stride(i) for i in perm] == list(view.stride()):
+                return "t" if perm == (1, 0) else "p" + "".join(str(i) for i in perm)
+    if view.storage_offset() == source.storage_offset() and view.is_contiguous() and source.is_contiguous():
+        return "x".join(str(d) for d in view.shape) or "scalar"
+    return ("v" + "x".join(str(d) for d in view.shape) + "s" + "x".join(str(d) for d in view.stride())
+            + f"o{view.storage_offset()}")
+
+
+def _permutations(rank: int):
+    import itertools
+
+    return itertools.permutations(range(rank)) if rank <= 6 else ()

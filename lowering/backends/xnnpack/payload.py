@@ -58,6 +58,9 @@ DATATYPE_QCINT32 = fbx.XNNDatatype.xnn_datatype_qcint32
 DATATYPE_QCINT4 = fbx.XNNDatatype.xnn_datatype_qcint4
 DATATYPE_QDINT8 = fbx.XNNDatatype.xnn_datatype_qdint8
 DATATYPE_QBINT4 = fbx.XNNDatatype.xnn_datatype_qbint4
+#: Short names of the datatypes constants are stored in (the role part of a stable key).
+DATATYPE_NAMES = {DATATYPE_FP32: "f32", DATATYPE_QINT8: "q8", DATATYPE_QINT32: "q32", DATATYPE_QCINT8: "qc8",
+                  DATATYPE_QCINT32: "qc32", DATATYPE_QCINT4: "qc4", DATATYPE_QBINT4: "qb4"}
 
 
 class PayloadError(BackendError):

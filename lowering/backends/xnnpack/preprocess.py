@@ -75,12 +75,12 @@ def lower_nodes(self: GraphBuilder) -> None:
         if reason:
             raise XnnpackPreprocessError(f"node {node.name!r} ({node.target}): {reason}")
         rule.lower(self, node)
-    return None
 
 
-def preprocess_program(ep: ExportedProgram) -> tuple[bytes, dict[str, bytes]]:
-    """The payload bytes and named data (sha256 key -> fp32 bytes) of one partition."""
-    builder = GraphBuilder(ep)
+def preprocess_program(ep: ExportedProgram, stable_keys: bool = False) -> tuple[bytes, dict[str, bytes]]:
+    """The payload bytes and named data of one partition: keyed by sha256 (ExecuTorch's
+    keying), or with ``stable_keys`` by weight name and role (:meth:`GraphBuilder.constant_key`)."""
+    builder = GraphBuilder(ep, stable_keys=stable_keys)
     graph = builder.build(lower_nodes)
     return P.serialize_payload(graph), dict(builder.named_data)
 

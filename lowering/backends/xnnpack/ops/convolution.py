@@ -110,6 +110,19 @@ def _conv1d_output(b: GraphBuilder, node: torch.fx.Node, nhwc: int) -> None:
     b.add_node(fbx.NodeUnion.XNNStaticTranspose, transpose([0, 2, 1], nlo, b.output(node)))
 
 
+def _stable_keys(b: GraphBuilder, w_node, bias_node, bn) -> tuple[str | None, str | None]:
+    """External weights: the filter's and bias's names (``conv.weight#filter``, with a folded
+    BatchNorm ``conv.weight#filter+bn``; ``conv.bias#bias+bn``); None without stable keys."""
+    if not b.stable_keys:
+        return None, None
+    weight = b.node_weight_name(w_node)
+    fold = f"+{b.node_weight_name(bn.args[1]) or bn.name}" if bn is not None else ""
+    source = b.node_weight_name(bias_node) if bias_node is not None else None
+    filter_key = f"{weight}#filter{fold}" if weight else None
+    bias_key = f"{source or (weight and weight + '~')}#bias{fold}" if (source or weight) else None
+    return filter_key, bias_key
+
+
 def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Conv2d / DepthwiseConv2d / ConvTranspose2d in NHWC, filter OHWI ([1,H,W,O] depthwise).
     A 1-D convolution is a 2-D one over [N, 1, L, C] (H = 1), reshaped in and out."""
@@ -160,8 +173,9 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
                    if bias is not None else P.INVALID_ID)
     else:
         x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
-        filter_id = b.constant(filt.float())
-        bias_id = b.constant(bias.float()) if bias is not None else P.INVALID_ID
+        filter_key, bias_key = _stable_keys(b, w_node, bias_node, bn)
+        filter_id = b.constant(filt.float(), key=filter_key)
+        bias_id = b.constant(bias.float(), key=bias_key) if bias is not None else P.INVALID_ID
     out = b.define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)
     body = fbx._XNNNodeConvT()
     body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left

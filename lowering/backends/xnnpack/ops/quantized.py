@@ -156,7 +156,7 @@ def weight_constant(b: GraphBuilder, w: QWeight, data: torch.Tensor, channel_dim
     if w.kind == "channel":
         quant = fbx.PerChannelQuantT()
         quant.scale, quant.channelDim = [], channel_dim
-        quant.scaleBufferIdx, quant.numScales = _scale_blob(b, w.scales.to(torch.float32)), w.scales.numel()
+        quant.scaleBufferIdx, quant.numScales = _scale_blob(b, w.scales.to(torch.float32), w), w.scales.numel()
         if w.bits == 4:  # a 4-bit row whose length is no multiple of 32 (blockwise needs one)
             return b.constant(data, datatype=P.DATATYPE_QCINT4, quant=quant, data=pack_int4(data))
         return b.constant(data, datatype=P.DATATYPE_QCINT8, quant=quant)
@@ -165,7 +165,7 @@ def weight_constant(b: GraphBuilder, w: QWeight, data: torch.Tensor, channel_dim
     group = data.shape[1] // scales.shape[1]
     quant = fbx.PerChannelGroupQuantT()
     quant.scale, quant.channelDim, quant.groupSize = [], 0, group
-    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales.to(torch.bfloat16)), scales.numel()
+    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales.to(torch.bfloat16), w), scales.numel()
     return b.constant(data, datatype=P.DATATYPE_QBINT4, quant=quant, data=pack_int4(data))
 
 
@@ -177,9 +177,11 @@ def pack_int4(data: torch.Tensor) -> bytes:
     return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous().numpy().tobytes()
 
 
-def _scale_blob(b: GraphBuilder, scales: torch.Tensor) -> int:
+def _scale_blob(b: GraphBuilder, scales: torch.Tensor, w: QWeight, role: str = "scales") -> int:
+    """The named data of a weight's scales (key ``scale_`` + sha256; stable: ``<weight>#scales``)."""
     data = scales.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return b.blob(data, prefix="scale_")
+    owner = b.weight_name(w.data) if b.stable_keys else None
+    return b.blob(data, prefix="scale_", key=f"{owner}#{role}" if owner else None)
 
 
 def static_bias(b: GraphBuilder, bias: torch.Tensor, w: QWeight, x_params: QParams) -> int:
@@ -195,7 +197,7 @@ def static_bias(b: GraphBuilder, bias: torch.Tensor, w: QWeight, x_params: QPara
     q = qd.quantize_per_channel.default(bias, scales, zeros, 0, lo, hi, torch.int32)
     quant = fbx.PerChannelQuantT()
     quant.scale, quant.channelDim = [], 0
-    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales), scales.numel()
+    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales, w, "bias_scales"), scales.numel()
     return b.constant(q, datatype=P.DATATYPE_QCINT32, quant=quant)
 
 

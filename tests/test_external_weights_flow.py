@@ -1,0 +1,110 @@
+"""Issue 29 through the flow: a fleet manifest with ``external_weights: true`` publishes
+``<target>.pte`` + ``<target>.ptd``, byte for byte what ``lowering.lower(...,
+external_weights=True)`` returns; the manifest says which ``.ptd`` each ``.pte`` needs
+(with the sha256 of each); verify ran the pair on both runtimes; the option off keeps
+every stage key; ``lowerflow lower --external-weights`` writes both files and
+``lowerflow verify x.pte --data x.ptd`` checks the pair (one line, exit 2, when wrong)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.lower_fleet import lower_fleet
+from flows.manifest import ManifestError, external_by_target
+from lowering import lower
+from lowering.targets import partitioner_for
+from tasks import stages
+from tests._lowering import executions_during
+from tests.test_cli import assert_one_line_error, lowerflow
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "examples" / "models.py"
+TARGETS = ("portable", "xnnpack")
+
+pytestmark = pytest.mark.usefixtures("fresh_stages")
+
+
+def fleet(store, external=True):
+    entry = {"name": "cnn", "model": f"{MODELS}:cnn"}
+    if external is not None:
+        entry["external_weights"] = external
+    return {"store": str(store), "defaults": {"targets": list(TARGETS)}, "models": [entry]}
+
+
+def published(ref: dict) -> bytes:
+    return Path(ref["uri"].removeprefix("file://")).read_bytes()
+
+
+def test_fleet_publishes_the_pair_equal_to_the_library(tmp_path):
+    from examples.models import cnn
+
+    summary, ran = executions_during(lower_fleet, fleet(tmp_path / "store"))
+    assert summary["ok"], summary
+    targets = summary["models"]["cnn"]["targets"]
+    for target in TARGETS:
+        entry = targets[target]
+        assert entry["ok"] and entry["external_weights"], entry["error"]
+        pte, ptd = published(entry["pte"]), published(entry["ptd"])
+        assert entry["pte"]["needs"] == f"{target}.ptd"
+        assert entry["pte"]["sha256"] == hashlib.sha256(pte).hexdigest()
+        assert entry["ptd"]["sha256"] == hashlib.sha256(ptd).hexdigest()
+        library = lower(*cnn(), partitioner=partitioner_for(target), external_weights=True)
+        assert pte == library.pte and ptd == library.ptd, target  # flow = library, both files
+        runtimes = {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]}
+        assert runtimes == {"lowerflow", "executorch"}, entry["verify"]
+    # warm: nothing runs again
+    _, again = executions_during(lower_fleet, fleet(tmp_path / "store"))
+    assert sum(again.values()) == 0, dict(again)
+
+
+def test_the_option_off_keeps_every_stage_key(tmp_path):
+    """The keys of a run without the option are those of a run that never heard of it."""
+    store = tmp_path / "store"
+    lower_fleet(fleet(store, external=None))
+    _, ran = executions_during(lower_fleet, fleet(store, external=False))
+    assert sum(ran.values()) == 0, dict(ran)
+    _, ran = executions_during(lower_fleet, fleet(store, external=["xnnpack"]))
+    assert ran["emit"] == 1 and ran["partition"] == 1 and ran["export"] == 0, dict(ran)
+
+
+def test_external_weights_setting_is_validated():
+    assert external_by_target(True, ["portable", "xnnpack"]) == {"portable": True, "xnnpack": True}
+    assert external_by_target({"xnnpack": True, "portable": False}, ["portable", "xnnpack"]) == {"xnnpack": True}
+    assert external_by_target(False, ["portable"]) is None
+    with pytest.raises(ManifestError, match="names targets not lowered: \\['reference'\\]"):
+        external_by_target(["reference"], ["portable"])
+    with pytest.raises(ManifestError, match="must be true, false"):
+        external_by_target("yes", ["portable"])
+
+
+def test_cli_lower_writes_both_files_and_verify_checks_the_pair(tmp_path):
+    out = tmp_path / "out"
+    result = lowerflow("lower", "examples/models.py:mlp", "-t", "xnnpack", "--external-weights", "-o", str(out) + "/",
+                       "--store", str(tmp_path / "store"), "--verify", "off", home=tmp_path / "prefect")
+    assert result.returncode == 0, result.stderr
+    pte, ptd = out / "mlp.xnnpack.pte", out / "mlp.xnnpack.ptd"
+    assert pte.exists() and ptd.exists() and "the weights mlp.xnnpack.pte needs" in result.stdout
+    ok = lowerflow("verify", str(pte), "--data", str(ptd))
+    assert ok.returncode == 0 and "every weight it needs is in" in ok.stdout, ok.stderr
+    full = lowerflow("verify", str(pte), "--data", str(ptd), "--model", "examples/models.py:mlp")
+    assert full.returncode == 0, full.stderr
+    assert {line.split()[0] for line in full.stdout.splitlines()} >= {"lowerflow", "executorch"}
+    # missing file, no .ptd, a .ptd of another program: one line, exit 2, nothing ran
+    assert_one_line_error(lowerflow("verify", str(pte), "--data", str(tmp_path / "nope.ptd")), 2,
+                          "cannot read", "nope.ptd")
+    assert_one_line_error(lowerflow("verify", str(pte), "--model", "examples/models.py:mlp"), 2,
+                          "needs external data", "no .ptd was given")
+    other = tmp_path / "other.ptd"
+    other.write_bytes(lower(torch.nn.Linear(3, 2).eval(), (torch.randn(1, 3),), external_weights=True).ptd)
+    assert_one_line_error(lowerflow("verify", str(pte), "--data", str(other)), 2, "the data of another program")
+
+
+def test_stage_versions_did_not_move():
+    """The option is in the keys of partition / emit / verify only when on (STAGE_OPTIONAL)."""
+    for stage in ("partition", "emit", "emit_methods", "lower_control_flow"):
+        assert "external_weights" in stages.STAGE_OPTIONAL[stage]
+    assert "ptd" in stages.STAGE_OPTIONAL["verify"] and "ptd" in stages.STAGE_OPTIONAL["verify_sequence"]
