@@ -53,7 +53,7 @@ TARGETS: dict[str, EtTarget] = {t.name: t for t in (
     EtTarget("coreml", "CoreMLBackend", "executorch.backends.apple.coreml", "executorch",
              ("executorch", "coremltools"), ("coremltools",)),
     EtTarget("ethos-u", "EthosUBackend", "executorch.backends.arm", "ethos-u",
-             ("executorch", "ethosu.vela", "tosa_tools"), ("ethos-u-vela", "tosa-tools")),
+             ("executorch", "ethosu.vela", "tosa_serializer"), ("ethos-u-vela", "tosa-tools")),
     EtTarget("qnn", "QnnBackend", "executorch.backends.qualcomm", "executorch", ("executorch",),
              sdk_env="QNN_SDK_ROOT"),
 )}
