@@ -141,3 +141,24 @@ def test_preprocess_key_holds_compiler_versions_only_when_given():
     keyed = [policy.key_for(stages.stage_inputs("preprocess", {**inputs, "versions": v}))
              for v in ({"executorch": "1.5.1", "coremltools": "9.0"}, {"executorch": "1.5.1", "coremltools": "9.1"})]
     assert len({plain, *keyed}) == 3
+
+
+def test_a_fleet_of_four_device_families_lowers_then_recompiles_nothing(tmp_path):
+    from flows.lower_fleet import lower_fleet, plan_fleet
+
+    mlp = f"{ROOT / 'examples' / 'models.py'}:mlp"
+    fleet = {"store": str(tmp_path / "store"), "models": [{
+        "name": "mlp", "model": mlp,
+        "targets": ["xnnpack", "openvino", "coreml", {"name": "android", "backends": ["vulkan", "xnnpack"]}]}]}
+    rows = plan_fleet(fleet)
+    compiles = {(r["target"], r["stage"]) for r in rows if r["stage"] == "preprocess"}
+    assert {t for t, _ in compiles} == {"xnnpack", "openvino", "coreml", "android"}  # the vendor compile stages
+    summary, ran = executions_during(lower_fleet, fleet)
+    assert summary["failed"] == [], summary
+    assert ran["preprocess"] == 4  # xnnpack, openvino, coreml, vulkan (android's xnnpack step finds nothing left)
+    targets = manifest_of(tmp_path / "store", "mlp")["targets"]
+    assert targets["android"]["delegation"]["backends"]["vulkan"]["partitions"] == 1
+    assert targets["coreml"]["delegation"]["compile_seconds"] > 0
+    summary, ran = executions_during(lower_fleet, fleet)
+    assert summary["failed"] == [] and not ran, dict(ran)
+    assert all(r["cached"] for r in plan_fleet(fleet))
