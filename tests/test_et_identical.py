@@ -13,6 +13,7 @@ import torch
 import lowering
 from examples.models import cnn, mlp
 from lowering.backends.executorch.adapter import named_data_of
+from lowering.backends.executorch.backends import deterministic_identifier
 from lowering.backends.executorch.options import check_options, make_et_partitioner
 from lowering.backends.executorch.targets import TARGETS
 from lowering.targets import partitioner_for
@@ -67,14 +68,19 @@ def test_coreml_differs_only_by_design_and_loads_in_executorchs_parser():
     (_, ours, our_named), = lowerflow_payloads(model, inputs, "coreml")
     (_, theirs, their_named), = executorch_payloads(model, inputs, "coreml")
     assert our_named == their_named == {}
-    # Why not identical: (1) every Core ML payload names its model "executorch_<uuid4>" (two
-    # ExecuTorch lowerings differ too); (2) ExecuTorch's CoreMLPartitioner keeps aten.linear
+    # Why not identical: (1) ExecuTorch names every Core ML model "executorch_<uuid4>" (two of
+    # its lowerings differ too); (2) ExecuTorch's CoreMLPartitioner keeps aten.linear
     # from decomposition (ops_to_not_decompose), lowerflow partitions its decomposed graph,
     # so Core ML gets addmm + transpose: the same function, another MIL program.
+    # lowerflow derives the identifier from the payload's bytes instead: the same partition
+    # always gives the same bytes (deterministic_identifier is a no-op on its own output).
     ident = rb"executorch_[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}"
     assert len(set(re.findall(ident, ours))) == 1 and set(re.findall(ident, ours)) != set(re.findall(ident, theirs))
+    assert deterministic_identifier(ours) == ours and deterministic_identifier(theirs) != theirs
     assert b"aten_addmm_default" in ours and b"aten_addmm_default" not in theirs and b"linear_0" in theirs
-    # The whole program is one ExecuTorch's program parser reads (its runtime here has no Core ML).
-    pte = lowering.lower(model, inputs, partitioner=partitioner_for("coreml")).pte
-    program = Runtime.get().load_program(pte)
+    # The whole program is one ExecuTorch's program parser reads (its runtime here has no Core ML),
+    # and lowering the same program again gives the same payload.
+    again = lowering.lower(lowering.export(model, inputs, fold_constants=False), partitioner=partitioner_for("coreml"))
+    assert payloads(again.exported_program)[0][1] == ours
+    program = Runtime.get().load_program(again.pte)
     assert program.method_names == {"forward"}

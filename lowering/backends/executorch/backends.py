@@ -18,7 +18,10 @@ dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import re
+import uuid
 from typing import Any, ClassVar
 
 from ...delegation import BackendDetails, PreprocessResult
@@ -119,7 +122,22 @@ class VulkanBackend(ExecutorchBackend):
 
 
 class CoreMLBackend(ExecutorchBackend):
+    """ExecuTorch's Core ML preprocess, with a deterministic model identifier.
+
+    ExecuTorch names every Core ML model ``executorch_<uuid4>`` and coremltools gives the
+    mlpackage's manifest entries random uuids, so two lowerings of one model never give the
+    same bytes.  lowerflow replaces each with a uuid derived from the payload's own bytes
+    (:func:`deterministic_identifier`): same partition, same bytes; another partition,
+    another identifier (the device runtime caches compiled models by it).
+    """
+
     target = TARGETS["coreml"]
+
+    @classmethod
+    def preprocess(cls, edge_program, compile_specs) -> PreprocessResult:
+        result = super().preprocess(edge_program, compile_specs)
+        return PreprocessResult(deterministic_identifier(result.processed_bytes), result.debug_handle_map,
+                                result.named_data)
 
     @classmethod
     def verify_tolerance(cls, options: dict | None) -> float | None:
@@ -132,3 +150,21 @@ class EthosUBackend(ExecutorchBackend):
 
 class QnnBackend(ExecutorchBackend):
     target = TARGETS["qnn"]
+
+
+#: A uuid as text: ExecuTorch's Core ML identifier (``executorch_<uuid4>``) and the mlpackage
+#: manifest's item ids are random uuid4s.
+UUID_TEXT = re.compile(rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def deterministic_identifier(payload: bytes) -> bytes:
+    """``payload`` with every random uuid replaced by one derived from the payload's bytes (the
+    uuids blanked) and its order of appearance; same length, so the flattened directory's
+    offsets hold.  Same partition, same bytes; the model's identifier changes with its content."""
+    found = list(dict.fromkeys(UUID_TEXT.findall(payload)))
+    if not found:
+        return payload
+    digest = hashlib.sha256(UUID_TEXT.sub(b"0" * 36, payload)).digest()
+    stable = {old: str(uuid.UUID(bytes=hashlib.sha256(digest + bytes([i % 256])).digest()[:16], version=4)).encode()
+              for i, old in enumerate(found)}
+    return UUID_TEXT.sub(lambda m: stable[m.group(0)], payload)
