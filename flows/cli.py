@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
 from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize, parse_targets,
     add_gate_arguments, gate_arguments, parse_runtime_ops, parse_spec,
 )
 from .fleet_progress import FleetProgress
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory, "
                        "a .pt2 URL or hf:<dir or hub id>")
     lower.add_argument("--target", "-t", action="append", dest="targets", metavar="T",
-                       help="target (portable, reference, ...); repeat for several (default: portable)")
+                       help=f"target: {', '.join(_target_names())}; or a chain NAME=BACKEND,BACKEND,... "
+                            "(e.g. android=vulkan,xnnpack: each backend takes what the ones before it left); "
+                            "repeat for several (default: portable)")
     lower.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT",
                        help="output .pte path; may use {name} and {target}; a directory for several targets "
                             f"(default: {DEFAULT_OUTPUT})")
@@ -211,15 +213,20 @@ def add_verify_argument(parser: argparse.ArgumentParser, scope: str = "") -> Non
                              f"64 MiB of weights){scope}")
 
 
+def _target_names() -> list[str]:
+    """lowering.targets.target_names without importing torch (the parser is built on every call)."""
+    from importlib import metadata
+
+    return ["portable", *sorted({e.name for e in metadata.entry_points(group="lowerflow.backends")} - {"portable"})]
+
+
 def cmd_lower(args: argparse.Namespace) -> int:
     """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
-    targets = args.targets or ["portable"]
-    if len(set(targets)) != len(targets):
-        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    targets, target_options = parse_targets(args.targets or ["portable"])
     spec = parse_spec(args.spec, args)
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
-    check_targets(targets)
+    check_targets(targets, target_options)
     quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets),
                 **gate_arguments(args, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
@@ -229,6 +236,7 @@ def cmd_lower(args: argparse.Namespace) -> int:
 
     quiet_console(args.verbose)
     arguments = dict(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
+                     **({"options": target_options} if target_options else {}),
                      **({"verify": args.verify} if args.verify else {}),
                      **({"external_weights": True} if args.external_weights else {}),
                      **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))

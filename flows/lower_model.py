@@ -47,7 +47,7 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import MissingContextError
 
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE
+from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -398,7 +398,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
-            program, result["delegation"] = delegate(run, name, program, target, options, records, external=external)
+            program, result["delegation"] = delegate_target(run, name, program, target, options, records,
+                                                              external=external)
         planned = run("memory_plan", records, program=program, state_of=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
@@ -409,7 +410,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         options=load_options, **accuracy, **stage_mode(verify), **data)
+                         options=load_options, **accuracy, **stage_mode(verify), **data,
+                         tolerance=verify_tolerance(target, options))
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -512,7 +514,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["quantize"] = _total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
-                program, methods[method]["delegation"] = delegate(
+                program, methods[method]["delegation"] = delegate_target(
                     for_method(run, method), f"{name}.{method}", program, target, options, records,
                     shared_state=(written_elsewhere or {}).get(method) or None, external=external)
             delegated[method] = program
@@ -618,10 +620,38 @@ def _combined_verify(reports: dict[str, dict]) -> dict:
     return {"ok": ok, "checks": checks}
 
 
+def delegate_target(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
+                    external: dict | None = None):
+    """:func:`delegate` for one backend, or for each backend of a chain in turn (each one's
+    partitioner sees what the ones before it left); the summary says per backend what it took."""
+    chain = chain_of(target, options)
+    if chain is None:
+        return delegate(run, name, program, target, options, records, shared_state, external)
+    backends = {}
+    for backend, backend_options in chain:
+        with labelled(target=f"{target}:{backend}"):
+            program, backends[backend] = delegate(run, name, program, backend, backend_options, records, shared_state,
+                                                  external, tags=True)
+    summaries = list(backends.values())
+    summary = {
+        "partitions": sum(s["partitions"] for s in summaries),
+        "delegated_nodes": sum(s["delegated_nodes"] for s in summaries),
+        "total_nodes": summaries[0]["total_nodes"],
+        "backends": backends,
+    }
+    seconds = [s["compile_seconds"] for s in summaries if "compile_seconds" in s]
+    if seconds:
+        summary["compile_seconds"] = round(sum(seconds), 4)
+    return program, summary
+
+
 def delegate(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
-             external: dict | None = None):
+             external: dict | None = None, tags: bool = False):
     """Stages 2–6: returns (delegated program ref, delegation summary).  ``shared_state``:
-    buffers another method writes (:func:`lowering.methods.mark_shared_state`).  ``external``:
+    buffers another method writes (:func:`lowering.methods.mark_shared_state`).  A plugin
+    backend's compiles are keyed on its compiler versions too, and the summary holds the
+    seconds they took (``compile_seconds``, as when compiled: a cache hit costs none).  ``tags``: the
+    summary lists the partitions' tags (a chain's step; always for a plugin backend).  ``external``:
     ``{"external_weights": True}`` when the target's weights are external (the partitions ask
     their backend for stable keys: :data:`lowering.delegation.EXTERNAL_WEIGHTS_SPEC`)."""
     external = external or {}
@@ -633,12 +663,16 @@ def delegate(run: Run, name, program, target, options, records, shared_state: li
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
     built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
+    versions = {}
     for index, part in enumerate(built["partitions"]):
+        if part["backend_id"] not in versions:
+            versions[part["backend_id"]] = backend_versions(part["backend_id"])
         with labelled(partition=index):  # its task run: preprocess[cnn/xnnpack#0]
             done = run(
                 "preprocess", records,
                 program=part["program"], backend_id=part["backend_id"],
                 compile_specs=part["compile_specs"], label=f"{name}/{part['tag']}",
+                versions=versions[part["backend_id"]],
             )
         partitions.append({**part, **done})
     adjusted = run("adjust", records, tagged=tagged["tagged"], plan=plan, partitions=partitions)
@@ -647,6 +681,10 @@ def delegate(run: Run, name, program, target, options, records, shared_state: li
         "delegated_nodes": adjusted["delegated_nodes"],
         "total_nodes": tagged["total_nodes"],
     }
+    if tags or any(versions.values()):
+        summary["partition_tags"] = [p["tag"] for p in partitions]
+    if any(versions.values()):  # a plugin backend: its vendor compiles
+        summary["compile_seconds"] = round(sum(p.get("compile_seconds", 0.0) for p in partitions), 4)
     return delegate_control_flow(run, adjusted["program"], tagged, target, options, records, summary, external)
 
 

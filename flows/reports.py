@@ -125,7 +125,20 @@ def delegation_line(delegation: Mapping[str, Any] | None) -> str:
     done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
     parts = int(delegation.get("partitions", 0))
     share = f" ({100.0 * done / total:.1f}%)" if total else ""
-    return f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    line = f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    steps = delegation.get("backends")  # a chain: what each backend took, in order
+    if steps:
+        line += "; " + ", ".join(
+            f"{backend}: {int(s.get('delegated_nodes', 0))} nodes in {_tags(s)}" for backend, s in steps.items())
+    if delegation.get("compile_seconds") is not None:
+        line += f"; vendor compile {float(delegation['compile_seconds']):.2f} s"
+    return line
+
+
+def _tags(step: Mapping[str, Any]) -> str:
+    """``"2 partitions (VulkanBackend_tag0, VulkanBackend_tag1)"``."""
+    parts, tags = int(step.get("partitions", 0)), step.get("partition_tags") or []
+    return f"{parts} partition{'' if parts == 1 else 's'}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def memory_line(summary: Mapping[str, Any] | None) -> str:

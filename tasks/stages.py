@@ -343,14 +343,20 @@ def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) ->
 
 
 def run_preprocess(
-    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str
+    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str,
+    versions: dict | None = None,
 ) -> dict:
     """Stage 5, one partition.  ``label`` names it in errors and is not in the cache key,
-    so identical partitions of different models share one cache entry."""
+    so identical partitions of different models share one cache entry.  ``versions``: of
+    executorch and the vendor compiler of a plugin backend (:func:`lowering.targets.backend_versions`;
+    in the key only when given: a new coremltools recompiles, lowerflow's own backends keep their keys).
+    ``compile_seconds``: how long the backend's compile took (what a cache hit saved)."""
     _begin("preprocess")
+    start = time.perf_counter()
     lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
+    seconds = time.perf_counter() - start
     processed = store.put_bytes(lowered.processed_bytes, "processed")
-    result = {"processed": processed, "backend_id": lowered.backend_id}
+    result = {"processed": processed, "backend_id": lowered.backend_id, "compile_seconds": round(seconds, 4)}
     if lowered.named_data:  # weights the payload refers to by key, one stored blob each
         result["named_data"] = [{"key": key, "blob": put_blob(store, blob)} for key, blob in lowered.named_data.items()]
     return result
@@ -483,7 +489,7 @@ def release_live() -> None:
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
-               ptd: ArtifactRef | None = None) -> dict:
+               ptd: ArtifactRef | None = None, tolerance: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
@@ -494,7 +500,9 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
     The runtimes read the program from the store's file where the store is a local directory.
     ``ptd``: the program's external weights; both runtimes run the pair, checked first
-    (:func:`lowering.external.check_pair`; in the key only when given)."""
+    (:func:`lowering.external.check_pair`; in the key only when given).
+    ``tolerance``: atol and rtol of a reduced-precision backend (:func:`lowering.targets.verify_tolerance`;
+    None: the fp32 default, and the key leaves it out)."""
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
@@ -504,10 +512,11 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
     thresholds = {} if reference is None else {"min_sqnr": min_sqnr, "max_error": max_error}
     program = _program_file(store, pte, ptd)
+    tolerances = {"atol": tolerance, "rtol": tolerance} if tolerance is not None else {}
     check = verify_quick if mode == "quick" else functools.partial(verify_pte, dynamic_shapes=loaded.dynamic_shapes)
     # The quantized reference is read here for the check alone (not kept live): it drops it once run.
     report = check(program, loaded.module, loaded.inputs, method=method,
-                   reference=None if reference is None else store.get_program(reference), **thresholds)
+                   reference=None if reference is None else store.get_program(reference), **thresholds, **tolerances)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
@@ -613,7 +622,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
-    "verify": ("mode", "ptd"),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
     "verify_sequence": ("references", "ptd"),
     "benchmark": ("previous",),
 }
