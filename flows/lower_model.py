@@ -249,8 +249,16 @@ def lower_cached(model: str, targets: list[str] = [PORTABLE], **options: Any) ->
     (``flow_run`` None, no report artifact), and no Prefect API used, so ``lowerflow lower``
     with no API server configured starts none for a cached rerun (its ephemeral server
     took 6-26 s of a SmolLM2-135M rerun).  None when a stage would run or anything fails:
-    then the flow runs the model (and reports what failed).  ``options``: lower_model's."""
+    then the flow runs the model (and reports what failed).  ``options``: lower_model's.
+    A model the store has no manifest of (never published: its first lowering) is not
+    looked up at all, so a cold run loads and fingerprints it once."""
+    from tasks.store import ArtifactStore
+
     try:
+        store = ArtifactStore(options.get("store"))
+        name = options.get("name") or ModelSpec.parse(model).name
+        if not store.fs.exists(store.named_path(f"{name}/manifest.json")):
+            return None
         return run_model(model, targets, **options, cached_only=True)
     except Exception:
         return None
