@@ -70,7 +70,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
                "quantize", "qembedding", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops",
-               "trust_pickle", "external_weights", *HF_KEYS}
+               "trust_pickle", "external_weights", "benchmark", "gates", "accept_regressions", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -107,6 +107,12 @@ class ModelEntry:
     runtime_ops: Mapping[str, Any] | None = None
     #: Target -> True for the targets whose weights go to a ``.ptd``: :func:`external_by_target`.
     external_weights: Mapping[str, bool] | None = None
+    #: The benchmark setting (flows.gates.benchmark_by_target; None: the default, on).
+    benchmark: Any = None
+    #: Target -> {figure: limit} (flows.gates.gates_by_target), or None: no gate.
+    gates: Mapping[str, Any] | None = None
+    #: Publish a program a gate refuses anyway (the record says so).
+    accept_regressions: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +303,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
             calibration = check_calibration_source(calibration, f"{where}: 'calibration'")
         except CalibrationError as exc:
             raise ManifestError(str(exc)) from None
+    regressions = _regression_keys(where, raw, defaults, targets)
     thresholds = {k: _threshold(where, k, raw.get(k)) for k in ("min_sqnr", "max_error")}
     if any(v is not None for v in thresholds.values()) and not quantize:
         raise ManifestError(f"{where}: 'min_sqnr' and 'max_error' are for quantized targets; "
@@ -317,7 +324,25 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         hf=hf,
         runtime_ops=runtime_ops,
         external_weights=external_weights,
+        **regressions,
     )
+
+
+def _regression_keys(where: str, raw: Mapping[str, Any], defaults: Mapping[str, Any], targets) -> dict[str, Any]:
+    """The entry's ``benchmark``, ``gates`` and ``accept_regressions`` (else ``defaults``'),
+    checked (flows/gates.py)."""
+    from .gates import benchmark_by_target, gates_by_target
+
+    values = {k: raw.get(k, defaults.get(k)) for k in ("benchmark", "gates", "accept_regressions")}
+    try:
+        benchmark_by_target(values["benchmark"], targets, f"{where}: 'benchmark'")
+        values["gates"] = gates_by_target(values["gates"], targets, f"{where}: 'gates'")
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    if not isinstance(values["accept_regressions"] or False, bool):
+        raise ManifestError(f"{where}: 'accept_regressions' must be true or false")
+    values["accept_regressions"] = bool(values["accept_regressions"])
+    return values
 
 
 def _hf_keys(where: str, raw: Mapping[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
