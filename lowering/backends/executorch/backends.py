@@ -18,11 +18,12 @@ dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import importlib
 import re
 import uuid
-from typing import Any, ClassVar
+from typing import Any
 
 from ...delegation import BackendDetails, PreprocessResult
 from .adapter import EtPartitioner, et_preprocess
@@ -31,9 +32,12 @@ from .targets import TARGETS, EtTarget, check_available, compiler_versions
 
 
 class ExecutorchBackend(BackendDetails):
-    """What every ExecuTorch backend target shares; subclasses name one :class:`EtTarget`."""
+    """What every ExecuTorch backend target shares; subclasses name one :class:`EtTarget`
+    (until one does, the class is abstract: never a backend found by name)."""
 
-    target: ClassVar[EtTarget]
+    @property
+    @abc.abstractmethod
+    def target(self) -> EtTarget: ...
 
     @classmethod
     def check_available(cls) -> None:
