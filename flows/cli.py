@@ -27,11 +27,13 @@ from typing import Any, Sequence
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
 from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
-    parse_runtime_ops, parse_spec,
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize, parse_targets,
+    add_gate_arguments, gate_arguments, parse_runtime_ops, parse_spec,
 )
 from .fleet_progress import FleetProgress
 from .load_options import add_load_arguments, load_arguments
+from .verify_mode import CHECK_MODES
+from tasks.heap import set_heap_policy
 
 PROG = "lowerflow"
 #: Default ``-o`` of ``lower``: one file per target in the current directory.
@@ -61,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory, "
                        "a .pt2 URL or hf:<dir or hub id>")
     lower.add_argument("--target", "-t", action="append", dest="targets", metavar="T",
-                       help="target (portable, reference, ...); repeat for several (default: portable)")
+                       help=f"target: {', '.join(_target_names())}; or a chain NAME=BACKEND,BACKEND,... "
+                            "(e.g. android=vulkan,xnnpack: each backend takes what the ones before it left); "
+                            "repeat for several (default: portable)")
     lower.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT",
                        help="output .pte path; may use {name} and {target}; a directory for several targets "
                             f"(default: {DEFAULT_OUTPUT})")
@@ -90,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="write the weights to <out>.ptd beside the .pte (which keeps the program only): "
                             "a retrain then ships a new .ptd and the same .pte (docs/external-weights.md)")
     add_verify_argument(lower)
+    add_gate_arguments(lower, one_model=True)
     add_load_arguments(lower)
     lower.set_defaults(run=cmd_lower)
 
@@ -101,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(deployment lower-model/POOL, created from this checkout if missing; "
                             "needs PREFECT_API_URL); default: in this process")
     add_verify_argument(fleet, " (replaces every model's 'verify')")
+    add_gate_arguments(fleet, one_model=False)
     fleet.set_defaults(run=cmd_fleet)
 
     worker = sub.add_parser("worker", parents=[common], help="run a work pool's flow runs, forked from a warm process",
@@ -133,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--data", metavar="FILE.ptd", help="the .ptd the program binds its weights from "
                                                           "(checked key by key before anything runs)")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
+    verify.add_argument("--verify", choices=CHECK_MODES, default="auto", metavar="MODE",
+                        help="full (every input set, twice), quick (a decoder: one prefill and a few decode steps), "
+                             "or auto (the default: full, quick for a model above 64 MiB of weights), as lower's")
     add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
 
@@ -204,27 +213,35 @@ def add_verify_argument(parser: argparse.ArgumentParser, scope: str = "") -> Non
                              f"64 MiB of weights){scope}")
 
 
+def _target_names() -> list[str]:
+    """lowering.targets.target_names without importing torch (the parser is built on every call)."""
+    from importlib import metadata
+
+    return ["portable", *sorted({e.name for e in metadata.entry_points(group="lowerflow.backends")} - {"portable"})]
+
+
 def cmd_lower(args: argparse.Namespace) -> int:
     """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
-    targets = args.targets or ["portable"]
-    if len(set(targets)) != len(targets):
-        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    targets, target_options = parse_targets(args.targets or ["portable"])
     spec = parse_spec(args.spec, args)
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
-    check_targets(targets)
-    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets)}
+    check_targets(targets, target_options)
+    quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets),
+                **gate_arguments(args, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
-    from flows.lower_model import ModelLoweringFailed, lower_model
+    from flows.lower_model import ModelLoweringFailed, lower_cached, lower_model
 
     quiet_console(args.verbose)
-    try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
-                               **({"verify": args.verify} if args.verify else {}),
-                               **({"external_weights": True} if args.external_weights else {}),
-                               **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    arguments = dict(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
+                     **({"options": target_options} if target_options else {}),
+                     **({"verify": args.verify} if args.verify else {}),
+                     **({"external_weights": True} if args.external_weights else {}),
+                     **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    try:  # a cached rerun with no API server configured starts none (lower_cached)
+        manifest = (lower_cached(**arguments) if not api_server_configured() else None) or lower_model(**arguments)
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []
@@ -240,6 +257,9 @@ def cmd_lower(args: argparse.Namespace) -> int:
                 data_path = path.with_suffix(".ptd")
                 size = write_pte(entry["ptd"], manifest.get("store"), data_path, "ptd")
                 say(f"{target}: wrote {data_path} ({size:,} bytes, the weights {path.name} needs)")
+            if entry.get("accepted_regressions"):
+                say(f"{target}: published although its gates refuse it (accepted): "
+                    f"{'; '.join(entry['accepted_regressions'])}")
             if entry.get("quantize"):
                 from flows.quantized import quantize_line
 
@@ -253,6 +273,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
     if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
         raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
+
+
+def api_server_configured() -> bool:
+    """Whether Prefect has an API server to talk to (``PREFECT_API_URL``); without one, a
+    flow run starts Prefect's ephemeral server first."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
 
 
 def output_path(template: str, name: str, target: str, *, several: bool) -> Path:
@@ -318,7 +346,8 @@ def write_pte(pte: dict, store_url: str | None, path: Path, kind: str = "pte") -
 
 def cmd_fleet(args: argparse.Namespace) -> int:
     """Run the fleet (see :func:`run_fleet`); exit 1 if any model failed."""
-    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify)
+    summary = run_fleet(args.manifest, verbose=args.verbose, pool=args.pool, verify=args.verify,
+                        accept_regressions=args.accept_regressions)
     check_fleet(summary)
     return EXIT_OK
 
@@ -414,7 +443,8 @@ def model_error(manifest: dict) -> str:
     return manifest.get("error") or "failed"
 
 
-def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None) -> dict:
+def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, verify: str | None = None,
+              accept_regressions: bool = False) -> dict:
     """``lower_fleet`` with a progress line per model as it finishes, then the summary
     table; returns the fleet summary, failed models included (the demo uses this too).
     ``verify``: a mode every model's verify runs (``--verify``; None: each entry's own)."""
@@ -438,7 +468,8 @@ def run_fleet(manifest: str, *, verbose: bool = False, pool: str | None = None, 
     progress = FleetProgress({m.name: set(m.targets) for m in fleet.models}, say)
     with progress.listening():
         try:
-            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}))
+            summary = lower_fleet(str(manifest), pool=pool, **({"verify": verify} if verify else {}),
+                                  **({"accept_regressions": True} if accept_regressions else {}))
         except FleetFailed as exc:
             summary = exc.summary
     say()
@@ -494,24 +525,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
     if spec.kind == "pt2":
         raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
+    pte = Path(args.pte)  # read by path: ExecuTorch's runtime maps the file
     try:
-        pte = Path(args.pte).read_bytes()
+        with pte.open("rb"):
+            pass
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify, verify_methods
+    from lowering.verify import resolve_mode, verify, verify_methods, verify_quick
     from lowering.verify_executorch import with_data
 
+    mode = resolve_mode(args.verify, loaded.weights_size())
     pte = with_data(pte, data)
     try:
-        if not loaded.methods:
-            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
-        else:  # every method at once: one fresh interpreter for a program of llama:: ops
+        if loaded.methods:  # every method at once: one fresh interpreter for a program of llama:: ops
             reports = verify_methods(pte, {n: (m.module, m.inputs, m.dynamic_shapes) for n, m in loaded.methods.items()},
-                                     constants=loaded.constants)
+                                     constants=loaded.constants, mode=mode)
+        elif mode == "quick":
+            reports = {None: verify_quick(pte, loaded.module, loaded.inputs)}
+        else:
+            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []
@@ -631,7 +667,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from flows.ui import UiError, serve
 
     try:
-        return serve(args.host, args.port)
+        return serve(args.host, args.port, verbose=args.verbose)
     except UiError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
 
@@ -643,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_environment(args.verbose, getattr(args, "store", None))
+        set_heap_policy()  # freed weights go back to the system: the peak is what a stage holds
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The ``lowerflow`` command line's arguments checked before any work: the model spec, dynamic
-shapes, quantize options, runtime-op sets and targets.  A bad one is a :class:`CLIError` with
+shapes, quantize options, runtime-op sets, targets and gates.  A bad one is a :class:`CLIError` with
 exit status 2 (:data:`EXIT_USAGE`), one line."""
 
 from __future__ import annotations
@@ -72,13 +72,65 @@ def parse_runtime_ops(text: str | None, targets: list[str]) -> dict[str, Any]:
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
-def check_targets(targets: Sequence[str]) -> None:
-    """Every target names ``portable`` or a known backend; otherwise exit status 2."""
+def parse_targets(texts: Sequence[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``-t xnnpack -t android=vulkan,xnnpack`` as (target names, lower_model's ``options``):
+    ``["xnnpack", "android"]``, ``{"android": {"backends": ["vulkan", "xnnpack"]}}`` (a chain:
+    lowering.targets.chain_of).  A name given twice is exit status 2."""
+    targets, options = [], {}
+    for text in texts:
+        name, chain, backends = text.partition("=")
+        if chain:
+            if not name or not backends:
+                raise CLIError(f"--target {text!r}: a chain is NAME=BACKEND,BACKEND,... "
+                               "(e.g. android=vulkan,xnnpack)", EXIT_USAGE)
+            options[name] = {"backends": [b.strip() for b in backends.split(",") if b.strip()]}
+        targets.append(name)
+    if len(set(targets)) != len(targets):
+        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    return targets, options
+
+
+def check_targets(targets: Sequence[str], options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Every target names ``portable``, a backend that can lower here, or a chain of them
+    (``options``); otherwise exit status 2 (one line: e.g. the extra to install)."""
     from lowering.errors import BackendError
     from lowering.targets import check_target
 
     for target in targets:
         try:
-            check_target(target)
+            check_target(target, (options or {}).get(target))
         except BackendError as exc:
             raise CLIError(f"--target: {first_line(str(exc))}", EXIT_USAGE) from exc
+
+
+def add_gate_arguments(parser: argparse.ArgumentParser, one_model: bool) -> None:
+    """``--accept-regressions``; for one model also ``--gates JSON`` and ``--no-benchmark`` (flows/gates.py)."""
+    parser.add_argument("--accept-regressions", action="store_true",
+                        help="publish a program even when a gate refuses it (worse than the published one); "
+                             "its record says so")
+    if one_model:
+        parser.add_argument("--gates", metavar="JSON", help="the largest changes allowed against the published "
+                            "program, e.g. '{\"latency\": 1.10, \"size\": 1.05, \"error\": 1.5, "
+                            "\"sqnr_drop_db\": 1.0}'")
+        parser.add_argument("--no-benchmark", action="store_true",
+                            help="do not time the program on ExecuTorch's runtime (the benchmark stage)")
+
+
+def gate_arguments(args: argparse.Namespace, targets: list[str]) -> dict[str, Any]:
+    """``lower_model``'s ``gates`` / ``benchmark`` / ``accept_regressions`` from the command line
+    (only when given); a bad ``--gates`` is exit 2."""
+    import json
+
+    from flows.gates import gates_by_target
+
+    out: dict[str, Any] = {}
+    if getattr(args, "gates", None):
+        try:
+            out["gates"] = gates_by_target(json.loads(args.gates), targets, "--gates")
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise CLIError(f"--gates {args.gates!r}: {exc}", EXIT_USAGE) from None
+    if getattr(args, "no_benchmark", False):
+        out["benchmark"] = False
+    if args.accept_regressions:
+        out["accept_regressions"] = True
+    return out

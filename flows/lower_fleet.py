@@ -74,6 +74,9 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
         **({"dynamic_shapes": entry.dynamic_shapes} if entry.dynamic_shapes is not None else {}),
         **quantize_parameters(entry),
         **load_parameters(entry),
+        **({"benchmark": entry.benchmark} if entry.benchmark is not None else {}),
+        **({"gates": {k: dict(v) for k, v in entry.gates.items()}} if entry.gates else {}),
+        **({"accept_regressions": True} if entry.accept_regressions else {}),
     }
 
 
@@ -102,7 +105,8 @@ CRASH_RETRIES = 2
 
 @flow(name="lower-fleet")
 def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: float | None = FLEET_TIMEOUT_SECONDS,
-                crash_retries: int = CRASH_RETRIES, verify: str | None = None) -> dict:
+                crash_retries: int = CRASH_RETRIES, verify: str | None = None,
+                accept_regressions: bool = False) -> dict:
     """Lower every model of ``manifest`` (a YAML/JSON path or dict); returns the fleet summary.
 
     ``pool``: lower each model as a flow run of deployment ``lower-model/<pool>`` on
@@ -111,6 +115,7 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     submitted again up to ``crash_retries`` times, resuming at its stage (cache hits), and
     after ``timeout_seconds`` (None: no limit) the models still out are cancelled and fail.
     ``verify``: a verify mode for every model, replacing each entry's (:mod:`flows.verify_mode`).
+    ``accept_regressions``: publish programs their gates refuse (flows/gates.py), every model.
     Raises :class:`FleetFailed` (after writing the summary) if any model failed.
     """
     logger = get_run_logger()
@@ -121,7 +126,8 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
         exc.logged = True  # Prefect's repeat of it goes to DEBUG (flows/run_logs.py)
         raise
     store = ArtifactStore(fleet.store)
-    members = {e.name: {**member_parameters(e, store.url, fleet.locks), **({"verify": verify} if verify else {})}
+    members = {e.name: {**member_parameters(e, store.url, fleet.locks), **({"verify": verify} if verify else {}),
+                        **({"accept_regressions": True} if accept_regressions else {})}
                for e in fleet.models}
     tried: dict[str, Any] = {}
     if pool is None:

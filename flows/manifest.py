@@ -6,7 +6,8 @@
     models:
       - name: mlp                            # optional: defaults to the factory / file name
         model: examples/models.py:mlp        # a model spec (tasks.model_spec)
-        targets: [portable, reference]       # optional: defaults.targets
+        targets: [portable, reference]       # optional: defaults.targets; a chain of backends is
+                                             #   {name: android, backends: [vulkan, xnnpack]}
         options: {reference: {...}}          # optional: partitioner options per target
         version: "1"                         # optional: an extra salt of the export key
         verify: true                         # optional: true (auto: full, quick above 64 MiB of weights),
@@ -69,7 +70,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HF_KEYS = ("task", "max_seq_len", "dtype", "attn", "last_token_logits")
 _MODEL_KEYS = {"name", "model", "targets", "options", "version", "verify", "dynamic_shapes",
                "quantize", "qembedding", "calibration", "min_sqnr", "max_error", "strict", "runtime_ops",
-               "trust_pickle", "external_weights", *HF_KEYS}
+               "trust_pickle", "external_weights", "benchmark", "gates", "accept_regressions", *HF_KEYS}
 _TOP_KEYS = {"store", "locks", "defaults", "models"}
 
 
@@ -106,6 +107,12 @@ class ModelEntry:
     runtime_ops: Mapping[str, Any] | None = None
     #: Target -> True for the targets whose weights go to a ``.ptd``: :func:`external_by_target`.
     external_weights: Mapping[str, bool] | None = None
+    #: The benchmark setting (flows.gates.benchmark_by_target; None: the default, on).
+    benchmark: Any = None
+    #: Target -> {figure: limit} (flows.gates.gates_by_target), or None: no gate.
+    gates: Mapping[str, Any] | None = None
+    #: Publish a program a gate refuses anyway (the record says so).
+    accept_regressions: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,15 +254,17 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     targets = raw.get("targets", defaults.get("targets", [PORTABLE]))
     if isinstance(targets, str):
         targets = [targets]
+    targets, chains = _chain_targets(where, targets)
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ManifestError(f"{where}: 'targets' must be a non-empty list of target names")
     if len(set(targets)) != len(targets):
         raise ManifestError(f"{where}: 'targets' lists a target twice: {targets}")
-    for target in targets:
-        _check_target(where, target)
     options = raw.get("options", {})
     if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
         raise ManifestError(f"{where}: 'options' must map target names to option mappings")
+    options = {**options, **{t: {**options.get(t, {}), **chain} for t, chain in chains.items()}}
+    for target in targets:
+        _check_target(where, target, options.get(target))
     stray = set(options) - set(targets)
     if stray:
         raise ManifestError(f"{where}: 'options' for targets not lowered: {sorted(stray)}")
@@ -294,6 +303,7 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
             calibration = check_calibration_source(calibration, f"{where}: 'calibration'")
         except CalibrationError as exc:
             raise ManifestError(str(exc)) from None
+    regressions = _regression_keys(where, raw, defaults, targets)
     thresholds = {k: _threshold(where, k, raw.get(k)) for k in ("min_sqnr", "max_error")}
     if any(v is not None for v in thresholds.values()) and not quantize:
         raise ManifestError(f"{where}: 'min_sqnr' and 'max_error' are for quantized targets; "
@@ -314,7 +324,25 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
         hf=hf,
         runtime_ops=runtime_ops,
         external_weights=external_weights,
+        **regressions,
     )
+
+
+def _regression_keys(where: str, raw: Mapping[str, Any], defaults: Mapping[str, Any], targets) -> dict[str, Any]:
+    """The entry's ``benchmark``, ``gates`` and ``accept_regressions`` (else ``defaults``'),
+    checked (flows/gates.py)."""
+    from .gates import benchmark_by_target, gates_by_target
+
+    values = {k: raw.get(k, defaults.get(k)) for k in ("benchmark", "gates", "accept_regressions")}
+    try:
+        benchmark_by_target(values["benchmark"], targets, f"{where}: 'benchmark'")
+        values["gates"] = gates_by_target(values["gates"], targets, f"{where}: 'gates'")
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    if not isinstance(values["accept_regressions"] or False, bool):
+        raise ManifestError(f"{where}: 'accept_regressions' must be true or false")
+    values["accept_regressions"] = bool(values["accept_regressions"])
+    return values
 
 
 def _hf_keys(where: str, raw: Mapping[str, Any], spec: ModelSpec) -> dict[str, Any] | None:
@@ -475,8 +503,25 @@ def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
         raise ManifestError(str(exc)) from None
 
 
-def _check_target(where: str, target: str) -> None:
+def _chain_targets(where: str, targets: Any) -> tuple[Any, dict[str, dict]]:
+    """``[xnnpack, {name: android, backends: [vulkan, xnnpack]}]`` -> the names and each
+    chain's ``{"backends": [...]}`` (merged into its options: lowering.targets.chain_of)."""
+    if not isinstance(targets, list):
+        return targets, {}
+    names, chains = [], {}
+    for target in targets:
+        if isinstance(target, Mapping):
+            if set(target) != {"name", "backends"} or not isinstance(target["name"], str):
+                raise ManifestError(f"{where}: a chain target is {{name: NAME, backends: [BACKEND, ...]}}, "
+                                    f"got {dict(target)}")
+            chains[target["name"]] = {"backends": target["backends"]}
+            target = target["name"]
+        names.append(target)
+    return names, chains
+
+
+def _check_target(where: str, target: str, options: Mapping[str, Any] | None = None) -> None:
     try:
-        check_target(target)
+        check_target(target, options)
     except BackendError as exc:
         raise ManifestError(f"{where}: {exc}") from exc

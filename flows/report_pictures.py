@@ -6,7 +6,8 @@ reduction, and what the reports need to know of PNG bytes: their size
 (:func:`png_size`), whether they are a palette picture, a copy small enough to
 inline in a Prefect artifact (:func:`inline_png`, at most :data:`INLINE_PNG_LIMIT`
 bytes) and its ``data:`` URI.  Also the plan numbers a picture shows
-(:func:`plan_ratio`) and the plans it accepts (:func:`as_memory_plan`).
+(:func:`plan_ratio`) and the plans it accepts (:func:`as_memory_plan`); and a target's
+trend over its last nights (:func:`trend_png`, from ``outputs/<model>/history.jsonl``).
 
 The markdown that shows the pictures, and their publishing into the artifact store,
 are :mod:`flows.reports`'.
@@ -19,6 +20,7 @@ import io
 import threading
 from typing import Any, Mapping
 
+from lowering.benchmark import SPREAD_FLAG
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 
 #: Largest memory-plan picture (PNG bytes, after the palette reduction of
@@ -133,6 +135,61 @@ def memory_plan_png(plan: MemoryPlan | Mapping[str, Any], *, title: str) -> byte
             y = upper + 8 + 17 * row
             _hline(draw, y, right + 14, right + 42, colour, dash=dash)
             draw.text((right + 50, y), label, font=small, fill="black", anchor="lm")
+        return _palette_png(image)
+
+
+#: The trend picture's size: one panel per figure, side by side.
+TREND_SIZE = (800, 220)
+#: Figures a trend picture draws: (history line key, panel title, scale).
+TREND_FIGURES = (("pte_bytes", ".pte kB", 1e-3), ("latency_ms", "latency ms (this host)", 1.0),
+                 ("sqnr_db", "SQNR dB", 1.0))
+
+
+def trend_png(lines: list[Mapping[str, Any]], *, title: str) -> bytes:
+    """A PNG of one target's last nights (``outputs/<model>/history.jsonl`` lines, oldest
+    first): a panel per figure the lines have (.pte size, latency, a quantized program's
+    SQNR), x = night, the value as a polyline; a night a gate refused is a red dot.  A
+    latency measured with the spread flag (p90/median wide: a loaded machine) is hollow.
+
+        ┌ title: N nights ────────────────────────────────────────────┐
+        │ .pte kB        │ latency ms (this host) │ SQNR dB             │
+        │ ●──●──●──●     │ ●──○──●──●             │ ●──●──●──◉(red)     │
+        └─────────────────────────────────────────────────────────────┘
+    """
+    from PIL import Image, ImageDraw
+
+    panels = [(key, label, scale) for key, label, scale in TREND_FIGURES if any(l.get(key) is not None for l in lines)]
+    with _RENDER_LOCK:
+        image = Image.new("RGB", TREND_SIZE, "white")
+        draw = ImageDraw.Draw(image)
+        text, small, _ = (picture_font(pixels) for pixels in FONT_PIXELS)
+        draw.text((TREND_SIZE[0] / 2, 8), f"{title}: {len(lines)} nights", font=text, fill="black", anchor="ma")
+        width = (TREND_SIZE[0] - 20) / max(len(panels), 1)
+        for index, (key, label, scale) in enumerate(panels):
+            left, right, upper, bottom = 10 + index * width + 52, 10 + (index + 1) * width - 10, 50, TREND_SIZE[1] - 30
+            values = [(i, float(l[key]) * scale, l) for i, l in enumerate(lines) if l.get(key) is not None]
+            low, high = min(v for _, v, _ in values), max(v for _, v, _ in values)
+            pad = (high - low) * 0.1 or abs(high) * 0.05 or 1.0
+            low, high = low - pad, high + pad
+
+            def at(i: int, v: float) -> tuple[float, float]:
+                x = left + (right - left) * (i / max(len(lines) - 1, 1))
+                return x, bottom - (bottom - upper) * (v - low) / (high - low)
+
+            draw.rectangle((left, upper, right, bottom), outline="black", width=1)
+            draw.text(((left + right) / 2, upper - 8), label, font=small, fill="black", anchor="md")
+            for value in (low + pad, high - pad):
+                y = at(0, value)[1]
+                draw.text((left - 4, y), f"{value:,.3g}", font=small, fill="black", anchor="rm")
+            points = [at(i, v) for i, v, _ in values]
+            if len(points) > 1:
+                draw.line(points, fill=_TAB20[0], width=2)
+            for (x, y), (_, _, line) in zip(points, values):
+                colour = _RED if line.get("regressed") else _TAB20[0]
+                hollow = key == "latency_ms" and (line.get("spread") or 0) > SPREAD_FLAG
+                draw.ellipse((x - 3.5, y - 3.5, x + 3.5, y + 3.5), outline=colour, width=2,
+                             fill="white" if hollow else colour)
+            draw.text((left, bottom + 6), "night", font=small, fill="black", anchor="la")
         return _palette_png(image)
 
 

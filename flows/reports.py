@@ -37,10 +37,14 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 
+from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
+    EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
+)
+from .trends import benchmark_line, change_cell, change_lines, regressions_first, status_word, trend_images
 from .report_pictures import (
     INLINE_PNG_LIMIT,
     as_memory_plan,
@@ -63,10 +67,12 @@ STAGE_ORDER = (
     "memory_plan",
     "emit",
     "verify",
+    "benchmark",
 )
 
 #: Columns of :func:`fleet_rows` / the fleet tables.
-FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "delegated", "verify", "error")
+FLEET_COLUMNS = ("model", "target", "ok", "pte bytes", "arena bytes", "cached", "seconds", "delegated", "verify",
+                 "change", "error")
 
 #: Key prefix of the Prefect artifacts this module creates.
 ARTIFACT_PREFIX = "lowerflow"
@@ -77,56 +83,6 @@ logger = logging.getLogger("lowerflow.reports")
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def format_bytes(n: int | None) -> str:
-    """``123456`` -> ``"123,456"``; None -> ``"—"``."""
-    return "—" if n is None else f"{int(n):,}"
-
-
-def format_seconds(s: float | None) -> str:
-    """Seconds with two decimals; None -> ``"—"``."""
-    return "—" if s is None else f"{float(s):.2f}"
-
-
-def first_line(text: str | None, limit: int = 160) -> str:
-    """The first non-empty line of ``text``, cut to ``limit`` characters ("" for None)."""
-    if not text:
-        return ""
-    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A GitHub markdown table; cells are escaped (``|``, newlines), ``right`` columns right-aligned."""
-    head = "| " + " | ".join(_md_cell(h) for h in headers) + " |"
-    rule = "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"
-    body = ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join([head, rule, *body])
-
-
-def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A fixed-width plain-text table for terminals (``right`` columns right-aligned)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
-
-
-def _md_cell(value: Any) -> str:
-    """A table cell's text: ``\\``, ``|`` and a ``_`` that could start or end emphasis
-    escaped, one line.  (Markdown the cell means, like ``**total**``, stays.)"""
-    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", text)
-
-
-#: An underscore not between two letters or digits: only those can open or close
-#: emphasis (CommonMark and GFM), so ``buffer_mutation`` needs no escape.
-_EMPHASIS_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 # --------------------------------------------------------------------------- model report
@@ -169,7 +125,20 @@ def delegation_line(delegation: Mapping[str, Any] | None) -> str:
     done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
     parts = int(delegation.get("partitions", 0))
     share = f" ({100.0 * done / total:.1f}%)" if total else ""
-    return f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    line = f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    steps = delegation.get("backends")  # a chain: what each backend took, in order
+    if steps:
+        line += "; " + ", ".join(
+            f"{backend}: {int(s.get('delegated_nodes', 0))} nodes in {_tags(s)}" for backend, s in steps.items())
+    if delegation.get("compile_seconds") is not None:
+        line += f"; vendor compile {float(delegation['compile_seconds']):.2f} s"
+    return line
+
+
+def _tags(step: Mapping[str, Any]) -> str:
+    """``"2 partitions (VulkanBackend_tag0, VulkanBackend_tag1)"``."""
+    parts, tags = int(step.get("partitions", 0)), step.get("partition_tags") or []
+    return f"{parts} partition{'' if parts == 1 else 's'}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def memory_line(summary: Mapping[str, Any] | None) -> str:
@@ -234,19 +203,32 @@ def check_status(ok: bool | None) -> str:
     return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
-def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None) -> str:
+def update_line(update: Mapping[str, Any]) -> str:
+    """What a device downloads for this run's update, against shipping the whole program."""
+    what = ".ptd only (the program is unchanged)" if update.get("program") == "unchanged" else \
+        f".pte + .ptd (the program is {update.get('program')})"
+    return (f"{format_bytes(update.get('download_bytes'))} B to download, {what}, "
+            f"of {format_bytes(update.get('whole_bytes'))} B for the whole program")
+
+
+def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None,
+                   trend: str | None = None) -> str:
     """The markdown of one target: status, .pte, stages, delegation, memory, verify.
 
     ``image`` is the URL (a ``data:`` URI in published reports) of the memory-plan
     picture, ``note`` a line under it (where the full-size PNG is, or why no picture).
     """
-    status = "ok" if entry.get("ok") else "FAILED"
-    lines = [f"## {_md_text(target)} — {status}", ""]
+    lines = [f"## {_md_text(target)} — {status_word(entry)}", ""]
     if entry.get("error"):
         lines += [f"**error:** `{first_line(entry['error'], 400)}`", ""]
     pte = entry.get("pte")
     if pte:
         lines += [f"**.pte:** {format_bytes(pte.get('size'))} B, sha256 `{str(pte.get('sha256', ''))[:16]}`, `{pte.get('uri')}`", ""]
+    if entry.get("ptd"):
+        lines += [f"**.ptd** (the weights the .pte needs): {format_bytes(entry['ptd'].get('size'))} B, sha256 "
+                  f"`{str(entry['ptd'].get('sha256', ''))[:16]}`, `{entry['ptd'].get('uri')}`", ""]
+    if entry.get("update"):
+        lines += [f"**device update:** {update_line(entry['update'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):
@@ -259,6 +241,8 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     if note:
         lines += [note, ""]
     lines += ["**verify:**", "", verify_table(entry.get("verify")), ""]
+    lines += [f"**benchmark:** {benchmark_line(entry)}", ""] if benchmark_line(entry) else []
+    lines += [f"![trend of {target}]({trend})", ""] if trend else []
     return "\n".join(lines)
 
 
@@ -303,6 +287,7 @@ def model_report_markdown(
     *,
     images: Mapping[str, str] | None = None,
     notes: Mapping[str, str] | None = None,
+    trends: Mapping[str, str] | None = None,
 ) -> str:
     """The report of one model: a section per target (see :func:`target_section`).
 
@@ -322,7 +307,8 @@ def model_report_markdown(
     if not targets:
         lines += ["no targets", ""]
     for target, entry in targets.items():
-        lines.append(target_section(target, entry, (images or {}).get(target), (notes or {}).get(target)))
+        lines.append(target_section(target, entry, (images or {}).get(target), (notes or {}).get(target),
+                                    (trends or {}).get(target)))
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -337,10 +323,10 @@ def fleet_rows(fleet_summary: Mapping[str, Any], *, compact: bool = False) -> li
     the table to fit the V1 UI's content area at 1400 px (whole percentages, the
     verify runtimes as :data:`RUNTIME_ABBREVIATIONS`).
     """
-    return [
+    return regressions_first([
         _target_row(name, target, entry, compact) if entry is not None else _missing_row(name, error)
         for name, target, entry, error in _fleet_entries(fleet_summary)
-    ]
+    ])
 
 
 def fleet_errors(fleet_summary: Mapping[str, Any], limit: int = 400) -> list[tuple[str, str, str]]:
@@ -378,20 +364,22 @@ def _target_row(name: str, target: str, entry: Mapping[str, Any], compact: bool 
     return {
         "model": name,
         "target": target,
-        "ok": "ok" if entry.get("ok") else "FAILED",
+        "ok": status_word(entry),
         "pte bytes": format_bytes(pte.get("size")),
         "arena bytes": format_bytes(arena_bytes(plan)),
         "cached": f"{count_cached(stages)}/{len(stages)}",
         "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
         "delegated": delegation_cell(entry.get("delegation"), digits=0 if compact else 1),
         "verify": verify_cell(entry.get("verify"), short=compact),
+        "change": change_cell(entry),
         "error": first_line(entry.get("error"), 100),
     }
 
 
 def _missing_row(name: str, error: str) -> dict[str, Any]:
     return {"model": name, "target": "—", "ok": "FAILED", "pte bytes": "—", "arena bytes": "—",
-            "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "error": first_line(error, 100)}
+            "cached": "0/0", "seconds": "—", "delegated": "—", "verify": "—", "change": "—",
+            "error": first_line(error, 100)}
 
 
 def delegation_cell(delegation: Mapping[str, Any] | None, digits: int = 1) -> str:
@@ -452,10 +440,10 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
     status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(_md_text(n) for n in failed) or '?'}"
-    columns = [c for c in FLEET_COLUMNS if c != "error"]
+    columns = [c for c in FLEET_COLUMNS if c not in ("error", "change")]  # both listed under the table
     body = []
     for r in rows:
-        cells = [_md_cell(r[c]) for c in columns]
+        cells = [md_cell(r[c]) for c in columns]
         link = model_report_link((models.get(r["model"]) or {}).get("report"))
         if link:
             cells[0] = _md_link(r["model"], link)
@@ -472,6 +460,10 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
         "",
         f"verify: the runtimes whose outputs matched eager — {FLEET_RUNTIME_LEGEND}",
     ]
+    changes = change_lines(fleet_summary)
+    if changes:  # under the table, as the errors: a column would widen it past V1's content area
+        lines += ["", "**change against the published programs** (regressions first)", ""]
+        lines += [f"- {_md_text(line)}" for line in changes]
     errors = fleet_errors(fleet_summary)
     if errors:
         lines += ["", "**errors**", ""]
@@ -508,7 +500,7 @@ def _md_text(text: Any) -> str:
     backslash-escaped, ``_`` only where it could open or close emphasis (``buffer_mutation``
     stays as it is: both Prefect UIs render it so, and a link's text must not need escapes)."""
     escaped = re.sub(r"([\\`*{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
+    return EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
 
 
 def _md_link(text: Any, url: str) -> str:
@@ -591,6 +583,8 @@ def publish_model_report(
     notes: dict[str, str] = {}
     inlined: dict[str, int] = {}
     for target, entry in (model_manifest.get("targets") or {}).items():
+        if entry.get("regressed"):  # refused by a gate: last night's picture stays
+            continue
         published = _publish_plan_image(store, name, target, (plans or {}).get(target), entry)
         if published is None:
             continue
@@ -608,7 +602,7 @@ def publish_model_report(
             notes[target] = full
         else:
             notes[target] = f"memory-plan picture not shown: over the {format_bytes(inline_limit)} B inline limit of the report; {full}"
-    markdown = model_report_markdown(model_manifest, images=inline, notes=notes)
+    markdown = model_report_markdown(model_manifest, images=inline, notes=notes, trends=trend_images(store, model_manifest))
     key = artifact_key("model", name)
     artifact_id = create_markdown_artifact(markdown=markdown, key=key, description=f"lowerflow report of {name}")
     report = {"key": key, "artifact_id": str(artifact_id) if artifact_id else None}

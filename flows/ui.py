@@ -13,7 +13,8 @@ reports are::
     fleet report: http://127.0.0.1:4200/artifacts/key/lowerflow-fleet
     last fleet:   http://127.0.0.1:4200/runs/flow-run/<id>
 
-It serves until interrupted (Ctrl-C), then stops the server.
+then the latest fleet report itself (its markdown; ``--verbose``: every model's latest
+report's address too).  It serves until interrupted (Ctrl-C), then stops the server.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Callable
 
 #: The artifact key of the fleet report (flows/lower_fleet.py publishes it).
 FLEET_REPORT_KEY = "lowerflow-fleet"
+#: The key prefix of the model reports (flows/reports.py: ``lowerflow-model-<name>``).
+MODEL_REPORT_PREFIX = "lowerflow-model-"
 #: The fleet flow's name (flows/lower_fleet.py).
 FLEET_FLOW = "lower-fleet"
 #: Seconds to wait for the server to answer (its first start migrates the database).
@@ -91,6 +94,21 @@ def _post(url: str, body: dict) -> list:
         return json.loads(r.read())
 
 
+def latest_fleet_report(url: str) -> str | None:
+    """The markdown of the newest fleet report (None: there is none)."""
+    artifacts = _post(f"{url}/api/artifacts/latest/filter",
+                      {"artifacts": {"key": {"any_": [FLEET_REPORT_KEY]}}, "limit": 1})
+    return str(artifacts[0].get("data") or "") if artifacts else None
+
+
+def model_report_links(url: str) -> dict[str, str]:
+    """``model report <name>`` -> the address of each model's newest report, by name."""
+    artifacts = _post(f"{url}/api/artifacts/latest/filter",
+                      {"artifacts": {"key": {"like_": f"{MODEL_REPORT_PREFIX}%"}}, "limit": 200})
+    return {f"model report {a['key'][len(MODEL_REPORT_PREFIX):]}": f"{url}/artifacts/artifact/{a['id']}"
+            for a in sorted(artifacts, key=lambda a: a["key"])}
+
+
 def report_links(url: str) -> dict[str, str]:
     """The UI's addresses: its root, the fleet report, the newest fleet run (when there is one)."""
     links = {"Prefect UI": f"{url}/"}
@@ -115,18 +133,25 @@ def stop_server(server: subprocess.Popen) -> None:
             server.wait(15)
 
 
-def serve(host: str = "127.0.0.1", port: int = 4200, say: Callable[[str], None] = print) -> int:
-    """Start the UI server, print where the reports are, serve until interrupted."""
+def serve(host: str = "127.0.0.1", port: int = 4200, say: Callable[[str], None] = print, verbose: bool = False) -> int:
+    """Start the UI server, print where the reports are and the latest fleet report itself
+    (``verbose``: the address of every model's latest report too), serve until interrupted."""
     url = f"http://{host}:{port}"
     server = start_server(host, port)
     try:
         wait_until_up(url, server)
         links = report_links(url)
+        if verbose:
+            links.update(model_report_links(url))
         width = max(map(len, links)) + 1
         for label, link in links.items():
             say(f"{label + ':':<{width}} {link}")
         if "fleet report" not in links:
             say("no fleet report yet: run `./run demo` or `lowerflow fleet MANIFEST` first")
+        else:
+            say("")
+            say((latest_fleet_report(url) or "").rstrip())
+            say("")
         say("serving; Ctrl-C stops the server")
         sys.stdout.flush()
         while server.poll() is None:

@@ -178,6 +178,21 @@ class ExecutorchRunner:
             methods = {name: program.load_method(name) for name in names}
             return [list(methods[name].execute(list(inputs))) for name, inputs in calls]
 
+    def call(self, pte: "Pte", function: str, *args: Any) -> Any:
+        """``function(runtime, *args)`` (``"module:name"``, a module-level function taking
+        ExecuTorch's ``Runtime`` first, e.g. :func:`lowering.benchmark.measure`) with the
+        kernel libraries ``pte`` needs loaded: in this process, one call at a time, or,
+        where ``pte`` needs the "llm" set, in a fresh interpreter (``args``: what
+        ``torch.save`` keeps with ``weights_only``; programs as file paths)."""
+        sets = needed_sets(program_operators(pte))
+        if "llm" in sets and LIBRARIES["llm"] not in sys.modules:
+            return call_in_fresh_interpreter(function, args, sets)
+        module, _, name = function.partition(":")
+        with _EXECUTORCH_LOCK, native_output_to_log():
+            for library in sorted(sets):
+                _load_library(library)
+            return getattr(importlib.import_module(module), name)(self.runtime_module.Runtime.get(), *args)
+
     def missing_operators(self, operators: Iterable[str]) -> list[str]:
         """Operators of namespaces the stock runtime has none of (a backend's own ops,
         e.g. a fused op no backend took): the runtime refuses the method, so verify skips
@@ -270,6 +285,34 @@ def _file_key(item: Any) -> Any:
     if item is None:
         return None
     return ("bytes", bytes(item)) if isinstance(item, (bytes, bytearray)) else ("path", os.fspath(item))
+
+
+#: :func:`call_in_fresh_interpreter`'s program: the libraries first, then the function.
+_CALL_CHILD = """
+import importlib, sys, torch
+request = torch.load(sys.argv[1], weights_only=True)
+for module in request["modules"]:
+    importlib.import_module(module)
+runtime = importlib.import_module("executorch.runtime").Runtime.get()
+module, _, name = request["function"].partition(":")
+torch.save(getattr(importlib.import_module(module), name)(runtime, *request["args"]), sys.argv[2])
+"""
+
+
+def call_in_fresh_interpreter(function: str, args: tuple, sets: Iterable[str]) -> Any:
+    """:meth:`ExecutorchRunner.call` in a fresh Python that loads the libraries of ``sets``
+    ("llm" first) before the runtime; its error comes back as a RuntimeError quoting the
+    last line of its stderr."""
+    modules = [LIBRARIES[name] for name in ("llm", "quantized") if name in sets]
+    with tempfile.TemporaryDirectory(prefix="lowerflow-executorch-") as tmp:
+        request, output = os.path.join(tmp, "request.pt"), os.path.join(tmp, "output.pt")
+        torch.save({"modules": modules, "function": function, "args": list(args)}, request)
+        done = subprocess.run([sys.executable, "-c", _CALL_CHILD, request, output],
+                              capture_output=True, text=True, timeout=900)
+        if done.returncode != 0:
+            lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
+            raise RuntimeError(lines[-1] if lines else f"the ExecuTorch runtime exited with {done.returncode}")
+        return torch.load(output, weights_only=True)
 
 
 def batch_outputs(result: "list | Exception") -> list:

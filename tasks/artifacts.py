@@ -4,6 +4,9 @@ the next stage in this process reads the object, not the store."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from typing import Any
 
 import torch
@@ -94,3 +97,16 @@ def put_pte(store: ArtifactStore, pte: bytes) -> ArtifactRef:
     ref = store.put_bytes(pte, "pte")
     store.keep_as_windows(ref, data_windows(pte), pte)
     return ref
+
+
+def local_pte(store: ArtifactStore, ref: ArtifactRef, files: contextlib.ExitStack) -> str:
+    """A local file of the program ``ref``: the store's own where it is a local directory,
+    else a temporary copy (removed when ``files`` closes)."""
+    path = store.local_object_path(ref)
+    if path is not None:
+        return path
+    tmp = files.enter_context(tempfile.TemporaryDirectory(prefix="lowerflow-benchmark-"))
+    path = os.path.join(tmp, f"{ref.sha256}.pte")
+    with open(path, "wb") as f:
+        f.write(store.get_bytes(ref))
+    return path

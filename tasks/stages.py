@@ -22,11 +22,17 @@ Graph surgery that is cheap and deterministic (fusing a partition's nodes takes
 milliseconds) is redone from the stored tagged program by the stages that need
 the fused graph, rather than stored: ``create_submodule`` stores the plan of
 which nodes form which submodule, and ``build_programs`` and ``adjust`` apply it.
+
+Why one room: each stage's body is ``run_<stage>`` here, found by name (:class:`StageTasks`)
+beside its version and the inputs its key ignores; the bodies are thin, the work is lowering/'s.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
+import gc
 import inspect
 import threading
 import time
@@ -38,6 +44,7 @@ from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
+from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
 from lowering.delegate import executorch_call_delegate
 from lowering.emit.method import build_pte
 from lowering.external import program_files
@@ -52,6 +59,7 @@ from lowering.partition import (
     partition_tags_of,
 )
 from lowering.program import copy_program
+from lowering.paging import page_out_module
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
@@ -60,8 +68,9 @@ from lowering.to_backend import lower_control_flow_submodules, submodule_lowered
 from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
 from lowering.verify_executorch import with_data
 
-from .artifacts import get_blob, get_doc, get_program, put_blob, put_doc, put_pte, put_program
+from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
+from .heap import return_freed
 from .live import LIVE
 from .model_spec import live_model
 from .run_names import task_run_name
@@ -83,6 +92,7 @@ STAGE_VERSIONS = {
     "emit_methods": "1",
     "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
     "verify_sequence": "2",  # 2: as verify 3
+    "benchmark": "1",
 }
 
 
@@ -126,6 +136,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
                                 strict=loaded.strict)
+        page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
@@ -332,14 +343,20 @@ def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) ->
 
 
 def run_preprocess(
-    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str
+    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str,
+    versions: dict | None = None,
 ) -> dict:
     """Stage 5, one partition.  ``label`` names it in errors and is not in the cache key,
-    so identical partitions of different models share one cache entry."""
+    so identical partitions of different models share one cache entry.  ``versions``: of
+    executorch and the vendor compiler of a plugin backend (:func:`lowering.targets.backend_versions`;
+    in the key only when given: a new coremltools recompiles, lowerflow's own backends keep their keys).
+    ``compile_seconds``: how long the backend's compile took (what a cache hit saved)."""
     _begin("preprocess")
+    start = time.perf_counter()
     lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
+    seconds = time.perf_counter() - start
     processed = store.put_bytes(lowered.processed_bytes, "processed")
-    result = {"processed": processed, "backend_id": lowered.backend_id}
+    result = {"processed": processed, "backend_id": lowered.backend_id, "compile_seconds": round(seconds, 4)}
     if lowered.named_data:  # weights the payload refers to by key, one stored blob each
         result["named_data"] = [{"key": key, "blob": put_blob(store, blob)} for key, blob in lowered.named_data.items()]
     return result
@@ -461,15 +478,18 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
 def release_live() -> None:
     """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
     reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes.  A later stage (another target)
-    reads what it needs back from the store."""
+    holds are freed while verify runs two runtimes (collected now: a program's graph is a
+    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
+    (another target) reads what it needs back from the store."""
     LIVE.clear()
+    gc.collect()
+    return_freed()
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
-               ptd: ArtifactRef | None = None) -> dict:
+               ptd: ArtifactRef | None = None, tolerance: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
@@ -480,7 +500,9 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
     The runtimes read the program from the store's file where the store is a local directory.
     ``ptd``: the program's external weights; both runtimes run the pair, checked first
-    (:func:`lowering.external.check_pair`; in the key only when given)."""
+    (:func:`lowering.external.check_pair`; in the key only when given).
+    ``tolerance``: atol and rtol of a reduced-precision backend (:func:`lowering.targets.verify_tolerance`;
+    None: the fp32 default, and the key leaves it out)."""
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
@@ -488,15 +510,13 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    quantized = {}
-    if reference is not None:
-        quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
+    thresholds = {} if reference is None else {"min_sqnr": min_sqnr, "max_error": max_error}
     program = _program_file(store, pte, ptd)
-    if mode == "quick":
-        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized)
-    else:
-        report = verify_pte(program, loaded.module, loaded.inputs, method=method,
-                            dynamic_shapes=loaded.dynamic_shapes, **quantized)
+    tolerances = {"atol": tolerance, "rtol": tolerance} if tolerance is not None else {}
+    check = verify_quick if mode == "quick" else functools.partial(verify_pte, dynamic_shapes=loaded.dynamic_shapes)
+    # The quantized reference is read here for the check alone (not kept live): it drops it once run.
+    report = check(program, loaded.module, loaded.inputs, method=method,
+                   reference=None if reference is None else store.get_program(reference), **thresholds, **tolerances)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
@@ -523,6 +543,25 @@ def _program_file(store: ArtifactStore, pte: ArtifactRef, ptd: ArtifactRef | Non
     if ptd is None:
         return program
     return with_data(program, store.local_object_path(ptd) or store.get_bytes(ptd))
+
+
+def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, settings: dict,
+                  host: dict, previous: ArtifactRef | None = None, options: dict | None = None,
+                  method: str = "forward") -> dict:
+    """Time the .pte on ExecuTorch's runtime of this host (lowering.benchmark): load time,
+    latency median / p90, a decoder's prefill and decode tokens/s.  ``previous``: last
+    night's published program of the same model and target (in the key only when given):
+    both run interleaved in this process and the report has the ratios new/old.
+    ``host`` (this machine's CPU and threads) is in the key: figures are the host's."""
+    _begin("benchmark")
+    release_live()
+    loaded, bench = live_model(model, fingerprint, options), BenchmarkSettings(**settings)
+    if loaded.pt2 is not None or loaded.module is None:
+        return {"skipped": "a .pt2 model has no eager module to take inputs from"}
+    calls, prefill_calls = round_calls(loaded.module, loaded.inputs, bench, method)
+    with contextlib.ExitStack() as files:
+        path, old = (None if ref is None else local_pte(store, ref, files) for ref in (pte, previous))
+        return benchmark_pte(path, [method], calls, bench, previous=old, prefill_calls=prefill_calls)
 
 
 # --------------------------------------------------------------------------- Prefect tasks
@@ -576,14 +615,16 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
+    "benchmark": ("model", "options"),
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
-    "verify": ("mode", "ptd"),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
     "verify_sequence": ("references", "ptd"),
+    "benchmark": ("previous",),
 }
 
 

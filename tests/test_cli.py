@@ -168,7 +168,7 @@ def test_lower_bad_spec_fails_before_any_flow_runs(tmp_path):
     several = lowerflow("lower", MLP, "-t", "portable", "-t", "reference", "-o", str(tmp_path / "x.pte"))
     assert_one_line_error(several, 2, "several targets")
     unknown = lowerflow("lower", MLP, "-t", "nowhere", "--store", str(tmp_path / "store"))
-    assert_one_line_error(unknown, 2, "--target: unknown target 'nowhere'", "(targets: portable, reference, xnnpack)")
+    assert_one_line_error(unknown, 2, "--target: unknown target 'nowhere'", "(targets: portable, coreml, ethos-u, openvino, qnn, reference, vulkan, xnnpack)")
     assert not (tmp_path / "store").exists()
 
 
@@ -222,7 +222,7 @@ def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
         assert f"{target}: wrote {out / f'buffer_mutation.{target}.pte'}" in first.stdout
     stages = [line.split() for line in first.stdout.splitlines() if not line.split()[0].endswith(":")]
     assert {s[0] for s in stages} == {"portable", "reference"}
-    assert [s[1] for s in stages if s[0] == "portable"] == ["export", "memory_plan", "emit", "verify"]
+    assert [s[1] for s in stages if s[0] == "portable"] == ["export", "memory_plan", "emit", "verify", "benchmark"]
     assert "partition" in [s[1] for s in stages if s[0] == "reference"]
     second = lowerflow(*args, home=home)
     assert second.returncode == 0, second.stderr
@@ -254,7 +254,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
     progress = sorted(line.split()[1:3] for line in out if line.startswith("["))
     assert progress == [["broken", "FAILED"], ["mlp", "ok"]]
     rows = {line.split()[0]: line.split() for line in out if line.split()[:1] in (["mlp"], ["broken"])}
-    assert rows["mlp"][1:3] == ["portable", "ok"] and rows["mlp"][5] == "0/4"
+    assert rows["mlp"][1:3] == ["portable", "ok"] and rows["mlp"][5] == "0/5"  # with the benchmark stage
     assert rows["broken"][2] == "FAILED" and "load: ModelSpecError" in " ".join(rows["broken"])
 
     plan = lowerflow("plan", str(manifest), home=home)  # validates and loads as fleet does: the same line

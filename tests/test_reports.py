@@ -190,7 +190,7 @@ def test_fleet_rows_one_per_model_and_target(cnn_plan):
     ]
     assert rows[0] == {"model": "mlp", "target": "portable", "ok": "ok", "pte bytes": "70,000",
                        "arena bytes": "8,192", "cached": "2/3", "seconds": "1.75",
-                       "delegated": "—", "verify": "—", "error": ""}
+                       "delegated": "—", "verify": "—", "change": "—", "error": ""}
     assert rows[1]["cached"] == "2/9" and rows[1]["pte bytes"] == "123,456"
     assert rows[1]["delegated"] == "15/20 (75.0%)"
     assert rows[1]["verify"] == "ok (lowerflow, executorch)"  # `other` was skipped: not named
@@ -215,8 +215,8 @@ def test_fleet_markdown_and_text_tables(cnn_plan):
                       "- broken / —: failed before producing a manifest"]
     text = fleet_text_table(summary).splitlines()
     assert text[0].split() == ["model", "target", "ok", "pte", "bytes", "arena", "bytes", "cached", "seconds",
-                               "delegated", "verify", "error"]
-    assert text[2].split() == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", "—", "—"]
+                               "delegated", "verify", "change", "error"]
+    assert text[2].split() == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", "—", "—", "—"]
     assert len(text) == 2 + 4
 
 

@@ -81,7 +81,7 @@ def test_ui_serves_the_fleet_report_of_a_cli_run(tmp_path):
     assert done.returncode == 0, done.stderr
 
     port = free_port()
-    ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)], env=env, cwd=ROOT,
+    ui = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port), "--verbose"], env=env, cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         lines = read_lines_until(ui, "serving", timeout=180)
@@ -90,6 +90,8 @@ def test_ui_serves_the_fleet_report_of_a_cli_run(tmp_path):
         base = f"http://127.0.0.1:{port}"
         assert links["fleet report"] == f"{base}/artifacts/key/lowerflow-fleet", lines
         assert links["last fleet"].startswith(f"{base}/runs/flow-run/"), lines
+        assert links["model report mlp"].startswith(f"{base}/artifacts/artifact/"), lines  # --verbose
+        assert "# lowerflow fleet" in lines and any(line.startswith("| mlp") or "[mlp]" in line for line in lines), lines
         # The report is the one this run published, served from the CLI's database.
         artifact = get_json(f"{base}/api/artifacts/latest/filter",
                             {"artifacts": {"key": {"any_": ["lowerflow-fleet"]}}, "limit": 1})[0]
