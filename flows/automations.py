@@ -62,7 +62,9 @@ NOTIFICATION_SUBJECT = ("lowerflow: nightly fleet {{ flow_run.name }} {{ flow_ru
 #: The state message carries the cause (flows/nights.py); then what happens or what to run next.
 NOTIFICATION_BODY = (
     "lowerflow fleet run {{ flow_run.name }} ({{ flow_run.id }}) of deployment "
-    "{{ deployment.name }} ended {{ flow_run.state.name }}: {{ flow_run.state.message }}\n"
+    "{{ deployment.name }} ended {{ flow_run.state.name }}: "
+    "{{ flow_run.state.message | replace('Flow run encountered an exception: ', '') "
+    "| replace('FleetFailed: ', '') | replace('FleetLost: ', '') | replace('ManifestError: ', '') }}\n"
     "{% if flow_run.state.name == 'Crashed' %}"
     "a retry is scheduled (automation '" + LOST_FLEET_AUTOMATION + "'): a fleet worker takes it, it waits for "
     "the model runs still out and submits the rest; a message follows when it completes\n"

@@ -18,21 +18,22 @@ lowering or verification, 2 for bad usage or a bad manifest.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
 from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
-    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize,
+    EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize, parse_targets,
     add_gate_arguments, gate_arguments, parse_runtime_ops, parse_spec,
 )
+from .fleet_progress import FleetProgress
 from .load_options import add_load_arguments, load_arguments
+from .verify_mode import CHECK_MODES
+from tasks.heap import set_heap_policy
 
 PROG = "lowerflow"
 #: Default ``-o`` of ``lower``: one file per target in the current directory.
@@ -62,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     lower.add_argument("spec", metavar="SPEC", help="model spec: path/file.py:factory, package.module:factory, "
                        "a .pt2 URL or hf:<dir or hub id>")
     lower.add_argument("--target", "-t", action="append", dest="targets", metavar="T",
-                       help="target (portable, reference, ...); repeat for several (default: portable)")
+                       help=f"target: {', '.join(_target_names())}; or a chain NAME=BACKEND,BACKEND,... "
+                            "(e.g. android=vulkan,xnnpack: each backend takes what the ones before it left); "
+                            "repeat for several (default: portable)")
     lower.add_argument("-o", "--output", default=DEFAULT_OUTPUT, metavar="OUT",
                        help="output .pte path; may use {name} and {target}; a directory for several targets "
                             f"(default: {DEFAULT_OUTPUT})")
@@ -136,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--data", metavar="FILE.ptd", help="the .ptd the program binds its weights from "
                                                           "(checked key by key before anything runs)")
     verify.add_argument("--dynamic-shapes", metavar="JSON", help="the --dynamic-shapes given to lower, if any")
+    verify.add_argument("--verify", choices=CHECK_MODES, default="auto", metavar="MODE",
+                        help="full (every input set, twice), quick (a decoder: one prefill and a few decode steps), "
+                             "or auto (the default: full, quick for a model above 64 MiB of weights), as lower's")
     add_load_arguments(verify)  # an hf: model's --task, --max-seq-len, ... as given to lower
     verify.set_defaults(run=cmd_verify)
 
@@ -207,28 +213,35 @@ def add_verify_argument(parser: argparse.ArgumentParser, scope: str = "") -> Non
                              f"64 MiB of weights){scope}")
 
 
+def _target_names() -> list[str]:
+    """lowering.targets.target_names without importing torch (the parser is built on every call)."""
+    from importlib import metadata
+
+    return ["portable", *sorted({e.name for e in metadata.entry_points(group="lowerflow.backends")} - {"portable"})]
+
+
 def cmd_lower(args: argparse.Namespace) -> int:
     """Run ``lower_model``; print its stages; write the .pte of every target that succeeded."""
-    targets = args.targets or ["portable"]
-    if len(set(targets)) != len(targets):
-        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    targets, target_options = parse_targets(args.targets or ["portable"])
     spec = parse_spec(args.spec, args)
     name = spec.name
     dynamic_shapes = parse_dynamic_shapes(args.dynamic_shapes, spec)
-    check_targets(targets)
+    check_targets(targets, target_options)
     quantize = {**parse_quantize(args, targets), **parse_runtime_ops(args.runtime_ops, targets),
                 **gate_arguments(args, targets)}
     outputs = {t: output_path(args.output, name, t, several=len(targets) > 1) for t in targets}
     for path in outputs.values():
         check_writable(path)
-    from flows.lower_model import ModelLoweringFailed, lower_model
+    from flows.lower_model import ModelLoweringFailed, lower_cached, lower_model
 
     quiet_console(args.verbose)
-    try:
-        manifest = lower_model(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
-                               **({"verify": args.verify} if args.verify else {}),
-                               **({"external_weights": True} if args.external_weights else {}),
-                               **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    arguments = dict(model=args.spec, targets=targets, store=args.store, **quantize, **load_arguments(args, args.spec),
+                     **({"options": target_options} if target_options else {}),
+                     **({"verify": args.verify} if args.verify else {}),
+                     **({"external_weights": True} if args.external_weights else {}),
+                     **({"dynamic_shapes": dynamic_shapes} if dynamic_shapes is not None else {}))
+    try:  # a cached rerun with no API server configured starts none (lower_cached)
+        manifest = (lower_cached(**arguments) if not api_server_configured() else None) or lower_model(**arguments)
     except ModelLoweringFailed as exc:
         manifest = exc.manifest
     failed = []
@@ -260,6 +273,14 @@ def cmd_lower(args: argparse.Namespace) -> int:
     if failed:  # "<model>: <target>: <stage>: <error>; ..." or, for an outside cause, what to do
         raise CLIError(f"{name}: " + (hint_for("; ".join(failed)) or "; ".join(failed)))
     return EXIT_OK
+
+
+def api_server_configured() -> bool:
+    """Whether Prefect has an API server to talk to (``PREFECT_API_URL``); without one, a
+    flow run starts Prefect's ephemeral server first."""
+    from prefect.settings import get_current_settings
+
+    return bool(get_current_settings().api.url)
 
 
 def output_path(template: str, name: str, target: str, *, several: bool) -> Path:
@@ -466,69 +487,6 @@ def load_fleet(path: str):
         raise CLIError(str(exc), EXIT_USAGE) from exc
 
 
-class FleetProgress(logging.Handler):
-    """Prints ``[k/n] model  ok|FAILED  (s)`` as each model's flow reports its targets.
-
-    It listens to the log records ``"<name>/<target> ok …"`` or ``"<name>/<target> FAILED
-    <error> …"`` that ``flows.lower_model`` writes when a model's targets are done, for
-    the models and targets of the manifest only.  They come from Prefect's run loggers
-    (``prefect.flow_runs`` / ``prefect.task_runs``), which propagate to ``prefect`` at
-    INFO whatever the console shows.
-    """
-
-    LOGGER = "prefect"
-
-    def __init__(self, targets: dict[str, set[str]], emit_line: Callable[[str], None]) -> None:
-        super().__init__(logging.INFO)
-        self.pending = {name: set(t) for name, t in targets.items()}
-        self.failed: set[str] = set()
-        self.total = len(targets)
-        self.done = 0
-        self.emit_line = emit_line
-        self.started = time.monotonic()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Called under the handler's own lock (``Handler.handle``), so one thread at a time."""
-        try:
-            message = record.getMessage()
-        except Exception:
-            return
-        head, _, outcome = message.partition(" ")
-        name, _, target = head.rpartition("/")
-        if (outcome := outcome.split(" ", 1)[0]) not in ("ok", "FAILED"):  # "ok 0.84 s: 2 ran (…)…"
-            return
-        remaining = self.pending.get(name)
-        targets = set(target.split(","))  # "cnn/portable,xnnpack FAILED ...": one cause for both
-        if remaining is None or not targets & remaining:
-            return
-        remaining -= targets
-        if outcome != "ok":
-            self.failed.add(name)
-        if not remaining:
-            self.done += 1
-            status = "FAILED" if name in self.failed else "ok"
-            self.emit_line(f"[{self.done}/{self.total}] {name:<20} {status:<6} {time.monotonic() - self.started:7.1f} s")
-
-    def listening(self):
-        """Context manager attaching the handler to Prefect's run loggers' parent (level INFO)."""
-        import contextlib
-
-        @contextlib.contextmanager
-        def attached():
-            logger = logging.getLogger(self.LOGGER)
-            old_level = logger.level
-            if logger.getEffectiveLevel() > logging.INFO:
-                logger.setLevel(logging.INFO)
-            logger.addHandler(self)
-            try:
-                yield self
-            finally:
-                logger.removeHandler(self)
-                logger.setLevel(old_level)
-
-        return attached()
-
-
 # --------------------------------------------------------------------------- plan
 
 
@@ -567,24 +525,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
     if spec.kind == "pt2":
         raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
+    pte = Path(args.pte)  # read by path: ExecuTorch's runtime maps the file
     try:
-        pte = Path(args.pte).read_bytes()
+        with pte.open("rb"):
+            pass
     except OSError as exc:
         raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
-    from lowering.verify import verify, verify_methods
+    from lowering.verify import resolve_mode, verify, verify_methods, verify_quick
     from lowering.verify_executorch import with_data
 
+    mode = resolve_mode(args.verify, loaded.weights_size())
     pte = with_data(pte, data)
     try:
-        if not loaded.methods:
-            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
-        else:  # every method at once: one fresh interpreter for a program of llama:: ops
+        if loaded.methods:  # every method at once: one fresh interpreter for a program of llama:: ops
             reports = verify_methods(pte, {n: (m.module, m.inputs, m.dynamic_shapes) for n, m in loaded.methods.items()},
-                                     constants=loaded.constants)
+                                     constants=loaded.constants, mode=mode)
+        elif mode == "quick":
+            reports = {None: verify_quick(pte, loaded.module, loaded.inputs)}
+        else:
+            reports = {None: verify(pte, loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)}
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {args.pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from exc
     bad = []
@@ -716,6 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         configure_environment(args.verbose, getattr(args, "store", None))
+        set_heap_policy()  # freed weights go back to the system: the peak is what a stage holds
         return args.run(args)
     except KeyboardInterrupt:
         print(f"{PROG}: error: interrupted", file=sys.stderr)

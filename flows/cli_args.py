@@ -72,14 +72,33 @@ def parse_runtime_ops(text: str | None, targets: list[str]) -> dict[str, Any]:
         raise CLIError(str(exc), EXIT_USAGE) from None
 
 
-def check_targets(targets: Sequence[str]) -> None:
-    """Every target names ``portable`` or a known backend; otherwise exit status 2."""
+def parse_targets(texts: Sequence[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``-t xnnpack -t android=vulkan,xnnpack`` as (target names, lower_model's ``options``):
+    ``["xnnpack", "android"]``, ``{"android": {"backends": ["vulkan", "xnnpack"]}}`` (a chain:
+    lowering.targets.chain_of).  A name given twice is exit status 2."""
+    targets, options = [], {}
+    for text in texts:
+        name, chain, backends = text.partition("=")
+        if chain:
+            if not name or not backends:
+                raise CLIError(f"--target {text!r}: a chain is NAME=BACKEND,BACKEND,... "
+                               "(e.g. android=vulkan,xnnpack)", EXIT_USAGE)
+            options[name] = {"backends": [b.strip() for b in backends.split(",") if b.strip()]}
+        targets.append(name)
+    if len(set(targets)) != len(targets):
+        raise CLIError(f"--target lists a target twice: {targets}", EXIT_USAGE)
+    return targets, options
+
+
+def check_targets(targets: Sequence[str], options: dict[str, dict[str, Any]] | None = None) -> None:
+    """Every target names ``portable``, a backend that can lower here, or a chain of them
+    (``options``); otherwise exit status 2 (one line: e.g. the extra to install)."""
     from lowering.errors import BackendError
     from lowering.targets import check_target
 
     for target in targets:
         try:
-            check_target(target)
+            check_target(target, (options or {}).get(target))
         except BackendError as exc:
             raise CLIError(f"--target: {first_line(str(exc))}", EXIT_USAGE) from exc
 

@@ -28,12 +28,15 @@ LIBRARY_LOGGERS = ("torchao", "transformers")
 
 def quiet_libraries() -> None:
     """A worker's process (its warm parent, a flow run) as quiet as the CLI: no Python
-    warnings (torch's ``register_constant() … deprecated``, ``isinstance(treespec,
-    LeafSpec)``: every warning is a library's) and only errors from
-    :data:`LIBRARY_LOGGERS`, unless :data:`VERBOSE_ENV` is set."""
+    warnings (torch's ``isinstance(treespec, LeafSpec)`` is deprecated: every warning is a
+    library's), and only errors from torch's loggers and :data:`LIBRARY_LOGGERS`, unless
+    :data:`VERBOSE_ENV` is set.  Call before torch is imported."""
     if os.environ.get(VERBOSE_ENV):
         return
     warnings.simplefilter("ignore")
+    # torch's own loggers (``W… torch/utils/_pytree.py:630] … register_constant() …``, when
+    # torchao registers its enums) at ERROR: read when torch is imported.
+    os.environ.setdefault("TORCH_LOGS", "-all")
     for name in LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
 

@@ -41,7 +41,7 @@ from prefect import Flow, flow, get_run_logger
 from tasks.store import ArtifactStore
 
 from .lower_model import ModelLoweringFailed, lower_model, one_line, plan_model
-from .manifest import FleetManifest, ModelEntry, load_manifest
+from .manifest import FleetManifest, ManifestError, ModelEntry, load_manifest
 from .nights import emit_recovered, failure_message, lost_run_error, recovered_line
 from .outages import outage, store_down
 from .run_logs import failure_lines
@@ -118,8 +118,13 @@ def lower_fleet(manifest: str | dict, pool: str | None = None, timeout_seconds: 
     ``accept_regressions``: publish programs their gates refuse (flows/gates.py), every model.
     Raises :class:`FleetFailed` (after writing the summary) if any model failed.
     """
-    fleet = load_manifest(manifest)
     logger = get_run_logger()
+    try:
+        fleet = load_manifest(manifest)
+    except ManifestError as exc:  # the fleet's one line (the run's state says it too)
+        logger.error("%s", exc)
+        exc.logged = True  # Prefect's repeat of it goes to DEBUG (flows/run_logs.py)
+        raise
     store = ArtifactStore(fleet.store)
     members = {e.name: {**member_parameters(e, store.url, fleet.locks), **({"verify": verify} if verify else {}),
                         **({"accept_regressions": True} if accept_regressions else {})}

@@ -39,13 +39,15 @@ quiet_flow_run()  # a worker's flow run: no library warnings on its console (bef
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Callable
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import MissingContextError
 
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE
+from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -57,7 +59,7 @@ from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
 from .gates import Publisher, Regressed, benchmark_by_target, gates_by_target
 from .history import append_history, manifest_to_store
-from .published import changed_since_last, keep_published, unpublish_failed
+from .published import changed_since_last, device_updates, keep_published, unpublish_failed
 from .quantized import NO_QUANTIZATION, QuantSettings
 from .verify_mode import check_verify, stage_mode, target_mode
 
@@ -179,9 +181,11 @@ def run_model(
     benchmark: Any = True,
     gates: Any = None,
     accept_regressions: bool = False,
-) -> dict:
+    cached_only: bool = False,
+) -> dict | None:
     """The body of :func:`lower_model`, callable from any flow or task without a flow run
     of its own (a flow run costs ~1 s, which would dominate a warm fleet run).
+    ``cached_only``: :func:`lower_cached`'s run (None unless every stage hits the cache).
 
     Each stage is first looked up in the cache (the same key and artifact checks
     the task makes); only a miss becomes a task run.  A cached task run still
@@ -198,6 +202,8 @@ def run_model(
         try:
             return lookup(stage, records, **inputs)
         except WouldRun:
+            if cached_only:
+                raise
             records.pop()  # the lookup's would-run record; the task records itself
             return call_stage(getattr(stages, stage), records, **inputs)
 
@@ -209,9 +215,12 @@ def run_model(
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                          load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
                          external_by_target(external_weights, targets))
+    if cached_only and not all(t["ok"] for t in manifest["targets"].values()):
+        return None  # a stage would run (or a target failed): the flow runs the model
     manifest["store"] = stages.store.url
     manifest["flow_run"] = _flow_run_id()  # a fleet on a work pool matches it to its child run
     manifest["changed"] = changed_since_last(stages.store, manifest)
+    device_updates(stages.store, manifest)
     mark_outage(manifest, stages.store.url)
     _log(manifest)
     try:
@@ -221,7 +230,8 @@ def run_model(
         if stored is not None:  # None: every target regressed; last night's manifest stays as it is
             stages.store.put_json(f"{manifest['name']}/manifest.json", stored)
         append_history(stages.store, manifest)
-        _publish_report(manifest, stages.store)
+        if not cached_only:  # the report is a Prefect artifact of the flow run: there is none
+            _publish_report(manifest, stages.store)
     except Exception as exc:  # the store went away: report the targets' own errors, and this
         manifest["store_error"] = f"cannot write the manifest to {stages.store.url}: {type(exc).__name__}: {one_line(str(exc))}"
         if mark_outage(manifest, stages.store.url):
@@ -231,6 +241,27 @@ def run_model(
     if not all(t["ok"] for t in manifest["targets"].values()):
         raise ModelLoweringFailed(manifest)
     return manifest
+
+
+def lower_cached(model: str, targets: list[str] = [PORTABLE], **options: Any) -> dict | None:  # noqa: B006
+    """:func:`lower_model` without a flow run, when every stage of every target hits the
+    cache: the same stages looked up, the same outputs published, the same manifest
+    (``flow_run`` None, no report artifact), and no Prefect API used, so ``lowerflow lower``
+    with no API server configured starts none for a cached rerun (its ephemeral server
+    took 6-26 s of a SmolLM2-135M rerun).  None when a stage would run or anything fails:
+    then the flow runs the model (and reports what failed).  ``options``: lower_model's.
+    A model the store has no manifest of (never published: its first lowering) is not
+    looked up at all, so a cold run loads and fingerprints it once."""
+    from tasks.store import ArtifactStore
+
+    try:
+        store = ArtifactStore(options.get("store"))
+        name = options.get("name") or ModelSpec.parse(model).name
+        if not store.fs.exists(store.named_path(f"{name}/manifest.json")):
+            return None
+        return run_model(model, targets, **options, cached_only=True)
+    except Exception:
+        return None
 
 
 def plan_model(
@@ -314,7 +345,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant, external)
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets) if publish is None else None
+        dry = DryRun.of(quant, targets, verify) if publish is None else None
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options=export_options(version, dynamic_shapes, extras))
@@ -375,7 +406,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
-            program, result["delegation"] = delegate(run, name, program, target, options, records, external=external)
+            program, result["delegation"] = delegate_target(run, name, program, target, options, records,
+                                                              external=external)
         planned = run("memory_plan", records, program=program, state_of=None)
         result["memory_plan"] = {
             **{k: planned[k] for k in ("arena_bytes", "lower_bound", "algorithm")},
@@ -386,7 +418,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
             report = run("verify", records, pte=emitted["pte"], model=model, fingerprint=fingerprint, method="forward",
-                         options=load_options, **accuracy, **stage_mode(verify), **data)
+                         options=load_options, **accuracy, **stage_mode(verify), **data,
+                         tolerance=verify_tolerance(target, options))
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
@@ -423,7 +456,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                                             options=load_options)
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
-        return _all_failed(manifest, targets, records, exc, methods=True)
+        return _all_failed(manifest, targets, records, exc, methods=True, dry=DryRun.of(quant, targets, verify))
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
@@ -489,7 +522,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["quantize"] = _total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
-                program, methods[method]["delegation"] = delegate(
+                program, methods[method]["delegation"] = delegate_target(
                     for_method(run, method), f"{name}.{method}", program, target, options, records,
                     shared_state=(written_elsewhere or {}).get(method) or None, external=external)
             delegated[method] = program
@@ -534,7 +567,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     except Regressed as exc:
         result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
-        dry = DryRun(frozenset({target})) if quantized is not None else None
+        dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()))
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
 
@@ -595,10 +628,38 @@ def _combined_verify(reports: dict[str, dict]) -> dict:
     return {"ok": ok, "checks": checks}
 
 
+def delegate_target(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
+                    external: dict | None = None):
+    """:func:`delegate` for one backend, or for each backend of a chain in turn (each one's
+    partitioner sees what the ones before it left); the summary says per backend what it took."""
+    chain = chain_of(target, options)
+    if chain is None:
+        return delegate(run, name, program, target, options, records, shared_state, external)
+    backends = {}
+    for backend, backend_options in chain:
+        with labelled(target=f"{target}:{backend}"):
+            program, backends[backend] = delegate(run, name, program, backend, backend_options, records, shared_state,
+                                                  external, tags=True)
+    summaries = list(backends.values())
+    summary = {
+        "partitions": sum(s["partitions"] for s in summaries),
+        "delegated_nodes": sum(s["delegated_nodes"] for s in summaries),
+        "total_nodes": summaries[0]["total_nodes"],
+        "backends": backends,
+    }
+    seconds = [s["compile_seconds"] for s in summaries if "compile_seconds" in s]
+    if seconds:
+        summary["compile_seconds"] = round(sum(seconds), 4)
+    return program, summary
+
+
 def delegate(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
-             external: dict | None = None):
+             external: dict | None = None, tags: bool = False):
     """Stages 2–6: returns (delegated program ref, delegation summary).  ``shared_state``:
-    buffers another method writes (:func:`lowering.methods.mark_shared_state`).  ``external``:
+    buffers another method writes (:func:`lowering.methods.mark_shared_state`).  A plugin
+    backend's compiles are keyed on its compiler versions too, and the summary holds the
+    seconds they took (``compile_seconds``, as when compiled: a cache hit costs none).  ``tags``: the
+    summary lists the partitions' tags (a chain's step; always for a plugin backend).  ``external``:
     ``{"external_weights": True}`` when the target's weights are external (the partitions ask
     their backend for stable keys: :data:`lowering.delegation.EXTERNAL_WEIGHTS_SPEC`)."""
     external = external or {}
@@ -610,12 +671,16 @@ def delegate(run: Run, name, program, target, options, records, shared_state: li
     plan = run("create_submodule", records, tagged=tagged["tagged"])["plan"]
     built = run("build_programs", records, tagged=tagged["tagged"], plan=plan)
     partitions = []
+    versions = {}
     for index, part in enumerate(built["partitions"]):
+        if part["backend_id"] not in versions:
+            versions[part["backend_id"]] = backend_versions(part["backend_id"])
         with labelled(partition=index):  # its task run: preprocess[cnn/xnnpack#0]
             done = run(
                 "preprocess", records,
                 program=part["program"], backend_id=part["backend_id"],
                 compile_specs=part["compile_specs"], label=f"{name}/{part['tag']}",
+                versions=versions[part["backend_id"]],
             )
         partitions.append({**part, **done})
     adjusted = run("adjust", records, tagged=tagged["tagged"], plan=plan, partitions=partitions)
@@ -624,6 +689,10 @@ def delegate(run: Run, name, program, target, options, records, shared_state: li
         "delegated_nodes": adjusted["delegated_nodes"],
         "total_nodes": tagged["total_nodes"],
     }
+    if tags or any(versions.values()):
+        summary["partition_tags"] = [p["tag"] for p in partitions]
+    if any(versions.values()):  # a plugin backend: its vendor compiles
+        summary["compile_seconds"] = round(sum(p.get("compile_seconds", 0.0) for p in partitions), 4)
     return delegate_control_flow(run, adjusted["program"], tagged, target, options, records, summary, external)
 
 
@@ -661,22 +730,30 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
 @dataclasses.dataclass(frozen=True)
 class DryRun:
     """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
-    quantize, and whether the program has cond / map (stage ``lower_control_flow``)."""
+    quantize, which verify (``verify: off`` runs no verify stage), and whether the program
+    has cond / map (stage ``lower_control_flow``)."""
 
     quantized: frozenset = frozenset()
+    #: The targets whose verify mode is ``off``.
+    unverified: frozenset = frozenset()
     #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
     #: stages to list (reading the program costs time a fully cached plan need not spend).
     control_flow: Any = None
 
     @classmethod
-    def of(cls, quant: QuantSettings, targets) -> "DryRun":
-        return cls(frozenset(t for t in targets if quant.recipe(t) is not None))
+    def of(cls, quant: QuantSettings, targets, verify: dict[str, str]) -> "DryRun":
+        """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
+        return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
+                   frozenset(t for t in targets if verify[t] == "off"))
 
     def with_control_flow(self, probe) -> "DryRun":
         return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
 
     def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
-        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where they run."""
+        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where
+        they run, without ``verify`` where it is off."""
+        if target in self.unverified:
+            stages = tuple(s for s in stages if s != "verify")
         if target in self.quantized:
             stages = ("quantize", *stages)
         if "adjust" in stages and self.control_flow is not None and self.control_flow():
@@ -768,7 +845,10 @@ def _flow_run_id() -> str | None:
 def _log(manifest: dict) -> None:
     """A line per target (:func:`flows.run_logs.target_line`: outcome, stages run and
     cached, seconds), or one for all when one cause failed them all; stages at DEBUG."""
-    logger = get_run_logger()
+    try:
+        logger = get_run_logger()
+    except MissingContextError:  # lower_cached: no flow run; the logger a run's records use
+        logger = logging.getLogger("prefect.flow_runs")
     name = manifest["name"]
     if manifest.get("changed"):
         logger.info("%s: re-lowered: %s changed", name, ", ".join(manifest["changed"]))

@@ -6,7 +6,8 @@
     models:
       - name: mlp                            # optional: defaults to the factory / file name
         model: examples/models.py:mlp        # a model spec (tasks.model_spec)
-        targets: [portable, reference]       # optional: defaults.targets
+        targets: [portable, reference]       # optional: defaults.targets; a chain of backends is
+                                             #   {name: android, backends: [vulkan, xnnpack]}
         options: {reference: {...}}          # optional: partitioner options per target
         version: "1"                         # optional: an extra salt of the export key
         verify: true                         # optional: true (auto: full, quick above 64 MiB of weights),
@@ -253,15 +254,17 @@ def _entry(i: int, raw: Any, defaults: Mapping[str, Any], base: Path) -> ModelEn
     targets = raw.get("targets", defaults.get("targets", [PORTABLE]))
     if isinstance(targets, str):
         targets = [targets]
+    targets, chains = _chain_targets(where, targets)
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
         raise ManifestError(f"{where}: 'targets' must be a non-empty list of target names")
     if len(set(targets)) != len(targets):
         raise ManifestError(f"{where}: 'targets' lists a target twice: {targets}")
-    for target in targets:
-        _check_target(where, target)
     options = raw.get("options", {})
     if not isinstance(options, Mapping) or not all(isinstance(v, Mapping) for v in options.values()):
         raise ManifestError(f"{where}: 'options' must map target names to option mappings")
+    options = {**options, **{t: {**options.get(t, {}), **chain} for t, chain in chains.items()}}
+    for target in targets:
+        _check_target(where, target, options.get(target))
     stray = set(options) - set(targets)
     if stray:
         raise ManifestError(f"{where}: 'options' for targets not lowered: {sorted(stray)}")
@@ -500,8 +503,25 @@ def canonical_dynamic_shapes(doc: Any, where: str) -> Any:
         raise ManifestError(str(exc)) from None
 
 
-def _check_target(where: str, target: str) -> None:
+def _chain_targets(where: str, targets: Any) -> tuple[Any, dict[str, dict]]:
+    """``[xnnpack, {name: android, backends: [vulkan, xnnpack]}]`` -> the names and each
+    chain's ``{"backends": [...]}`` (merged into its options: lowering.targets.chain_of)."""
+    if not isinstance(targets, list):
+        return targets, {}
+    names, chains = [], {}
+    for target in targets:
+        if isinstance(target, Mapping):
+            if set(target) != {"name", "backends"} or not isinstance(target["name"], str):
+                raise ManifestError(f"{where}: a chain target is {{name: NAME, backends: [BACKEND, ...]}}, "
+                                    f"got {dict(target)}")
+            chains[target["name"]] = {"backends": target["backends"]}
+            target = target["name"]
+        names.append(target)
+    return names, chains
+
+
+def _check_target(where: str, target: str, options: Mapping[str, Any] | None = None) -> None:
     try:
-        check_target(target)
+        check_target(target, options)
     except BackendError as exc:
         raise ManifestError(f"{where}: {exc}") from exc

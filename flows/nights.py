@@ -106,12 +106,25 @@ def emit_recovered(line: str, flow_run_id: Any, flow_run_name: str) -> None:
 
     emit_event(RECOVERED_EVENT, resource={"prefect.resource.id": f"prefect.flow-run.{flow_run_id}",
                                           "prefect.resource.name": flow_run_name},
-               related=[{"prefect.resource.id": "lowerflow.flow.lower-fleet", "prefect.resource.role": "flow",
-                         "prefect.resource.name": "lower-fleet"}],
-               payload={"recovered": line})
+               payload={"recovered": line})  # Prefect relates it to the run's flow and deployment
 
 
 # --------------------------------------------------------------------------- lowerflow nights
+
+
+#: What Prefect puts before the message of the exception that failed a flow run.
+PREFECT_PREFIX = "Flow run encountered an exception: "
+
+
+def cause_of(message: str) -> str:
+    """A fleet run's state message without Prefect's prefix (``Flow run encountered an
+    exception: FleetFailed: ``), on one line: what failed and why."""
+    message = message.strip().replace("\n", " ")
+    if message.startswith(PREFECT_PREFIX):
+        message = message[len(PREFECT_PREFIX):]
+        for explained in ("FleetFailed: ", "FleetLost: ", "ManifestError: "):
+            message = message.removeprefix(explained)
+    return message
 
 
 def retry_command(run_id: Any) -> str:
@@ -120,8 +133,8 @@ def retry_command(run_id: Any) -> str:
 
 def night_lines(runs: Iterable[tuple[Any, str | None]], now: Any = None) -> list[str]:
     """Two lines per fleet run, newest first: when it started, its state (and try),
-    how long it ran, its deployment and state message; then what to run next (the
-    retry command with the whole id) or its id::
+    how long it ran, its deployment and cause (its state message); then what to run
+    next (the retry command with the whole id) or its id::
 
         2026-11-27 02:00  Failed     35 s  nightly-fleet  5 of 6 models failed: mlp, …; cannot reach …
           next: prefect flow-run retry 3f0c2f9e-3a0e-4b9c-9d9a-1f0d5f2f6b1e
@@ -136,11 +149,14 @@ def night_lines(runs: Iterable[tuple[Any, str | None]], now: Any = None) -> list
         if run.state is not None and run.state.is_running() and run.start_time is not None and now is not None:
             seconds = (now - run.start_time).total_seconds()
         name = run.name + (f" ({deployment})" if deployment else "")
-        message = (run.state.message or "").strip().replace("\n", " ") if run.state else ""
+        message = cause_of(run.state.message or "") if run.state else ""
         lines.append(f"{started:%Y-%m-%d %H:%M}  {state:<18} {_duration(seconds):>7}  {name}"
                      + (f"  {message}" if message else ""))
         final_bad = run.state is not None and run.state.is_final() and not run.state.is_completed()
-        lines.append(f"  next: {retry_command(run.id)}" if final_bad else f"  id: {run.id}")
+        if run.state is not None and run.state.is_scheduled():  # a crashed try, scheduled again
+            lines.append(f"  id: {run.id} (a retry is scheduled: a fleet worker takes it)")
+        else:
+            lines.append(f"  next: {retry_command(run.id)}" if final_bad else f"  id: {run.id}")
     return lines
 
 
@@ -153,20 +169,18 @@ def _duration(seconds: float) -> str:
 
 
 def last_nights(limit: int = 5) -> list[tuple[Any, str | None]]:
-    """(run, its deployment's name) of the latest ``lower-fleet`` runs that started (or
-    ended: a Cancelled one may never have), newest first; the scheduled ones to come are
-    left out."""
+    """(run, its deployment's name) of the latest ``lower-fleet`` runs that started, newest
+    first, whatever their state now (a crashed one scheduled for its retry included); the
+    scheduled nights to come are left out."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState, \
-        FlowRunFilterStateType
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
     from prefect.client.schemas.sorting import FlowRunSort
 
-    started = ["RUNNING", "COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING", "PAUSED"]
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=["lower-fleet"])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=started))),
-            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False)),
+            sort=FlowRunSort.START_TIME_DESC, limit=limit)
         names = {}
         for run in runs:
             if run.deployment_id is not None and run.deployment_id not in names:

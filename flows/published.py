@@ -4,7 +4,9 @@
   refused keeps last night's: flows/gates.py);
 - :func:`keep_published`: targets lowered earlier (and still valid) keep their record;
 - :func:`changed_since_last`: what changed since the previous manifest (fingerprint parts,
-  ``quantize``, ``calibration``).
+  ``quantize``, ``calibration``);
+- :func:`device_updates`: per target with external weights, what a device downloads for
+  this run's update (the ``.ptd`` only while the ``.pte`` is unchanged).
 """
 
 from __future__ import annotations
@@ -73,6 +75,26 @@ def changed_since_last(store, manifest: dict) -> list[str] | None:
     if changed is None:
         return None
     return changed + quantize_changes(previous, manifest)
+
+
+def device_updates(store, manifest: dict) -> None:
+    """Set ``update`` on every published target with a ``.ptd``: ``program`` ``"unchanged"``
+    (the ``.pte`` has the previous manifest's sha256: a device keeps it), ``"changed"`` or
+    ``"new"``; ``download_bytes`` (the ``.ptd``, plus the ``.pte`` unless unchanged) against
+    ``whole_bytes`` (both files: what shipping the whole program costs)."""
+    try:
+        previous = store.get_json(f"{manifest['name']}/manifest.json")
+    except Exception:  # a first lowering (or an unreadable manifest): every program is new
+        previous = {}
+    for target, entry in manifest["targets"].items():
+        pte, ptd = entry.get("pte"), entry.get("ptd")
+        if not entry.get("ok") or not pte or not ptd:
+            continue
+        before = ((previous.get("targets") or {}).get(target) or {}).get("pte") or {}
+        program = "new" if not before else ("unchanged" if before.get("sha256") == pte["sha256"] else "changed")
+        entry["update"] = {"program": program,
+                           "download_bytes": int(ptd["size"]) + (0 if program == "unchanged" else int(pte["size"])),
+                           "whole_bytes": int(ptd["size"]) + int(pte["size"])}
 
 
 def quantize_changes(previous: dict, manifest: dict) -> list[str]:

@@ -37,10 +37,13 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 
+from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
+    EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
+)
 from .trends import benchmark_line, change_cell, change_lines, regressions_first, status_word, trend_images
 from .report_pictures import (
     INLINE_PNG_LIMIT,
@@ -80,56 +83,6 @@ logger = logging.getLogger("lowerflow.reports")
 
 
 # --------------------------------------------------------------------------- formatting
-
-
-def format_bytes(n: int | None) -> str:
-    """``123456`` -> ``"123,456"``; None -> ``"—"``."""
-    return "—" if n is None else f"{int(n):,}"
-
-
-def format_seconds(s: float | None) -> str:
-    """Seconds with two decimals; None -> ``"—"``."""
-    return "—" if s is None else f"{float(s):.2f}"
-
-
-def first_line(text: str | None, limit: int = 160) -> str:
-    """The first non-empty line of ``text``, cut to ``limit`` characters ("" for None)."""
-    if not text:
-        return ""
-    line = next((l.strip() for l in str(text).splitlines() if l.strip()), "")
-    return line if len(line) <= limit else line[: limit - 1] + "…"
-
-
-def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A GitHub markdown table; cells are escaped (``|``, newlines), ``right`` columns right-aligned."""
-    head = "| " + " | ".join(_md_cell(h) for h in headers) + " |"
-    rule = "|" + "|".join("---:" if i in right else "---" for i in range(len(headers))) + "|"
-    body = ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in rows]
-    return "\n".join([head, rule, *body])
-
-
-def text_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], *, right: Sequence[int] = ()) -> str:
-    """A fixed-width plain-text table for terminals (``right`` columns right-aligned)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-
-    def line(row: Sequence[str]) -> str:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
-        return "  ".join(parts).rstrip()
-
-    return "\n".join([line(cells[0]), line(["-" * w for w in widths]), *(line(r) for r in cells[1:])])
-
-
-def _md_cell(value: Any) -> str:
-    """A table cell's text: ``\\``, ``|`` and a ``_`` that could start or end emphasis
-    escaped, one line.  (Markdown the cell means, like ``**total**``, stays.)"""
-    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", text)
-
-
-#: An underscore not between two letters or digits: only those can open or close
-#: emphasis (CommonMark and GFM), so ``buffer_mutation`` needs no escape.
-_EMPHASIS_UNDERSCORE = re.compile(r"(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
 
 
 # --------------------------------------------------------------------------- model report
@@ -172,7 +125,20 @@ def delegation_line(delegation: Mapping[str, Any] | None) -> str:
     done, total = int(delegation.get("delegated_nodes", 0)), int(delegation.get("total_nodes", 0))
     parts = int(delegation.get("partitions", 0))
     share = f" ({100.0 * done / total:.1f}%)" if total else ""
-    return f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    line = f"{done}/{total} nodes delegated{share} in {parts} partition{'' if parts == 1 else 's'}"
+    steps = delegation.get("backends")  # a chain: what each backend took, in order
+    if steps:
+        line += "; " + ", ".join(
+            f"{backend}: {int(s.get('delegated_nodes', 0))} nodes in {_tags(s)}" for backend, s in steps.items())
+    if delegation.get("compile_seconds") is not None:
+        line += f"; vendor compile {float(delegation['compile_seconds']):.2f} s"
+    return line
+
+
+def _tags(step: Mapping[str, Any]) -> str:
+    """``"2 partitions (VulkanBackend_tag0, VulkanBackend_tag1)"``."""
+    parts, tags = int(step.get("partitions", 0)), step.get("partition_tags") or []
+    return f"{parts} partition{'' if parts == 1 else 's'}" + (f" ({', '.join(tags)})" if tags else "")
 
 
 def memory_line(summary: Mapping[str, Any] | None) -> str:
@@ -237,6 +203,14 @@ def check_status(ok: bool | None) -> str:
     return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
+def update_line(update: Mapping[str, Any]) -> str:
+    """What a device downloads for this run's update, against shipping the whole program."""
+    what = ".ptd only (the program is unchanged)" if update.get("program") == "unchanged" else \
+        f".pte + .ptd (the program is {update.get('program')})"
+    return (f"{format_bytes(update.get('download_bytes'))} B to download, {what}, "
+            f"of {format_bytes(update.get('whole_bytes'))} B for the whole program")
+
+
 def target_section(target: str, entry: Mapping[str, Any], image: str | None = None, note: str | None = None,
                    trend: str | None = None) -> str:
     """The markdown of one target: status, .pte, stages, delegation, memory, verify.
@@ -250,6 +224,11 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     pte = entry.get("pte")
     if pte:
         lines += [f"**.pte:** {format_bytes(pte.get('size'))} B, sha256 `{str(pte.get('sha256', ''))[:16]}`, `{pte.get('uri')}`", ""]
+    if entry.get("ptd"):
+        lines += [f"**.ptd** (the weights the .pte needs): {format_bytes(entry['ptd'].get('size'))} B, sha256 "
+                  f"`{str(entry['ptd'].get('sha256', ''))[:16]}`, `{entry['ptd'].get('uri')}`", ""]
+    if entry.get("update"):
+        lines += [f"**device update:** {update_line(entry['update'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):
@@ -464,7 +443,7 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     columns = [c for c in FLEET_COLUMNS if c not in ("error", "change")]  # both listed under the table
     body = []
     for r in rows:
-        cells = [_md_cell(r[c]) for c in columns]
+        cells = [md_cell(r[c]) for c in columns]
         link = model_report_link((models.get(r["model"]) or {}).get("report"))
         if link:
             cells[0] = _md_link(r["model"], link)
@@ -521,7 +500,7 @@ def _md_text(text: Any) -> str:
     backslash-escaped, ``_`` only where it could open or close emphasis (``buffer_mutation``
     stays as it is: both Prefect UIs render it so, and a link's text must not need escapes)."""
     escaped = re.sub(r"([\\`*{}\[\]<>()#+!|~])", r"\\\1", str(text).replace("\n", " "))
-    return _EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
+    return EMPHASIS_UNDERSCORE.sub(r"\\_", escaped)
 
 
 def _md_link(text: Any, url: str) -> str:

@@ -19,6 +19,8 @@ from typing import Any, Mapping
 #: What a model's or a target's ``verify`` may say (besides true / false): lowering.verify's
 #: VERIFY_MODES and AUTO, spelled here so the CLI's parser does not import torch.
 MODES = ("full", "quick", "off", "auto")
+#: What ``lowerflow verify --verify`` may say: a check to run (``off`` would run nothing).
+CHECK_MODES = ("full", "quick", "auto")
 
 
 def check_verify(value: Any, targets, where: str = "verify") -> Any:

@@ -47,6 +47,9 @@ class LowerResult:
     timings: dict[str, float] = field(default_factory=dict)
     #: The ``.ptd`` the ``.pte`` binds its weights from (``external_weights=True``), else None.
     ptd: bytes | None = None
+    #: With ``external_weights``: the exported edge program before quantize and delegation, what
+    #: :func:`lowering.rebind.rebind_weights` binds a retrain's weights to.
+    source_program: ExportedProgram | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -113,6 +116,7 @@ def lower(
     timings = dict.fromkeys(STAGES, 0.0)
     with _timed(timings, "export"):
         program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict)
+    source = program if external_weights else None
     if quantize is not None and partitioner is None:
         _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
     program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
@@ -123,7 +127,8 @@ def lower(
     with _timed(timings, "emit"):
         pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights),
                                  external_weights)
-    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd)
+    return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd,
+                       source_program=source)
 
 
 def _quantize(program: ExportedProgram, recipe: Any, calibration: Any, timings: dict[str, float],
@@ -172,6 +177,10 @@ class MethodsLowerResult:
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     #: The ``.ptd`` of every method's weights (``external_weights=True``), else None.
     ptd: bytes | None = None
+    #: With ``external_weights``: each method's edge program before quantize and delegation, and
+    #: the constant methods (:func:`lowering.rebind.rebind_weights`).
+    source_programs: dict[str, ExportedProgram] | None = None
+    constant_methods: dict[str, Any] = field(default_factory=dict)
 
     @property
     def method_names(self) -> list[str]:
@@ -233,6 +242,7 @@ def lower_methods(
     programs: dict[str, ExportedProgram] = {}
     plans: dict[str, MemoryPlan] = {}
     timings: dict[str, dict[str, float]] = {}
+    sources: dict[str, ExportedProgram] = {}
     for name, (model, inputs, dynamic_shapes) in entries.items():
         timings[name] = dict.fromkeys(STAGES, 0.0)
         with _timed(timings[name], "export"):
@@ -240,6 +250,8 @@ def lower_methods(
                 program = _edge_program(model, None)
             else:
                 program = export(model, inputs, dynamic_shapes=dynamic_shapes, name=name, strict=strict)
+        if external_weights:
+            sources[name] = program
         calibration_of = calibration.get(name) if isinstance(calibration, Mapping) else None
         if calibration is not None and not isinstance(calibration, Mapping):
             raise LoweringError("lower_methods: calibration must be a dict {method name: batches}")
@@ -265,7 +277,8 @@ def lower_methods(
                                                    external_weights=external_weights), external_weights)
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
-    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings, ptd=ptd)
+    return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings, ptd=ptd,
+                              source_programs=sources or None, constant_methods=dict(constants))
 
 
 def _edge_program(

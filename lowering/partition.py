@@ -78,6 +78,27 @@ class Partitioner(abc.ABC):
         return self.partition(exported_program)
 
 
+class ChainPartitioner(Partitioner):
+    """An ordered chain of partitioners (ExecuTorch's list of partitioners): the first
+    takes what it can, each next one what the ones before it left, the rest runs on
+    portable kernels.  It is lowered step by step (:func:`lowering.to_backend.to_backend`
+    delegates with each in turn), so it never partitions in one pass itself.
+
+    Before:: conv ─ relu ─ gelu ─ linear    After ``[vulkan, xnnpack]`` (vulkan lacks gelu)::
+             call_delegate[VulkanBackend](conv, relu) ─ call_delegate[XnnpackBackend](gelu, linear)
+    """
+
+    def __init__(self, partitioners, names=None) -> None:
+        self.partitioners = tuple(partitioners)
+        if not self.partitioners or not all(isinstance(p, Partitioner) for p in self.partitioners):
+            raise PartitionError("ChainPartitioner: expected a non-empty list of lowering.Partitioner")
+        self.names = tuple(names) if names is not None else tuple(type(p).__name__ for p in self.partitioners)
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
+                             "which delegates with each of its partitioners in turn")
+
+
 class ExternalWeightsPartitioner(Partitioner):
     """Another partitioner's partitions, each asking its backend for external weights
     (:data:`lowering.delegation.EXTERNAL_WEIGHTS_SPEC` added to its compile specs)."""
@@ -345,6 +366,8 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     if not isinstance(partitioner, Partitioner):
         raise PartitionError(f"expected a lowering.Partitioner, got {type(partitioner).__name__}")
     program = copy_program(exported_program)
+    for node in program.graph.nodes:  # tags of an earlier partitioning (a chain's previous step) are spent
+        node.meta.pop(TAG, None)
     program = apply_backend_fused_ops(program, partitioner)
     before = graph_fingerprint(program.graph)
     result = partitioner.partition(program)

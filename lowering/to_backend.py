@@ -17,7 +17,7 @@ from .control_flow_graph import control_flow_nodes, has_control_flow, iter_scope
 from .delegate import executorch_call_delegate
 from .errors import LoweringError, PartitionError
 from .lowered_module import LoweredBackendModule, preprocess
-from .partition import CompileSpec, Partitioner, partition
+from .partition import ChainPartitioner, CompileSpec, Partitioner, partition
 from .program import copy_program
 from .submodule import create_submodules
 from .subprogram import create_exported_program_from_submodule, submodule_program
@@ -37,6 +37,8 @@ def to_backend(first, second, third=(), /):
     * ``to_backend(exported_program, partitioner) -> ExportedProgram``: every
       partition the partitioner tags becomes a ``lowered_module_<i>`` called
       through ``executorch_call_delegate``.  The input program is not modified.
+      A :class:`~lowering.partition.ChainPartitioner` (or a list of partitioners)
+      delegates with each in turn, each taking what the ones before it left.
     * ``to_backend(backend_id, exported_program, compile_specs) -> LoweredBackendModule``:
       the whole program preprocessed by one backend.
     """
@@ -48,6 +50,12 @@ def to_backend(first, second, third=(), /):
         return preprocess(copy_program(second), first, tuple(third))
     if not isinstance(first, ExportedProgram):
         raise LoweringError(f"to_backend: expected an ExportedProgram, got {type(first).__name__}")
+    if isinstance(second, (list, tuple)):
+        second = ChainPartitioner(second)
+    if isinstance(second, ChainPartitioner):
+        for step in second.partitioners:
+            first = _lower_partitions(first, step)
+        return first
     if not isinstance(second, Partitioner):
         raise PartitionError(
             f"to_backend: expected a lowering.Partitioner, got {type(second).__name__}"

@@ -21,6 +21,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .accuracy import QUANT_STEPS, outputs_error, quantized_tolerance, threshold_error
+from .paging import page_out_module
 from .runtime import load
 from .verify_executorch import (
     Pte,
@@ -99,6 +100,8 @@ def verify(
     reference = as_delegated(reference, pte)
     cases, reference_accuracy = _cases(model, example_inputs, calls, method, dynamic_shapes, reference,
                                        min_sqnr, max_error)
+    reference = None  # run: not held while the runtimes run
+    page_out_module(model)  # eager is done: its mapped weights need not stay beside the runtimes
     return VerifyReport([c for checks in _run_cases(pte, cases, calls, atol, rtol) for c in checks], reference_accuracy)
 
 
@@ -171,9 +174,11 @@ def verify_quick(
         fp32, expected = expected, _eager_in_order(as_delegated(reference, pte).module(), inputs)
         quantized = {"fp32": fp32, "min_sqnr": min_sqnr, "max_error": max_error}
         reference_accuracy = outputs_error(expected[0], fp32[0])
+        reference = None  # run: not held while the runtimes run (a caller that passed it alone frees it)
     calls = [(method, pytree.tree_leaves(tuple(each))) for each in inputs]
     label = f"quick: {len(calls)} calls"
     checks = []
+    page_out_module(model)  # eager is done: its mapped weights need not stay beside the runtimes
     executorch = _executorch_sequence_check(pte, [method], calls, expected, atol, rtol, quantized)
     if lowerflow is None:
         lowerflow = executorch is None or executorch.skipped is not None or _pte_size(pte) <= QUICK_ABOVE_BYTES
@@ -327,15 +332,18 @@ def fresh_copy(modules: Any) -> Any:
 
 def verify_methods(
     pte: Pte, methods: dict[str, tuple[Any, ...]], constants: dict[str, Any] | None = None,
-    *, atol: float = 1e-4, rtol: float = 1e-4, calls: int = 2,
+    *, atol: float = 1e-4, rtol: float = 1e-4, calls: int = 2, mode: str = "full",
 ) -> dict[str, VerifyReport]:
-    """:func:`verify` each method of a several-method ``pte`` against its eager module.
+    """:func:`verify` each method of a several-method ``pte`` against its eager module
+    (``mode`` ``"quick"``: :func:`verify_quick` each, one method's calls after another).
 
     ``methods``: ``{name: (module, example_inputs[, dynamic_shapes])}``; ``constants``: the
     constant methods ``{name: value}`` (an hf: model's metadata), checked on lowerflow's
     runtime.  A method the program lacks (or has beyond these) is a failed report, not a
     skipped one.  ExecuTorch's runtime gets every method's runs at once (one batch).
     """
+    if mode not in ("full", "quick"):
+        raise ValueError(f"verify_methods runs mode 'full' or 'quick', not {mode!r}")
     names = set(method_names(pte))
     constants = {} if constants is None else constants
     reports: dict[str, VerifyReport | None] = {}
@@ -347,10 +355,15 @@ def verify_methods(
             reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"method {name!r} is not in the model")])
         elif name not in names:
             reports[name] = VerifyReport([RuntimeCheck("lowerflow", False, error=f"the program has no method {name!r}")])
+        elif mode == "quick":
+            module, inputs, *_ = methods[name]
+            reports[name] = verify_quick(pte, module, inputs, atol=atol, rtol=rtol, method=name)
         else:
             module, inputs, *dynamic_shapes = methods[name]
             cases[name] = _cases(module, inputs, calls, name, (dynamic_shapes or [None])[0], None, None, None)[0]
             reports[name] = None  # its place in name order
+    for name in cases:
+        page_out_module(methods[name][0])
     checks = iter(_run_cases(pte, [case for each in cases.values() for case in each], calls, atol, rtol))
     for name, each in cases.items():
         reports[name] = VerifyReport([check for _ in each for check in next(checks)])
@@ -393,6 +406,8 @@ def verify_call_sequence(
         sequence = round_robin(methods)
     calls = [(name, pytree.tree_leaves(tuple(inputs))) for name, inputs in sequence]
     expected = _eager_sequence(fresh_copy({name: module for name, (module, _) in methods.items()}), sequence)
+    for module, _ in methods.values():
+        page_out_module(module)
     quantized = None
     if references:
         references = {name: as_delegated(ref, pte) for name, ref in references.items()}

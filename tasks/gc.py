@@ -21,7 +21,8 @@ The rule (what ``lowerflow gc STORE [--keep-days N] [--dry-run]`` removes):
   older than ``keep_days``.  An object kept as a window of a bigger one (``windows/``:
   a weight blob inside an emitted ``.pte``) counts as an object, and keeps that bigger
   object while it is in use.  Records go before objects, so no record is ever
-  left naming a removed object.
+  left naming a removed object.  The record of a check of an object now gone
+  (``checked/``: :mod:`tasks.store`, "Checked objects") goes too.
 
 Lock files are never touched (they belong to running stages, and a dead holder's
 lock is cleared by the lock manager).  To release a model that is no longer
@@ -112,6 +113,11 @@ def collect(store: ArtifactStore, *, keep_days: float = KEEP_DAYS, dry_run: bool
             report.removed_objects.append(digest)
             report.freed_bytes += int(store.fs.size(path))
             if not dry_run:
+                store.fs.rm_file(path)
+
+    if not dry_run:  # the record of a check of an object now gone (tasks/store.py, "Checked objects")
+        for path in _files(store.fs, f"{store.root}/checked"):
+            if not store.has("".join(path.rsplit("/", 2)[-2:])):
                 store.fs.rm_file(path)
 
     for path in _files(store.fs, f"{store.root}/quarantine"):

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import gc
 import inspect
 import threading
 import time
@@ -57,6 +59,7 @@ from lowering.partition import (
     partition_tags_of,
 )
 from lowering.program import copy_program
+from lowering.paging import page_out_module
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
 from lowering.subprogram import create_exported_program_from_submodule
@@ -67,6 +70,7 @@ from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
 from .cache import CacheConfig, iter_refs, stage_task
+from .heap import return_freed
 from .live import LIVE
 from .model_spec import live_model
 from .run_names import task_run_name
@@ -132,6 +136,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
                                 strict=loaded.strict)
+        page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
 
@@ -338,14 +343,20 @@ def run_build_programs(store: ArtifactStore, tagged: dict, plan: ArtifactRef) ->
 
 
 def run_preprocess(
-    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str
+    store: ArtifactStore, program: ArtifactRef, backend_id: str, compile_specs: list, label: str,
+    versions: dict | None = None,
 ) -> dict:
     """Stage 5, one partition.  ``label`` names it in errors and is not in the cache key,
-    so identical partitions of different models share one cache entry."""
+    so identical partitions of different models share one cache entry.  ``versions``: of
+    executorch and the vendor compiler of a plugin backend (:func:`lowering.targets.backend_versions`;
+    in the key only when given: a new coremltools recompiles, lowerflow's own backends keep their keys).
+    ``compile_seconds``: how long the backend's compile took (what a cache hit saved)."""
     _begin("preprocess")
+    start = time.perf_counter()
     lowered = preprocess(get_program(store, program), backend_id, _specs(compile_specs), partition=label)
+    seconds = time.perf_counter() - start
     processed = store.put_bytes(lowered.processed_bytes, "processed")
-    result = {"processed": processed, "backend_id": lowered.backend_id}
+    result = {"processed": processed, "backend_id": lowered.backend_id, "compile_seconds": round(seconds, 4)}
     if lowered.named_data:  # weights the payload refers to by key, one stored blob each
         result["named_data"] = [{"key": key, "blob": put_blob(store, blob)} for key, blob in lowered.named_data.items()]
     return result
@@ -467,15 +478,18 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
 def release_live() -> None:
     """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
     reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes.  A later stage (another target)
-    reads what it needs back from the store."""
+    holds are freed while verify runs two runtimes (collected now: a program's graph is a
+    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
+    (another target) reads what it needs back from the store."""
     LIVE.clear()
+    gc.collect()
+    return_freed()
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
-               ptd: ArtifactRef | None = None) -> dict:
+               ptd: ArtifactRef | None = None, tolerance: float | None = None) -> dict:
     """Run the .pte's ``method`` (our executor; ExecuTorch's runtime too when installed)
     against eager.  ``fingerprint`` is the model's, or for a model of several methods
     that method's own.  A quantized program is compared with its ``reference`` (the
@@ -486,7 +500,9 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     (lowering.verify.verify_quick; in the key only when given: :data:`STAGE_OPTIONAL`).
     The runtimes read the program from the store's file where the store is a local directory.
     ``ptd``: the program's external weights; both runtimes run the pair, checked first
-    (:func:`lowering.external.check_pair`; in the key only when given)."""
+    (:func:`lowering.external.check_pair`; in the key only when given).
+    ``tolerance``: atol and rtol of a reduced-precision backend (:func:`lowering.targets.verify_tolerance`;
+    None: the fp32 default, and the key leaves it out)."""
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
@@ -494,15 +510,13 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
-    quantized = {}
-    if reference is not None:
-        quantized = {"reference": get_program(store, reference), "min_sqnr": min_sqnr, "max_error": max_error}
+    thresholds = {} if reference is None else {"min_sqnr": min_sqnr, "max_error": max_error}
     program = _program_file(store, pte, ptd)
-    if mode == "quick":
-        report = verify_quick(program, loaded.module, loaded.inputs, method=method, **quantized)
-    else:
-        report = verify_pte(program, loaded.module, loaded.inputs, method=method,
-                            dynamic_shapes=loaded.dynamic_shapes, **quantized)
+    tolerances = {"atol": tolerance, "rtol": tolerance} if tolerance is not None else {}
+    check = verify_quick if mode == "quick" else functools.partial(verify_pte, dynamic_shapes=loaded.dynamic_shapes)
+    # The quantized reference is read here for the check alone (not kept live): it drops it once run.
+    report = check(program, loaded.module, loaded.inputs, method=method,
+                   reference=None if reference is None else store.get_program(reference), **thresholds, **tolerances)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 
@@ -608,7 +622,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
-    "verify": ("mode", "ptd"),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
     "verify_sequence": ("references", "ptd"),
     "benchmark": ("previous",),
 }

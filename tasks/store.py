@@ -7,6 +7,7 @@ Layout under the store's root URL (a local directory, ``s3://bucket/prefix``,
     <root>/outputs/<name>              named outputs, e.g. outputs/mlp/reference.pte
     <root>/quarantine/<sha256>.<time>  objects that failed their digest check, moved aside
     <root>/windows/ab/cdef0123...      objects kept as a range of a bigger object (see "windows")
+    <root>/checked/ab/cdef0123...      a local store: the stamp of the file an object's digest was checked on
 
 Tasks pass :class:`ArtifactRef` values (uri, sha256, size, kind): small, JSON-able,
 and what Prefect persists as a task result.
@@ -23,6 +24,26 @@ Guarantees:
   :class:`ArtifactCorrupt` (so that recomputing and storing it again repairs the store).
 * Objects are located by digest, so refs stay valid when a store is copied or moved;
   ``ArtifactRef.uri`` says where the object was written.
+
+Checked objects (a local store).  :meth:`ArtifactStore.verify` (what a cache hit runs
+before it is used) hashes every object it names, unless this store checked the object
+before and the file holding it has not changed since: ``checked/ab/cdef...`` records the
+file's stamp (path, size, mtime_ns, ctime_ns, inode, device; for a window, the window
+too) when its bytes last hashed to the object's name, or when the store wrote them.  A
+stamp that differs in any field means the object is hashed again (and quarantined if
+corrupt).  So a cached rerun stats its objects instead of re-reading them (SmolLM2-135M:
+1.1 GB hashed per warm run before).  What the stamp catches, and what it cannot:
+
+* caught: any write through the filesystem to the object's file (it moves mtime and
+  ctime; putting mtime back with ``touch -d`` or ``os.utime`` still moves ctime, which
+  no call sets), a truncated or extended file (size), a file replaced by another
+  (rename over it: inode, ctime), a file copied elsewhere with ``cp -a`` (inode, ctime);
+* not caught: bytes changed below the filesystem (a failing disk, writes to the block
+  device, a filesystem image edited offline), a record file forged to match, and a
+  change by another writer within the same timestamp tick as the stamp was taken (none
+  on Linux >= 6.13, whose ext4/xfs/btrfs/tmpfs give a change after a stat of the file
+  a later ctime; one kernel tick, a few ms, before).
+  ``LOWERFLOW_STORE_REHASH=1`` ignores the records (every check hashes, as before).
 """
 
 from __future__ import annotations
@@ -55,9 +76,9 @@ _ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "memo
 _HEX = frozenset("0123456789abcdef")
 
 
-#: Local objects whose digest this process checked (:meth:`ArtifactStore._check_object`), by
-#: their file's stamp: a file written or touched since is checked again.
-_CHECKED: set[tuple] = set()
+#: Environment variable: set (to anything but "" or "0"), checks ignore the checked records
+#: and hash every object (see "Checked objects" above).
+REHASH_ENV = "LOWERFLOW_STORE_REHASH"
 
 
 class StoreError(Exception):
@@ -156,8 +177,10 @@ class ArtifactStore:
             self._touch(self.window_path(digest))  # kept as a window of a bigger object
         elif size is None:
             self._write_atomic(path, view)
+            self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
         elif self.is_local:
-            os.utime(path)  # in use again: garbage collection counts its age from now
+            with self._keeping_check(digest):
+                os.utime(path)  # in use again: garbage collection counts its age from now
         return ArtifactRef(self.uri(path), digest, view.nbytes, kind)
 
     def get_bytes(self, ref: ArtifactRef) -> bytes:
@@ -226,19 +249,58 @@ class ArtifactStore:
                 self._check_object(digest, f"blob of {ref.kind} {ref.sha256[:12]}")
 
     def _check_object(self, sha256: str, what: str) -> None:
-        """:meth:`read_object` for its digest check, once per process while the file holding
-        the object is unchanged (a local store: the stages' programs share their weight blobs,
-        and a cached run would hash each once per stage otherwise)."""
+        """:meth:`read_object` for its digest check, unless the store checked the object
+        before and the file holding it is unchanged since (a local store: "Checked objects"
+        above); a check that hashes records the stamp."""
         stamp = self._file_stamp(sha256)
-        if stamp is not None and stamp in _CHECKED:
+        if self.checked(sha256, stamp):
             return
-        self.read_object(sha256, what=what)
-        if stamp is not None:
-            _CHECKED.add(stamp)
+        if stamp is None or _file_digest(f"{self.root}/{stamp['file']}", stamp["window"]) != sha256:
+            self.read_object(sha256, what=what)  # elsewhere, or the error it raises (quarantined)
+        if stamp is not None and self._file_stamp(sha256) == stamp:  # unchanged while it was hashed
+            self._record_check(sha256, stamp)
 
-    def _file_stamp(self, sha256: str) -> tuple | None:
-        """(object, path, size, mtime, inode) of the local file holding the object (its window's
-        container for a window); None elsewhere or when absent."""
+    def checked(self, sha256: str, stamp: dict | None = None) -> bool:
+        """Whether the local file holding the object ``sha256`` is as it was when its bytes
+        last hashed to ``sha256`` (its stamp equals the recorded one); False on other stores,
+        without a record, or with ``$LOWERFLOW_STORE_REHASH`` set."""
+        stamp = stamp if stamp is not None else self._file_stamp(sha256)
+        if stamp is None or os.environ.get(REHASH_ENV, "") not in ("", "0"):
+            return False
+        try:
+            with open(self.checked_path(sha256), "rb") as f:
+                return json.loads(f.read()) == stamp
+        except (OSError, ValueError):
+            return False
+
+    def checked_path(self, sha256: str) -> str:
+        """Filesystem path of the record of the object ``sha256``'s last check."""
+        return f"{self.root}/checked/{sha256[:2]}/{sha256[2:]}"
+
+    def _record_check(self, sha256: str, stamp: dict | None) -> None:
+        """Record that the file of ``stamp`` holds bytes hashing to ``sha256``."""
+        if stamp is not None:
+            self._write_atomic(self.checked_path(sha256), json.dumps(stamp, sort_keys=True).encode())
+
+    def _forget_check(self, sha256: str) -> None:
+        if self.is_local:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.checked_path(sha256))
+
+    @contextlib.contextmanager
+    def _keeping_check(self, sha256: str):
+        """Run a change of the object's file's metadata (utime, a hard link: they move its
+        ctime, never its bytes): an object checked before it stays checked after it."""
+        before = self._file_stamp(sha256)
+        was_checked = self.checked(sha256, before)
+        yield
+        if was_checked:
+            self._record_check(sha256, self._file_stamp(sha256))
+
+    def _file_stamp(self, sha256: str) -> dict | None:
+        """The stamp of the local file holding the object (its window's container for a
+        window): path within the store, size, mtime_ns, ctime_ns, inode, device, and the
+        window; None elsewhere or when absent."""
         if not self.is_local:
             return None
         path, window = self.object_path(sha256), None
@@ -251,7 +313,8 @@ class ArtifactStore:
             st = os.stat(path)
         except OSError:
             return None
-        return (sha256, path, st.st_size, st.st_mtime_ns, st.st_ino, json.dumps(window, sort_keys=True))
+        return {"file": posixpath.relpath(path, self.root), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev, "window": window}
 
     # ------------------------------------------------------------------ named outputs
 
@@ -272,13 +335,15 @@ class ArtifactStore:
         if self._size(source) == ref.size and (self.is_local or _server_side_copy(self.fs)):
             if self.is_local and _same_file(source, path):
                 return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
-            self._check_file_digest(source, ref)
             if self.is_local:
+                self._check_object(ref.sha256, f"{ref.kind} artifact")
                 self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
                 tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-                os.link(source, tmp)
-                os.replace(tmp, path)
+                with self._keeping_check(ref.sha256):  # a link moves the object's ctime
+                    os.link(source, tmp)
+                    os.replace(tmp, path)
             else:
+                self._check_file_digest(source, ref)
                 self.fs.copy(source, path)
             return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
         return self.put_named(name, self.get_bytes(ref), kind)
@@ -286,12 +351,12 @@ class ArtifactStore:
     def copy_out(self, ref: ArtifactRef, path: str) -> int:
         """Write the bytes of ``ref`` (an object, or a named output of one) to the local file
         ``path`` (atomically), digest-checked; returns their size.  From a local store the
-        object's file is copied file to file (the kernel copies it), its digest checked once
-        per process (:meth:`_check_object`)."""
+        object's file is copied file to file (the kernel copies it), its digest checked unless
+        checked before and unchanged since (:meth:`_check_object`)."""
         source = self.object_path(ref.sha256)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
-            if self.is_local and self._size(source) == ref.size:
+            if self.is_local and self._size(source) == ref.size:  # copyfile reads it; checked first
                 self._check_object(ref.sha256, f"{ref.kind} artifact")
                 shutil.copyfile(source, tmp)
             else:
@@ -390,9 +455,12 @@ class ArtifactStore:
         bytes of ``container``, a stored object) becomes a window of ``container``: its own
         file is removed once the window is written (readers then read the range).  An
         object kept as a window of another object is pointed at ``container`` instead, so
-        the newest program holds the blobs it shares with older ones.  Returns the bytes freed."""
+        the newest program holds the blobs it shares with older ones.  Returns the bytes freed.
+        ``data`` must be what ``container`` names (the caller hashed it: :meth:`put_bytes`):
+        a window of a container checked and unchanged since is recorded checked too."""
         if self._size(self.object_path(container.sha256)) != container.size:
             return 0
+        trusted = self.checked(container.sha256)
         view, freed = memoryview(data), 0
         for offset, size in windows:
             digest = sha256_hex(view[offset:offset + size])
@@ -410,6 +478,10 @@ class ArtifactStore:
                     freed += held
                 except FileNotFoundError:
                     pass
+            if trusted:
+                self._record_check(digest, self._file_stamp(digest))
+            else:
+                self._forget_check(digest)
         return freed
 
     def _window_size(self, sha256: str) -> int | None:
@@ -522,6 +594,7 @@ class ArtifactStore:
         """Move a bad object aside so that the next put of its bytes rewrites it (the objects
         kept as windows of it and still intact first get their own files back)."""
         self._release_windows(sha256, path)
+        self._forget_check(sha256)
         target = f"{self.root}/quarantine/{sha256}.{time.time_ns()}"
         try:
             self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
@@ -548,6 +621,26 @@ def byte_view(data: Any) -> memoryview:
     """``data`` (bytes, bytearray, memoryview, numpy array ...) as a flat memoryview of bytes, no copy."""
     view = data if isinstance(data, memoryview) else memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _file_digest(path: str, window: dict | None = None, chunk: int = 16 * 2**20) -> str | None:
+    """The sha256 of a local file (of the range ``window`` names), read in chunks: a big
+    object is hashed without being held; None when it is missing or short."""
+    start, size = (int(window["offset"]), int(window["size"])) if window else (0, None)
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            left = os.fstat(f.fileno()).st_size - start if size is None else size
+            while left > 0:
+                data = f.read(min(chunk, left))
+                if not data:
+                    return None
+                digest.update(data)
+                left -= len(data)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _read_into_buffer(path: str) -> bytearray:

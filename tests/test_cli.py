@@ -168,7 +168,7 @@ def test_lower_bad_spec_fails_before_any_flow_runs(tmp_path):
     several = lowerflow("lower", MLP, "-t", "portable", "-t", "reference", "-o", str(tmp_path / "x.pte"))
     assert_one_line_error(several, 2, "several targets")
     unknown = lowerflow("lower", MLP, "-t", "nowhere", "--store", str(tmp_path / "store"))
-    assert_one_line_error(unknown, 2, "--target: unknown target 'nowhere'", "(targets: portable, reference, xnnpack)")
+    assert_one_line_error(unknown, 2, "--target: unknown target 'nowhere'", "(targets: portable, coreml, ethos-u, openvino, qnn, reference, vulkan, xnnpack)")
     assert not (tmp_path / "store").exists()
 
 
@@ -191,7 +191,7 @@ def test_console_script_is_declared():
 def test_fleet_progress_prints_a_line_per_finished_model():
     import logging
 
-    from flows.cli import FleetProgress
+    from flows.fleet_progress import FleetProgress
 
     lines: list[str] = []
     progress = FleetProgress({"mlp": {"portable", "reference"}, "cnn": {"portable"}}, lines.append)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flows.cli import EXIT_USAGE, CLIError, check_program_data
 from flows.lower_fleet import lower_fleet
 from flows.manifest import ManifestError, external_by_target
 from lowering import lower
@@ -90,17 +91,16 @@ def test_cli_lower_writes_both_files_and_verify_checks_the_pair(tmp_path):
     assert pte.exists() and ptd.exists() and "the weights mlp.xnnpack.pte needs" in result.stdout
     ok = lowerflow("verify", str(pte), "--data", str(ptd))
     assert ok.returncode == 0 and "every weight it needs is in" in ok.stdout, ok.stderr
-    full = lowerflow("verify", str(pte), "--data", str(ptd), "--model", "examples/models.py:mlp")
-    assert full.returncode == 0, full.stderr
-    assert {line.split()[0] for line in full.stdout.splitlines()} >= {"lowerflow", "executorch"}
-    # missing file, no .ptd, a .ptd of another program: one line, exit 2, nothing ran
-    assert_one_line_error(lowerflow("verify", str(pte), "--data", str(tmp_path / "nope.ptd")), 2,
-                          "cannot read", "nope.ptd")
     assert_one_line_error(lowerflow("verify", str(pte), "--model", "examples/models.py:mlp"), 2,
                           "needs external data", "no .ptd was given")
+    # the other bad pairs, in this process: one line, exit 2, before any runtime loads them
     other = tmp_path / "other.ptd"
     other.write_bytes(lower(torch.nn.Linear(3, 2).eval(), (torch.randn(1, 3),), external_weights=True).ptd)
-    assert_one_line_error(lowerflow("verify", str(pte), "--data", str(other)), 2, "the data of another program")
+    for data, fragment in ((tmp_path / "nope.ptd", "cannot read"), (other, "the data of another program"),
+                           (pte, "not an ExecuTorch data file")):
+        with pytest.raises(CLIError, match=fragment) as info:
+            check_program_data(str(pte), str(data))
+        assert info.value.code == EXIT_USAGE and "\n" not in str(info.value)
 
 
 def test_stage_versions_did_not_move():
@@ -108,3 +108,30 @@ def test_stage_versions_did_not_move():
     for stage in ("partition", "emit", "emit_methods", "lower_control_flow"):
         assert "external_weights" in stages.STAGE_OPTIONAL[stage]
     assert "ptd" in stages.STAGE_OPTIONAL["verify"] and "ptd" in stages.STAGE_OPTIONAL["verify_sequence"]
+
+
+def test_a_retrain_publishes_the_same_pte_and_says_what_a_device_downloads(tmp_path):
+    """Same code, new weights (the factory reads its seed from a file): the manifest says
+    ``changed: [weights]``; the .pte is unchanged, so a device downloads the .ptd only."""
+    (tmp_path / "seed.txt").write_text("1")
+    (tmp_path / "retrained.py").write_text(
+        "import pathlib\nimport torch\nfrom examples.models import MLP\n\n\n"
+        "def model():\n"
+        "    torch.manual_seed(int((pathlib.Path(__file__).parent / 'seed.txt').read_text()))\n"
+        "    m = MLP().eval()\n"
+        "    torch.manual_seed(0)\n"
+        "    return m, (torch.randn(4, 64),)\n")
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["xnnpack"]},
+                "models": [{"name": "m", "model": f"{tmp_path / 'retrained.py'}:model", "external_weights": True}]}
+    first = lower_fleet(manifest)["models"]["m"]
+    assert first["targets"]["xnnpack"]["update"]["program"] == "new"
+    (tmp_path / "seed.txt").write_text("2")
+    second = lower_fleet(manifest)["models"]["m"]
+    entry, before = second["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert second["changed"] == ["weights"]
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]
+    assert entry["update"] == {"program": "unchanged", "download_bytes": entry["ptd"]["size"],
+                               "whole_bytes": entry["ptd"]["size"] + entry["pte"]["size"]}
+    from flows.reports import target_section
+
+    assert ".ptd only (the program is unchanged)" in target_section("xnnpack", entry)

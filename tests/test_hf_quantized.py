@@ -6,9 +6,10 @@ int8-dynamic and quantized embeddings (``--qembedding 8w|4w``: the stock runtime
 (two methods sharing the cross-attention cache) with 8da4w::
 
     tiny random Llama / Qwen2 (tied) / Gemma3 (tied) with the runner test's tokenizer
-        ─► CLI: lower hf:DIR -t xnnpack --quantize 8da4w            (verify: both runtimes)
+        ─► CLI: lower hf:DIR -t xnnpack --quantize 8da4w            (verify: both runtimes;
+                                                  full for Llama, quick for the others)
         ─► fleet: the same entries (cached: same keys), + qembedding 8w / 4w, int8-dynamic
-        ─► CLI: the Whisper model, 8da4w on both methods      (verify: each method and the sequence)
+        ─► CLI: the Whisper model, 8da4w on both methods      (verify quick: each method, and the sequence)
         ─► ExecuTorch's TextLLMRunner (one fresh interpreter for every program): greedy pieces
         == lowerflow's runtime's greedy tokens == the quantized eager reference's
            (lowering.quantize of the exported forward, run in torch with its KV cache)
@@ -21,6 +22,7 @@ with the fp32-scale reference, within 4 steps of the output's int8 grid).
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -44,6 +46,9 @@ from tests.test_llm_runner import EOS, MAX_NEW_TOKENS, PROMPT, llama_dir, run_te
 
 MAX_SEQ_LEN = 32
 FAMILIES = ("llama", "qwen2", "gemma3")
+#: The verify mode of each family's CLI lowering: one full verify of a quantized decoder (every
+#: input set, twice), quick for the others (prefill and decode steps; the test's CPU budget).
+CLI_VERIFY = {"llama": "full", "qwen2": "quick", "gemma3": "quick"}
 #: The programs the runner runs: (family, recipe), recipe as the flow's mapping form.
 VARIANTS = {
     ("llama", "8da4w"): {"recipe": "8da4w"},
@@ -153,15 +158,16 @@ def lowered(prefect_api, checkpoints, whisper_dir, tmp_path_factory):
     cli = {}
     for family in FAMILIES:
         code, out = run_cli("lower", f"hf:{checkpoints[family]}", "--task", "text-generation", "--max-seq-len",
-                            MAX_SEQ_LEN, "-t", "xnnpack", "--quantize", "8da4w", "--store", store,
-                            "-o", root / f"cli-{family}.pte")
+                            MAX_SEQ_LEN, "-t", "xnnpack", "--quantize", "8da4w", "--verify", CLI_VERIFY[family],
+                            "--store", store, "-o", root / f"cli-{family}.pte")
         assert code == 0, out
         cli[family] = ((root / f"cli-{family}.pte").read_bytes(), _manifest(store, family))
     entries = []
     for (family, label), recipe in VARIANTS.items():
         extra = {"qembedding": recipe["qembedding"]} if "qembedding" in recipe else {}
-        if label != "8da4w":  # the runner and the test check these programs' tokens (verify: the CLI's)
-            extra["verify"] = False
+        # the CLI's entries verify as the CLI did (so all cached); the runner and the test check
+        # the others' tokens (verify: the CLI's)
+        extra["verify"] = CLI_VERIFY[family] if label == "8da4w" else False
         entries.append({"name": f"{family}-{label}", "model": f"hf:{checkpoints[family]}", "task": "text-generation",
                         "max_seq_len": MAX_SEQ_LEN, "targets": ["xnnpack"], "quantize": recipe["recipe"], **extra})
     manifest = root / "fleet.yaml"
@@ -171,7 +177,7 @@ def lowered(prefect_api, checkpoints, whisper_dir, tmp_path_factory):
     fleet = {variant: ((store / "outputs" / f"{variant[0]}-{variant[1]}" / "xnnpack.pte").read_bytes(),
                        _manifest(store, f"{variant[0]}-{variant[1]}")) for variant in VARIANTS}
     code, out = run_cli("lower", f"hf:{whisper_dir}", "--task", "automatic-speech-recognition", "-t", "xnnpack",
-                        "--quantize", "8da4w", "--store", store, "-o", root / "whisper.pte")
+                        "--quantize", "8da4w", "--verify", "quick", "--store", store, "-o", root / "whisper.pte")
     assert code == 0, out
     return {"cli": cli, "fleet": fleet, "whisper": ((root / "whisper.pte").read_bytes(), _manifest(store, "whisper"))}
 
@@ -202,11 +208,17 @@ def reference_tokens(directory, recipe: dict) -> list[int]:
     lowering.quantize (what the flow's quantize stage stores), run in torch, with its 4-bit
     group scales as XNNPACK stores them (bf16; the reference keeps fp32, and on these random
     weights that alone flips a near-tie of Llama's 10th token: 34 for 32)."""
-    module, inputs, dynamic_shapes = load_hf(str(directory), "text-generation", max_seq_len=MAX_SEQ_LEN).methods["forward"]
-    program = quantize(export(module, inputs, dynamic_shapes=dynamic_shapes), recipe)
+    program = quantize(exported_forward(directory), recipe)  # a copy: the export stays as it was
     reference = bf16_group_scales(program).module()
     with torch.no_grad():
         return greedy(lambda ids, pos: reference(ids, pos), _prompt(directory))
+
+
+@functools.cache
+def exported_forward(directory):
+    """The exported forward of a checkpoint (each family's recipes quantize one export)."""
+    module, inputs, dynamic_shapes = load_hf(str(directory), "text-generation", max_seq_len=MAX_SEQ_LEN).methods["forward"]
+    return export(module, inputs, dynamic_shapes=dynamic_shapes)
 
 
 def lowerflow_tokens(pte: bytes, directory) -> list[int]:
@@ -237,6 +249,8 @@ def test_cli_lowers_8da4w_and_verify_holds_both_runtimes_to_the_quantized_refere
     checks = target["verify"]["checks"]
     runtimes = {c["runtime"] for c in checks if c["ok"] and c.get("accuracy") and c.get("method") == "forward"}
     assert runtimes == {"lowerflow", "executorch"}, checks
+    quick = {c["inputs"].startswith("quick") for c in checks}
+    assert quick == {CLI_VERIFY[family] == "quick"}, checks  # full: every input set, the Dim's min and max too
     assert delegate_backend_ids(pte) == ["XnnpackBackend"]
     # the fleet entry `quantize: 8da4w` is the same recipe: every stage cached, the same bytes
     fleet_pte, fleet_manifest = lowered["fleet"][family, "8da4w"]

@@ -54,6 +54,8 @@ def readme_commands() -> list[list[str]]:
                     command = []
                 elif not command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", token):
                     continue  # VAR=value before a command
+                elif not command and token in ("until", "while", "if", "!"):
+                    continue  # the command of a loop's or a test's condition
                 else:
                     command.append(token)
     return commands
@@ -256,7 +258,8 @@ def test_night_lines_give_the_cause_and_the_whole_retry_command():
     start = datetime.datetime(2026, 11, 27, 2, 0, tzinfo=datetime.timezone.utc)
     failed = FlowRun(id=uuid.uuid4(), name="witty-owl", flow_id=uuid.uuid4(), start_time=start, run_count=1,
                      total_run_time=datetime.timedelta(seconds=35),
-                     state=Failed(message="1 of 2 models failed: sensor; verify: RuntimeError: sensor offline"))
+                     state=Failed(message="Flow run encountered an exception: FleetFailed: 1 of 2 models failed: "
+                                          "sensor; verify: RuntimeError: sensor offline"))
     healed = FlowRun(id=uuid.uuid4(), name="calm-fox", flow_id=uuid.uuid4(), start_time=start, run_count=2,
                      total_run_time=datetime.timedelta(seconds=300), state=Completed())
     lines = night_lines([(failed, "nightly-fleet"), (healed, None)])
@@ -273,18 +276,19 @@ def test_the_notifications_say_the_cause_and_what_comes_next():
     from prefect.server.utilities.user_templates import render_user_template_sync
 
     from flows import automations
+    from flows.nights import cause_of
 
     run_id = uuid.uuid4()
     for state, message, expected in (
-            ("Failed", "1 of 2 models failed: sensor; verify: RuntimeError: sensor offline",
-             f"next: fix the cause, then: prefect flow-run retry {run_id}"),
+            ("Failed", "Flow run encountered an exception: FleetFailed: 1 of 2 models failed: sensor; verify: "
+                       "RuntimeError: sensor offline", f"next: fix the cause, then: prefect flow-run retry {run_id}"),
             ("Crashed", "no heartbeat for 30 s: its fleet worker or machine was lost", "a retry is scheduled")):
         context = {"flow_run": {"id": run_id, "name": "witty-owl", "state": {"name": state, "message": message},
                                 "parameters": {"manifest": "examples/nightly-fleet.yaml"}},
                    "deployment": {"name": "nightly-fleet"}}
         body = render_user_template_sync(automations.NOTIFICATION_BODY.replace("{{ flow_run|ui_url }}", ""), context)
         subject = render_user_template_sync(automations.NOTIFICATION_SUBJECT, context)
-        assert f"ended {state}: {message}" in body and expected in body, body
+        assert f"ended {state}: {cause_of(message)}" in body and expected in body, body
         assert ("a retry is scheduled" in subject) == (state == "Crashed"), subject
     with pytest.raises(automations.AutomationError, match="more than a fleet run's heartbeat interval"):
         automations.fleet_zombie_automation(10)

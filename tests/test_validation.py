@@ -60,12 +60,12 @@ def test_an_unknown_target_lists_the_names_users_type_and_the_closest(cli, tmp_p
     code, _, errors = cli("lower", f"{MODELS}:mlp", "-t", "xnnpak", "--store", tmp_path / "store")
     assert code == 2 and errors == [
         "lowerflow: error: --target: unknown target 'xnnpak'; did you mean 'xnnpack'? "
-        "(targets: portable, reference, xnnpack)"]
+        "(targets: portable, coreml, ethos-u, openvino, qnn, reference, vulkan, xnnpack)"]
     manifest = write_manifest(tmp_path, f"models:\n  - {{name: a, model: '{MODELS}:mlp', targets: [Portable]}}")
     code, _, errors = cli("fleet", manifest)
     assert code == 2 and errors == [
         "lowerflow: error: models[0] ('a'): unknown target 'Portable'; did you mean 'portable'? "
-        "(targets: portable, reference, xnnpack)"]
+        "(targets: portable, coreml, ethos-u, openvino, qnn, reference, vulkan, xnnpack)"]
     assert "Backend" not in errors[0]  # class names are not what users type
     assert not (tmp_path / "store").exists()
 

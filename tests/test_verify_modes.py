@@ -166,6 +166,58 @@ def test_lower_and_fleet_take_verify_modes(cli, prefect_api, llamas, tmp_path):
     assert verified["ok"] and {c["inputs"] for c in verified["checks"]} == {"quick: 4 calls"}
 
 
+def test_lowerflow_verify_runs_the_mode_asked_for(cli, llamas, ptes):
+    """``lowerflow verify --verify quick`` runs the quick check (one sequence of calls per
+    method; constant methods still checked) and fails a program of other weights; ``auto``
+    (the default) is full for this tiny model: every input set; ``off`` is not a check."""
+    spec = f"hf:{llamas[0]}"
+    args = ("--model", spec, "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN)
+    code, out, errors = cli("verify", ptes[0], *args, "--verify", "quick")
+    assert code == 0, (out, errors)
+    forward = [line for line in out.splitlines() if line.startswith("forward ")]
+    assert forward and all(line.endswith("(quick: 4 calls)") and " ok " in line for line in forward), out
+    assert {line.split()[1] for line in forward} == {"lowerflow", "executorch"}
+    assert "get_max_seq_len lowerflow   ok" in out
+    code, out, errors = cli("verify", ptes[1], *args, "--verify", "quick")
+    assert code == 1 and "MISMATCH" in out and "(quick: 4 calls)" in out
+    assert errors == [f"lowerflow: error: {ptes[1]} does not match {spec} in lowerflow (forward), "
+                      "executorch (forward)"], errors
+    code, auto, _ = cli("verify", ptes[0], *args)
+    assert code == 0 and "quick" not in auto and "(seq_length_dim=31)" in auto
+    assert auto == cli("verify", ptes[0], *args, "--verify", "full")[1]
+    code, _, errors = cli("verify", ptes[0], *args, "--verify", "off")
+    assert code == 2 and "--verify: invalid choice: 'off'" in errors[0]
+
+
+def test_the_plan_lists_verify_only_where_it_runs(cli, prefect_api, llamas, tmp_path):
+    """``lowerflow plan``: a target whose verify is off lists no verify stage, whether the
+    first miss is the export (nothing cached) or a stage after it (export cached)."""
+    from tests.test_validation import MODELS
+
+    manifest = tmp_path / "fleet.yaml"
+    manifest.write_text(f"store: ./store\nmodels:\n"
+                        f"  - {{model: 'hf:{llamas[0]}', task: text-generation, max_seq_len: {MAX_SEQ_LEN}, "
+                        "targets: [portable, xnnpack], verify: {portable: 'off'}}\n"
+                        f"  - {{name: mlp, model: '{MODELS}:mlp', verify: false}}\n")
+
+    def rows():
+        code, out, errors = cli("plan", manifest)
+        assert code == 0 and not errors, (out, errors)
+        return {tuple(line.split()[:2]): line.split(None, 3)[3] for line in out.splitlines()[2:5]}
+
+    cold = rows()
+    assert cold[("llama", "portable")] == "export[forward], memory_plan, emit_methods"
+    assert cold[("llama", "xnnpack")].startswith("export[forward], partition") and cold[("llama", "xnnpack")].endswith(
+        "emit_methods, verify")
+    assert cold[("mlp", "portable")] == "export, memory_plan, emit"
+    code, out, errors = cli("lower", f"hf:{llamas[0]}", "--task", "text-generation", "--max-seq-len", MAX_SEQ_LEN,
+                            "-t", "xnnpack", "--verify", "off", "--store", tmp_path / "store", "-o", tmp_path / "x.pte")
+    assert code == 0, (out, errors)
+    warm = rows()
+    assert warm[("llama", "portable")] == "memory_plan[forward], emit_methods"
+    assert warm[("llama", "xnnpack")] == "verify[forward]", warm
+
+
 # --------------------------------------------------------------------------- hf: loads lazily
 
 
@@ -188,6 +240,52 @@ def test_a_cached_rerun_of_an_hf_model_never_loads_it(prefect_api, llamas, tmp_p
     _llama(directory, 2)
     changed = run_model(f"hf:{directory}", ["portable"], store, hf=dict(TASK), verify="off")
     assert HF_LOADS[key] == 2 and changed["fingerprint"]["parts"]["weights"] != cold["fingerprint"]["parts"]["weights"]
+
+
+#: ``lowerflow ARGS`` in a fresh interpreter, then whether Prefect's server module was imported
+#: (what starting its ephemeral server takes) and whether a flow ran.
+_LOWER_AND_TELL = """
+import sys
+from flows.cli import main
+code = main(sys.argv[1:])
+print("server imported:", "prefect.server.api.server" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_a_cached_rerun_with_no_api_server_starts_none_and_publishes_the_same(prefect_api, llamas, tmp_path):
+    """``lowerflow lower`` with no PREFECT_API_URL: a rerun whose stages all hit the cache runs
+    without a flow run (flows.lower_model.lower_cached), so Prefect's ephemeral server is never
+    started; it writes the same .pte and manifest (``flow_run`` None).  A miss still runs the flow."""
+    import os
+    import subprocess
+    import sys
+
+    from flows.lower_model import lower_model as run_model
+    from tests.test_cli import REPO
+
+    store = tmp_path / "store"
+    cold = run_model(f"hf:{llamas[0]}", ["xnnpack"], str(store), hf=dict(TASK))  # on the test's API server
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
+    env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+
+    def lower(*extra):
+        args = ["lower", f"hf:{llamas[0]}", "--task", "text-generation", "--max-seq-len", str(MAX_SEQ_LEN),
+                "-t", "xnnpack", "--store", str(store), "-o", str(tmp_path / "out.pte"), *extra]
+        result = subprocess.run([sys.executable, "-c", _LOWER_AND_TELL, *args], cwd=REPO, env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    out = lower()
+    assert "server imported: False" in out and "verify[forward]     cached" in out, out
+    assert (tmp_path / "out.pte").read_bytes() == (store / "outputs" / "llama" / "xnnpack.pte").read_bytes()
+    manifest = json.loads((store / "outputs" / "llama" / "manifest.json").read_text())
+    assert manifest["flow_run"] is None and manifest["fingerprint"] == cold["fingerprint"]
+    assert manifest["targets"]["xnnpack"]["pte"] == cold["targets"]["xnnpack"]["pte"]
+    assert all(r["cached"] for r in manifest["targets"]["xnnpack"]["stages"])
+    out = lower("--verify", "quick")  # verify quick is not cached: the flow runs it
+    assert "server imported: True" in out and "verify[forward]     ran" in out, out
 
 
 @pytest.mark.parametrize("task, options", [

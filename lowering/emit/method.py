@@ -105,6 +105,8 @@ class MethodEmitter:
         #: Weights as EXTERNAL tensors (key: FQN) bound from the .ptd (see :func:`build_pte`).
         self.external_weights = external_weights
         self.external: dict[str, PtdEntry] = {}
+        #: A delegate's named data that is a weight as the program holds it -> its layout.
+        self._named_layouts: dict[str, TensorLayout] = {}
         self.plan = memory_plan
         self.aliases: dict[str, str] = dict(getattr(memory_plan, "aliases", None) or {})
         self.values: list[schema.EValueT] = []
@@ -450,6 +452,10 @@ class MethodEmitter:
             if not same_blob(self.named_data.setdefault(key, blob), blob):
                 raise self.error(f"named data key {key!r} of {module_node.target!r} is already "
                                   "used by another delegate for different bytes")
+            if self.external_weights and key not in self._named_layouts:
+                layout = _weight_layout(getattr(lowered, "original_module", None), key, blob)
+                if layout is not None:
+                    self._named_layouts[key] = layout
         delegate = schema.BackendDelegateT()
         delegate.id = backend_id
         reference = schema.BackendDelegateDataReferenceT()
@@ -570,15 +576,18 @@ class MethodEmitter:
         return self.add_value(tensor_evalue(table))
 
     def external_data(self) -> dict[str, PtdEntry]:
-        """What the ``.ptd`` holds: the external tensors, then the delegates' named data (no layout);
-        a key both name is one entry (equal bytes: a weight the top level and a delegate share)."""
+        """What the ``.ptd`` holds: the external tensors, then the delegates' named data; a key
+        both name is one entry (equal bytes: a weight the top level and a delegate share).  A
+        delegate's blob that is a weight as the program holds it (key: its name, same bytes)
+        gets that weight's layout too, so a portable program of the same weights binds the
+        same entry: the two targets' ``.ptd`` files can be one file."""
         data = dict(self.external)
         for key, blob in self.named_data.items():
             if key in data:
                 if not same_blob(data[key].data, blob):
                     raise EmitError(f"external weight {key!r}: a delegate names different bytes than the program")
             else:
-                data[key] = PtdEntry(blob)
+                data[key] = PtdEntry(blob, self._named_layouts.get(key))
         return data
 
     def _add_mutable_data(self, tensor: torch.Tensor) -> int:
@@ -643,3 +652,18 @@ class MethodEmitter:
             ids = [-1 if v is None else self.node_value(v) for v in items]
             return list_evalue(schema.KernelTypes.OptionalTensorList, ids)
         raise self.error(f"list argument of element type {element} cannot be emitted")
+
+
+def _weight_layout(program: Any, key: str, blob: Any) -> "TensorLayout | None":
+    """The layout of weight ``key`` of ``program`` (a delegate's original program) if ``blob``
+    is exactly its bytes, else None (a blob in the backend's own layout)."""
+    if program is None:
+        return None
+    tensor = program.state_dict.get(key, program.constants.get(key))
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in DTYPE_TO_SCALAR_TYPE:
+        return None
+    dense = tensor.detach().contiguous()
+    if not same_blob(tensor_memory(dense), blob):
+        return None
+    return TensorLayout(int(DTYPE_TO_SCALAR_TYPE[dense.dtype]), tuple(int(d) for d in dense.shape),
+                        tuple(range(dense.dim())))

@@ -15,6 +15,12 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.utils import _pytree as pytree
 
+#: ``node.meta`` key of a folded constant's placeholder: how it was computed,
+#: ``(op name, args, kwargs)`` with each weight as ``("weight", target)``, so that a
+#: retrain's weights can be folded the same way (:mod:`lowering.rebind`).  Kept in this
+#: process only (the stored program does not carry it).
+FOLDED_FROM = "folded_from"
+
 #: Kinds of lifted inputs whose value is fixed at export time.
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.CONSTANT_TENSOR)
 
@@ -75,6 +81,8 @@ def fold_constant_views(program: ExportedProgram) -> int:
             new = graph.placeholder(placeholder_name)
         new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
         new.meta["val"] = fake_mode.from_tensor(real, static_shapes=True) if fake_mode else real
+        new.meta[FOLDED_FROM] = (node.target.name(), *torch.fx.node.map_arg(
+            (node.args, node.kwargs), lambda a: ("weight", spec_of[a].target)))
         spec = InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(new.name), target)
         ordered = [n for n in graph.nodes if n.op == "placeholder"]
         specs.insert(ordered.index(new), spec)

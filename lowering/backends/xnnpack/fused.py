@@ -27,7 +27,7 @@ from .ops import OpRule, linear, register
 from .xnodes import min_max
 
 if TYPE_CHECKING:
-    from .preprocess import GraphBuilder
+    from .builder import GraphBuilder
 
 NAMESPACE = "lowerflow_xnnpack"
 

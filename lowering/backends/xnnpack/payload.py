@@ -130,3 +130,18 @@ def deserialize_payload(payload: bytes) -> tuple[fbx.XNNGraphT, bytes]:
 def node_kind_names() -> dict[int, str]:
     """Union type number -> node kind name (``XNNAdd``...)."""
     return {v: k for k, v in vars(fbx.NodeUnion).items() if not k.startswith("_") and k != "NONE"}
+
+
+#: XNNGraph's quantization-parameter union tag of each parameter table.
+QUANT_TYPES = {
+    fbx.PerChannelQuantT: fbx.QuantParams.PerChannelQuant,
+    fbx.PerTensorQuantT: fbx.QuantParams.PerTensorQuant,
+    fbx.PerTokenDynamicQuantT: fbx.QuantParams.PerTokenDynamicQuant,
+    fbx.PerChannelGroupQuantT: fbx.QuantParams.PerChannelGroupQuant,
+}
+
+
+def per_tensor_quant(params) -> fbx.PerTensorQuantT:
+    q = fbx.PerTensorQuantT()
+    q.scale, q.zeroPoint = float(params.scale), int(params.zero_point)
+    return q

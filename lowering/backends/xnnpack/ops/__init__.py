@@ -32,7 +32,7 @@ from . import convolution, elementwise, linear, normalization, pooling, quantize
 from .shape import lower_getitem
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

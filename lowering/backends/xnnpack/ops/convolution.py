@@ -22,7 +22,7 @@ from .normalization import batch_norm_scale_shift
 from .shape import pads
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

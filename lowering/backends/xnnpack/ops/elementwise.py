@@ -23,7 +23,7 @@ from ..values import NCHW, NHWC, Context, XnnpackPreprocessError, shape, val
 from ..xnodes import min_max, node1x1, node2x1
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ from ..xnodes import node2x1
 from . import quantized
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

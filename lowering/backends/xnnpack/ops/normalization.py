@@ -18,7 +18,7 @@ from ..values import NCHW, NHWC, TO_NHWC, only_first_result, shape, val
 from ..xnodes import node1x1, node2x1
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

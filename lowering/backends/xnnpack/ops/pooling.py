@@ -17,7 +17,7 @@ from ..values import NCHW, NHWC, TO_NHWC, only_first_result, pair, shape, val
 from ..xnodes import node1x1, reshape
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

@@ -28,29 +28,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import payload as P
+from ..payload import per_tensor_quant
 from ..generated import xnngraph_generated as fbx
 from ..qparams import ACT_Q, QParams, QWeight, act_qparams, is_op
 from ..values import NCHW, NHWC, shape
 from ..xnodes import node1x1, reshape
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 qd = torch.ops.quantized_decomposed
-
-QUANT_TYPES = {
-    fbx.PerChannelQuantT: fbx.QuantParams.PerChannelQuant,
-    fbx.PerTensorQuantT: fbx.QuantParams.PerTensorQuant,
-    fbx.PerTokenDynamicQuantT: fbx.QuantParams.PerTokenDynamicQuant,
-    fbx.PerChannelGroupQuantT: fbx.QuantParams.PerChannelGroupQuant,
-}
-
-
-def per_tensor_quant(params: QParams) -> fbx.PerTensorQuantT:
-    q = fbx.PerTensorQuantT()
-    q.scale, q.zeroPoint = float(params.scale), int(params.zero_point)
-    return q
-
 
 def value_params(b: GraphBuilder, vid: int) -> QParams:
     """The per-tensor parameters of a qint8 value."""

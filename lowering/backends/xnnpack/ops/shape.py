@@ -18,7 +18,7 @@ from ..values import NCHW, NHWC, TO_NHWC, XnnpackPreprocessError, shape, val
 from ..xnodes import reshape, transpose
 
 if TYPE_CHECKING:
-    from ..preprocess import GraphBuilder
+    from ..builder import GraphBuilder
 
 aten = torch.ops.aten
 

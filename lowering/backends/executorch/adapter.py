@@ -1,0 +1,165 @@
+"""Calling ExecuTorch's own partitioners and ``preprocess`` inside lowerflow's stages.
+
+Stage 2 (:class:`EtPartitioner`): ExecuTorch's partitioners read edge-dialect ops
+(``EdgeOpOverload.__name__`` is ``aten.addmm.default``, an ATen overload's is
+``addmm.default``: on the ATen graph OpenVINO's tags 0 of 8 nodes).  So the partitioner
+runs on a copy whose ATen targets are retargeted, node for node, to
+``exir_ops.edge.*`` (names kept), and its tags are copied back by node name::
+
+    lowerflow's program                 the copy ExecuTorch's partitioner sees
+    %addmm = aten.addmm.default(...)    %addmm = <EdgeOpOverload: aten.addmm.default>(...)  {tag: tag0}
+    after: %addmm {delegation_tag: OpenvinoBackend_tag0}
+
+Stage 5 (:func:`et_preprocess`): the partition's program is brought to ExecuTorch's
+edge form with ExecuTorch's ``to_edge`` (IR checks off) and handed to the backend's
+own ``preprocess``; its named data (``NamedDataStoreOutput``) becomes lowerflow's
+``named_data``.  One fix: lowerflow's partition programs name their input and output
+nodes in the module call graph, which ExecuTorch's passes rename
+(``SpecViolationError: Output addmm_2 does not exist in the graph``); they get an
+anonymous signature, as ExecuTorch's own partition programs have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import operator
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+
+from ...delegation import TAG, CompileSpec, DelegationSpec, PreprocessResult
+from ...errors import BackendError
+from ...partition import Partitioner, PartitionResult
+from ...program import copy_program
+
+#: Named-data alignments lowerflow's segments (aligned to 128) honour.
+SEGMENT_ALIGNMENT = 128
+
+
+@contextlib.contextmanager
+def quiet():
+    """ExecuTorch's partitioners print a line per unsupported op and log per partition."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
+def retarget_to_edge(gm: torch.fx.GraphModule) -> int:
+    """Point every ATen ``OpOverload`` call at its ``exir_ops.edge`` twin, in place (names kept).
+
+    Before:: %addmm = aten.addmm.default(%b, %x, %w)
+    After::  %addmm = <EdgeOpOverload aten.addmm.default>(%b, %x, %w)
+    """
+    from executorch.exir.passes.replace_aten_with_edge_pass import aten_to_edge, should_lower_to_edge
+
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and should_lower_to_edge(node.target):
+            try:
+                node.target = aten_to_edge(node.target)
+            except (AttributeError, RuntimeError):
+                continue  # an op ExecuTorch's edge dialect lacks: its partitioner will not take it
+            changed += 1
+    return changed
+
+
+class EtPartitioner(Partitioner):
+    """Tags what ExecuTorch's own partitioner ``et_partitioner`` of ``backend_id`` takes.
+
+    Tags are ``f"{backend_id}_{tag}"`` (so a chain's partitions never share a name);
+    a getitem follows its producer and a tag left without a computing node is dropped.
+    """
+
+    def __init__(self, backend_id: str, et_partitioner) -> None:
+        self.backend_id = backend_id
+        self.et_partitioner = et_partitioner
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        edge = copy_program(exported_program)
+        retarget_to_edge(edge.graph_module)
+        try:
+            with quiet():
+                result = self.et_partitioner.partition(edge)
+        except Exception as exc:
+            raise BackendError(f"ExecuTorch's {type(self.et_partitioner).__name__} failed on this program: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        tags = {n.name: n.meta.get(TAG) for n in result.tagged_exported_program.graph.nodes}
+        nodes = list(exported_program.graph.nodes)
+        for node in nodes:
+            tag = tags.get(node.name)
+            if tag is not None and node.op != "output":
+                node.meta[TAG] = f"{self.backend_id}_{tag}"
+        for node in nodes:  # a getitem of an untagged producer (a delegate's output) is not taken
+            if node.op == "call_function" and node.target is operator.getitem and TAG in node.meta:
+                if node.args[0].meta.get(TAG) != node.meta[TAG]:
+                    del node.meta[TAG]
+        computing = {n.meta[TAG] for n in nodes if n.op == "call_function" and n.meta.get(TAG)
+                     and n.target is not operator.getitem}
+        for node in nodes:
+            if node.meta.get(TAG) is not None and node.meta[TAG] not in computing:
+                del node.meta[TAG]
+        specs = {}
+        for tag, spec in result.partition_tags.items():
+            name = f"{self.backend_id}_{tag}"
+            if name in computing:
+                specs[name] = DelegationSpec(spec.backend_id, tuple(CompileSpec(c.key, bytes(c.value))
+                                                                     for c in spec.compile_specs))
+        return PartitionResult(exported_program, specs)
+
+
+def anonymous_call_graph(program: ExportedProgram) -> ExportedProgram:
+    """A copy of ``program`` whose module call signature names no nodes (ExecuTorch's
+    ``create_exported_program_from_submodule`` makes them so)."""
+    program = copy_program(program)
+    entries = []
+    for entry in program.module_call_graph:
+        sig = entry.signature
+        if sig is not None:
+            sig = ModuleCallSignature(inputs=[], outputs=[], in_spec=sig.in_spec, out_spec=sig.out_spec)
+        entries.append(ModuleCallEntry(fqn=entry.fqn, signature=sig))
+    program._module_call_graph = entries
+    return program
+
+
+def et_edge_program(program: ExportedProgram) -> ExportedProgram:
+    """The partition as ExecuTorch's edge program (``to_edge`` with its IR checks off)."""
+    from executorch.exir import EdgeCompileConfig, to_edge
+
+    return to_edge(anonymous_call_graph(program),
+                   compile_config=EdgeCompileConfig(_check_ir_validity=False)).exported_program()
+
+
+def et_compile_specs(compile_specs) -> list:
+    from executorch.exir.backend.compile_spec_schema import CompileSpec as EtCompileSpec
+
+    return [EtCompileSpec(s.key, bytes(s.value)) for s in compile_specs]
+
+
+def et_preprocess(et_backend, program: ExportedProgram, compile_specs) -> PreprocessResult:
+    """``et_backend.preprocess`` on the partition ``program``, as lowerflow's PreprocessResult."""
+    with quiet():
+        result = et_backend.preprocess(et_edge_program(program), et_compile_specs(compile_specs))
+    return PreprocessResult(bytes(result.processed_bytes), named_data=named_data_of(result.data_store_output))
+
+
+def named_data_of(store) -> dict[str, bytes]:
+    """ExecuTorch's ``NamedDataStoreOutput`` as ``{key: bytes}`` (what the ``.pte`` stores inline)."""
+    if store is None:
+        return {}
+    if store.external_data:
+        raise BackendError(f"the backend put named data in external files {sorted(store.external_data)} "
+                           "(.ptd); lowerflow writes named data into the .pte only")
+    named = {}
+    for key, entry in store.pte_data.items():
+        if SEGMENT_ALIGNMENT % max(1, entry.alignment):
+            raise BackendError(f"named data {key!r} wants alignment {entry.alignment}, which does not divide "
+                               f"lowerflow's segment alignment {SEGMENT_ALIGNMENT}")
+        named[key] = bytes(store.buffers[entry.buffer_index])
+    return named

@@ -1,0 +1,174 @@
+"""The targets' backends: lowerflow ``BackendDetails`` named like ExecuTorch's classes.
+
+A delegate's id in the ``.pte`` is the backend class's name, and the stock runtime
+dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
+``OpenvinoBackend`` loads.  Each class:
+
+- ``check_available()``: BackendError naming the extra (or ``QNN_SDK_ROOT``) to
+  install; :func:`lowering.targets.check_target` calls it before any model runs;
+- ``partitioner(**options)``: the options checked, then ExecuTorch's own partitioner
+  wrapped as a lowerflow :class:`~lowering.partition.Partitioner` (:mod:`.adapter`);
+- ``preprocess``: ExecuTorch's own ``preprocess`` (OpenVINO: lowerflow's compile
+  with the precision hint, :mod:`.openvino`);
+- ``compiler_versions()``: executorch's and the vendor compiler's versions, in
+  the preprocess stage's cache key (a new coremltools recompiles);
+- ``verify_tolerance(options)``: the fp tolerance its outputs are checked with
+  (None: fp32's).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import importlib
+import re
+import uuid
+from typing import Any
+
+from ...delegation import BackendDetails, PreprocessResult
+from .adapter import EtPartitioner, et_preprocess
+from .options import check_options, make_et_partitioner
+from .targets import TARGETS, EtTarget, check_available, compiler_versions
+
+
+class ExecutorchBackend(BackendDetails):
+    """What every ExecuTorch backend target shares; subclasses name one :class:`EtTarget`
+    (until one does, the class is abstract: never a backend found by name)."""
+
+    @property
+    @abc.abstractmethod
+    def target(self) -> EtTarget: ...
+
+    @classmethod
+    def check_available(cls) -> None:
+        check_available(cls.target)
+
+    @classmethod
+    def partitioner(cls, **options: Any) -> EtPartitioner:
+        cls.check_available()
+        full = check_options(cls.target, options)
+        return EtPartitioner(cls.target.backend_id, make_et_partitioner(cls.target, full))
+
+    @classmethod
+    def compiler_versions(cls) -> dict[str, str]:
+        return compiler_versions(cls.target)
+
+    @classmethod
+    def verify_tolerance(cls, options: dict | None) -> float | None:
+        return None
+
+    @classmethod
+    def et_backend(cls):
+        """ExecuTorch's own BackendDetails class of this target."""
+        cls.check_available()
+        from executorch.exir.backend.backend_details import BackendDetails as EtBackendDetails
+
+        importlib.import_module(cls.target.module)
+        for sub in _subclasses(EtBackendDetails):
+            if sub.__name__ == cls.target.backend_id:
+                return sub
+        raise LookupError(f"ExecuTorch has no backend {cls.target.backend_id!r} in {cls.target.module}")
+
+    @classmethod
+    def preprocess(cls, edge_program, compile_specs) -> PreprocessResult:
+        return et_preprocess(cls.et_backend(), edge_program, compile_specs)
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, stack = [], list(cls.__subclasses__())
+    while stack:
+        sub = stack.pop()
+        found.append(sub)
+        stack.extend(sub.__subclasses__())
+    return found
+
+
+class OpenvinoBackend(ExecutorchBackend):
+    """ExecuTorch's OpenVINO partitioner and preprocess, as they are.
+
+    Precision: the payload is OpenVINO's compiled-model export, and the stock runtime
+    imports it with ``ov_core_import_model(blob, device)``, no properties: the device's
+    default ``INFERENCE_PRECISION_HINT`` applies at load, whatever hint the blob was
+    compiled with (measured: compiled with f32, imported bf16 on an AMX CPU, 1e-3 error).
+    So no lowerflow option can choose it for that runtime, and verify holds the program
+    to the precision this machine's OpenVINO uses (:meth:`verify_tolerance`).
+    """
+
+    target = TARGETS["openvino"]
+
+    @classmethod
+    def verify_tolerance(cls, options: dict | None) -> float | None:
+        return DEFAULT_PRECISION_TOLERANCE.get(openvino_default_precision((options or {}).get("device", "CPU")))
+
+
+#: atol = rtol by inference precision (None: fp32's default).
+DEFAULT_PRECISION_TOLERANCE = {"bf16": 2e-2, "f16": 5e-3}
+
+
+def openvino_default_precision(device: str) -> str | None:
+    """The inference precision OpenVINO's ``device`` runs a model at by default here
+    (``bf16`` on CPUs with AMX / avx512_bf16); None when openvino cannot be asked."""
+    try:
+        import openvino
+
+        hint = openvino.Core().get_property(device, "INFERENCE_PRECISION_HINT")
+    except Exception:
+        return None
+    return getattr(hint, "type_name", str(hint))  # an openvino Type: "bf16", "f16", "f32"
+
+
+class VulkanBackend(ExecutorchBackend):
+    target = TARGETS["vulkan"]
+
+    @classmethod
+    def verify_tolerance(cls, options: dict | None) -> float | None:
+        return 5e-3 if (options or {}).get("force_fp16") else None
+
+
+class CoreMLBackend(ExecutorchBackend):
+    """ExecuTorch's Core ML preprocess, with a deterministic model identifier.
+
+    ExecuTorch names every Core ML model ``executorch_<uuid4>`` and coremltools gives the
+    mlpackage's manifest entries random uuids, so two lowerings of one model never give the
+    same bytes.  lowerflow replaces each with a uuid derived from the payload's own bytes
+    (:func:`deterministic_identifier`): same partition, same bytes; another partition,
+    another identifier (the device runtime caches compiled models by it).
+    """
+
+    target = TARGETS["coreml"]
+
+    @classmethod
+    def preprocess(cls, edge_program, compile_specs) -> PreprocessResult:
+        result = super().preprocess(edge_program, compile_specs)
+        return PreprocessResult(deterministic_identifier(result.processed_bytes), result.debug_handle_map,
+                                result.named_data)
+
+    @classmethod
+    def verify_tolerance(cls, options: dict | None) -> float | None:
+        return None if (options or {}).get("precision") == "fp32" else 5e-3
+
+
+class EthosUBackend(ExecutorchBackend):
+    target = TARGETS["ethos-u"]
+
+
+class QnnBackend(ExecutorchBackend):
+    target = TARGETS["qnn"]
+
+
+#: A uuid as text: ExecuTorch's Core ML identifier (``executorch_<uuid4>``) and the mlpackage
+#: manifest's item ids are random uuid4s.
+UUID_TEXT = re.compile(rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+
+
+def deterministic_identifier(payload: bytes) -> bytes:
+    """``payload`` with every random uuid replaced by one derived from the payload's bytes (the
+    uuids blanked) and its order of appearance; same length, so the flattened directory's
+    offsets hold.  Same partition, same bytes; the model's identifier changes with its content."""
+    found = list(dict.fromkeys(UUID_TEXT.findall(payload)))
+    if not found:
+        return payload
+    digest = hashlib.sha256(UUID_TEXT.sub(b"0" * 36, payload)).digest()
+    stable = {old: str(uuid.UUID(bytes=hashlib.sha256(digest + bytes([i % 256])).digest()[:16], version=4)).encode()
+              for i, old in enumerate(found)}
+    return UUID_TEXT.sub(lambda m: stable[m.group(0)], payload)

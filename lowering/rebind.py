@@ -1,0 +1,232 @@
+"""Weights-only updates: a retrained model (same program, new weights) bound to last night's
+lowered program, without exporting, partitioning or planning again.
+
+    previous = lower(model_w1, x, partitioner=p, external_weights=True)
+    tonight = rebind_weights(previous, model_w2)        # ~ the cost of preprocessing weights
+    tonight.pte == previous.pte; tonight.ptd: model_w2's weights
+
+How (every step keyed on names, never on bytes)::
+
+    previous.source_program (edge, fp32)  ── state_dict swapped by FQN, folded views redone ──► E'
+    E' ── quantize (the same recipe; dynamic recipes only) ──► Q'        bindings: target -> tensor
+    previous.exported_program (delegated) ── every constant swapped by target from the bindings,
+        every delegate preprocessed again on its new weights (payload must not change) ──► D'
+    emit(D', previous.memory_plan, external_weights) ──► .pte (must equal previous.pte) + .ptd
+
+What is not a weights-only update raises :class:`NotWeightsOnly` naming why (then lower
+again): another architecture (a weight missing or of another shape), a recipe that
+calibrates (``int8`` static: activation parameters are in the program), a delegate
+payload that depends on weight values (per-tensor quantization parameters inline), a view
+of a weight whose source cannot be told, control flow.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping
+
+import torch
+from torch.export import ExportedProgram
+
+from .errors import LoweringError
+
+#: The prefix export's folding gives a view of a weight it computed ahead of time.
+FOLDED_PREFIX = "_folded_"
+
+
+class NotWeightsOnly(LoweringError):
+    """The new weights cannot be bound to the previous program; the message says why."""
+
+
+def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.Tensor]", *,
+                   quantize: Any = None, runtime_ops: Any = None) -> Any:
+    """``previous`` (a :class:`~lowering.lower.LowerResult` of ``external_weights=True``) with the
+    weights of ``model`` (a module of the same architecture, or its state_dict): a new
+    LowerResult whose ``.pte`` is byte-identical to ``previous.pte`` and whose ``.ptd`` holds
+    the new weights.  ``quantize``: the recipe ``previous`` was lowered with.  Raises
+    :class:`NotWeightsOnly` when that cannot be (see the module docstring)."""
+    from .emit.method import build_pte
+    from .external import program_files
+    from .lower import LowerResult, MethodsLowerResult
+
+    if isinstance(previous, MethodsLowerResult):
+        return _rebind_methods(previous, model, quantize, runtime_ops)
+    if previous.ptd is None or getattr(previous, "source_program", None) is None:
+        raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    source, bindings = _bindings(previous.source_program, _state_of(model), quantize)
+    timings["bind"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = rebound_program(previous.exported_program, bindings)
+    timings["preprocess"] = time.perf_counter() - start
+    start = time.perf_counter()
+    pte, ptd = program_files(build_pte(program, previous.memory_plan, runtime_ops=runtime_ops,
+                                       external_weights=True), True)
+    timings["emit"] = time.perf_counter() - start
+    _check_same(pte, previous.pte)
+    return LowerResult(pte=pte, memory_plan=previous.memory_plan, exported_program=program, timings=timings,
+                       ptd=ptd, source_program=source)
+
+
+def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) -> Any:
+    """:func:`rebind_weights` of a program of several methods (``model``: ``{method: module}``,
+    or one module / state_dict every method reads its weights from)."""
+    from .external import program_files
+    from .lower import MethodsLowerResult
+    from .methods import build_methods_pte
+
+    if previous.ptd is None or not previous.source_programs:
+        raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
+    sources, programs = {}, {}
+    for name, source in previous.source_programs.items():
+        state = _state_of(model[name] if isinstance(model, Mapping) and name in model else model)
+        sources[name], bindings = _bindings(source, state, quantize)
+        programs[name] = rebound_program(previous.exported_programs[name], bindings)
+    built = build_methods_pte({name: (programs[name], previous.memory_plans[name]) for name in programs},
+                              previous.constant_methods, runtime_ops=runtime_ops, external_weights=True)
+    pte, ptd = program_files(built, True)
+    _check_same(pte, previous.pte)
+    return MethodsLowerResult(pte=pte, memory_plans=previous.memory_plans, exported_programs=programs, ptd=ptd,
+                              source_programs=sources, constant_methods=previous.constant_methods)
+
+
+def _state_of(model: Any) -> dict[str, torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return {k: v.detach() for k, v in model.state_dict(keep_vars=False).items()}
+    return {k: v.detach() for k, v in dict(model).items()}
+
+
+def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quantize: Any):
+    """(the source program bound to ``state``, target -> tensor of every weight after quantize)."""
+    bound = bind_source(source, state)
+    if quantize is None:
+        return bound, _tensors(bound)
+    from .quantize import parse_recipe, quantize as quantize_program
+
+    recipe = parse_recipe(quantize)
+    if recipe.to_dict().get("recipe") == "int8":
+        raise NotWeightsOnly("recipe int8 (static) calibrates activations on the model: its activation "
+                             "quantization parameters are in the program, so new weights need a new program")
+    return bound, _tensors(quantize_program(bound, recipe))
+
+
+def _check_same(pte: bytes, previous: bytes) -> None:
+    if pte != previous:
+        raise NotWeightsOnly("the program emitted with the new weights differs from the previous one "
+                             "(something in it depends on weight values)")
+
+
+def bind_source(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """The exported (edge, fp32) ``program`` with its parameters and buffers taken from ``state``
+    (by FQN) and its folded views of them computed again; a copy, ``program`` is untouched."""
+    from .program import copy_program
+
+    views = folded_views(program)
+    bound = copy_program(program)
+    for name, old in program.state_dict.items():
+        bound.state_dict[name] = _same_kind(name, old, state)
+    sources = {**{k: v for k, v in program.constants.items() if k not in views}, **state}
+    for name, old in program.constants.items():
+        if name in views:
+            bound.constants[name] = _same_kind(name, old, {name: _fold(views[name], sources)})
+        elif name in state:
+            bound.constants[name] = _same_kind(name, old, state)
+    return bound
+
+
+def folded_views(program: ExportedProgram) -> dict[str, tuple]:
+    """Each folded constant (export's view of a weight computed ahead of time) -> how to compute
+    it from other weights: ``(op, args, kwargs)`` with ``("weight", target)`` for each weight, as
+    export recorded it (:data:`lowering.export.folding.FOLDED_FROM`); one without that record
+    raises NotWeightsOnly (a program read back from a store: lower again)."""
+    from .export.folding import FOLDED_FROM
+
+    recorded = {}
+    specs = {s.arg.name: s for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and FOLDED_FROM in node.meta and node.name in specs:
+            recorded[specs[node.name].target] = node.meta[FOLDED_FROM]
+    for name in program.constants:
+        if name.startswith(FOLDED_PREFIX) and name not in recorded:
+            raise NotWeightsOnly(f"the folded constant {name!r} does not say which weight it is a view of "
+                                 "(a program read back from a store): lower again")
+    return recorded
+
+
+def _is_weight(a: Any) -> bool:
+    return isinstance(a, tuple) and len(a) == 2 and a[0] == "weight"
+
+
+def _fold(recipe: tuple, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Compute a folded constant from its recipe (:func:`folded_views`) on the weights ``state``."""
+    op_name, args, kwargs = recipe
+    namespace, _, rest = op_name.partition("::")
+    name, _, overload = rest.partition(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+
+    def value(a):
+        if not _is_weight(a):
+            return a
+        if a[1] not in state:
+            raise NotWeightsOnly(f"the new weights have no {a[1]!r}: another architecture")
+        return state[a[1]]
+
+    args, kwargs = torch.utils._pytree.tree_map(value, (args, kwargs), is_leaf=_is_weight)
+    with torch.no_grad():
+        return op(*args, **kwargs).contiguous().clone()
+
+
+def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tensor]) -> ExportedProgram:
+    """The delegated ``program`` with every constant (its own and each delegate's) taken from
+    ``bindings`` by target, each delegate preprocessed again on its new weights; raises
+    NotWeightsOnly if a delegate's payload changes (it holds something weight-dependent)."""
+    from .control_flow_graph import has_control_flow
+    from .lowered_module import LoweredBackendModule, preprocess
+    from .program import copy_program
+
+    if has_control_flow(program.graph):
+        raise NotWeightsOnly("a program with control flow (cond / map) is lowered again")
+    bound = copy_program(program)
+    _swap(bound, bindings, "the program")
+    for node in bound.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        lowered = getattr(bound.graph_module, node.target, None)
+        if not isinstance(lowered, LoweredBackendModule):
+            continue
+        original = copy_program(lowered.original_module)
+        _swap(original, bindings, f"delegate {node.target!r}")
+        again = preprocess(original, lowered.backend_id, lowered.compile_specs, partition=node.target)
+        if bytes(again.processed_bytes) != bytes(lowered.processed_bytes):
+            raise NotWeightsOnly(f"delegate {node.target!r} ({lowered.backend_id}): its payload depends on "
+                                 "weight values (e.g. per-tensor quantization parameters inline)")
+        setattr(bound.graph_module, node.target, again)
+    return bound
+
+
+def _swap(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], where: str) -> None:
+    mutated = set(program.graph_signature.buffers_to_mutate.values())
+    for table in (program.state_dict, program.constants):
+        for name, old in list(table.items()):
+            if name in mutated or not isinstance(old, torch.Tensor):
+                continue  # state (a KV cache): its initial value is the program's, not a weight
+            if name not in bindings:
+                raise NotWeightsOnly(f"{where}: no new value for {name!r}")
+            table[name] = _same_kind(name, old, bindings)
+
+
+def _same_kind(name: str, old: torch.Tensor, new: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    if name not in new:
+        raise NotWeightsOnly(f"the new weights have no {name!r}: another architecture")
+    tensor = new[name]
+    if tuple(tensor.shape) != tuple(old.shape) or tensor.dtype != old.dtype:
+        raise NotWeightsOnly(f"{name!r} is {tensor.dtype} {list(tensor.shape)} in the new weights, "
+                             f"{old.dtype} {list(old.shape)} in the program: another architecture")
+    if isinstance(old, torch.nn.Parameter):  # a program's parameters stay parameters
+        return torch.nn.Parameter(tensor.detach(), requires_grad=old.requires_grad)
+    return tensor.detach()
+
+
+def _tensors(program: ExportedProgram) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in {**program.state_dict, **program.constants}.items() if isinstance(v, torch.Tensor)}

@@ -1,0 +1,164 @@
+"""ExecuTorch's own backends as targets (lowering/backends/executorch/): the openvino target
+lowered, verified on the stock runtime and cached; ordered chains; options and missing SDKs
+refused before any work; the preprocess key's compiler versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.lower_model import lower_model
+from flows.reports import delegation_line
+from lowering.errors import BackendError
+from lowering.targets import partitioner_for, verify_tolerance
+from tasks import stages
+from tasks.cache import CacheConfig, StageCachePolicy
+from tasks.store import ArtifactRef
+from tests._lowering import executions_during
+
+pytest.importorskip("executorch")
+pytest.importorskip("openvino")
+
+pytestmark = pytest.mark.usefixtures("fresh_stages")
+ROOT = Path(__file__).resolve().parents[1]
+CNN = f"{ROOT / 'examples' / 'models.py'}:cnn"
+
+
+def manifest_of(store: Path, name: str) -> dict:
+    return json.loads((store / "outputs" / name / "manifest.json").read_text())
+
+
+def test_openvino_and_xnnpack_verified_on_the_stock_runtime_and_cached(tmp_path, cli):
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    code, _, errors = cli("lower", CNN, "-t", "openvino", "-t", "xnnpack", "--store", store, "-o", f"{out}/")
+    assert (code, errors) == (0, [])
+    assert sorted(p.name for p in out.iterdir()) == ["cnn.openvino.pte", "cnn.xnnpack.pte"]
+    targets = manifest_of(store, "cnn")["targets"]
+    checks = {t: {c["runtime"]: c for c in targets[t]["verify"]["checks"]} for t in targets}
+    # OpenVINO ran on ExecuTorch's runtime, within the precision OpenVINO's CPU plugin uses here.
+    assert checks["openvino"]["executorch"]["ok"] is True
+    assert checks["openvino"]["executorch"]["max_abs_diff"] <= (verify_tolerance("openvino") or 1e-4)
+    # lowerflow's own runtime cannot run an OpenVINO payload: verify says so instead of failing.
+    assert checks["openvino"]["lowerflow"]["ok"] is None
+    assert "OpenvinoBackend" in checks["openvino"]["lowerflow"]["skipped"]
+    assert checks["xnnpack"]["executorch"]["ok"] is True and checks["xnnpack"]["lowerflow"]["ok"] is True
+    delegation = targets["openvino"]["delegation"]
+    assert delegation["partitions"] == 1 and delegation["delegated_nodes"] == delegation["total_nodes"]
+    assert delegation["compile_seconds"] > 0 and "compile_seconds" not in targets["xnnpack"]["delegation"]
+    assert "vendor compile" in delegation_line(delegation)
+    pte = (out / "cnn.openvino.pte").read_bytes()
+
+    # Warm: nothing recompiles, and the same bytes are written.
+    (code, _, errors), ran = executions_during(
+        cli, "lower", CNN, "-t", "openvino", "-t", "xnnpack", "--store", store, "-o", f"{out}/")
+    assert (code, errors) == (0, [])
+    assert not ran, f"a warm rerun executed {dict(ran)}"
+    assert (out / "cnn.openvino.pte").read_bytes() == pte
+
+
+CHAIN_MODELS = '''
+import torch
+from torch import nn
+
+class Floor(nn.Module):
+    def forward(self, x):
+        return torch.floor(x)
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Floor(), nn.Linear(16, 4)).eval(), (torch.randn(2, 8),)
+'''
+
+
+def test_chain_each_backend_takes_what_the_previous_left(tmp_path):
+    (tmp_path / "chain_models.py").write_text(CHAIN_MODELS)
+    store = tmp_path / "store"
+    # Vulkan has no floor: it takes both linears, XNNPACK the floor between them.
+    options = {"android": {"backends": ["vulkan", "xnnpack"], "vulkan": {"force_fp16": False}}}
+    manifest = lower_model(model=f"{tmp_path / 'chain_models.py'}:net", targets=["android"], store=str(store),
+                           options=options)
+    entry = manifest["targets"]["android"]
+    assert entry["ok"], entry["error"]
+    steps = entry["delegation"]["backends"]
+    assert list(steps) == ["vulkan", "xnnpack"]
+    assert steps["vulkan"]["partitions"] == 2 and steps["xnnpack"]["partitions"] == 1
+    assert steps["xnnpack"]["delegated_nodes"] == 1  # the floor
+    assert all(t.startswith("VulkanBackend_") for t in steps["vulkan"]["partition_tags"])
+    assert entry["delegation"]["delegated_nodes"] == entry["delegation"]["total_nodes"]
+    line = delegation_line(entry["delegation"])
+    assert "vulkan: " in line and "xnnpack: 1 nodes in 1 partition" in line
+    # No runtime here has Vulkan: verify says which runtimes are missing, it does not fail.
+    checks = {c["runtime"]: c for c in entry["verify"]["checks"]}
+    assert checks["executorch"]["ok"] is None and "VulkanBackend" in checks["executorch"]["skipped"]
+    assert checks["lowerflow"]["ok"] is None and "VulkanBackend" in checks["lowerflow"]["skipped"]
+
+
+def test_chain_on_the_command_line_and_in_a_manifest(tmp_path, cli):
+    from flows.manifest import ManifestError, load_manifest
+
+    code, _, errors = cli("lower", CNN, "-t", "android=vulkan,nosuch", "--store", tmp_path / "s")
+    assert code == 2 and len(errors) == 1 and "'nosuch'" in errors[0]
+    path = tmp_path / "fleet.yaml"
+    path.write_text(f"models:\n  - model: {CNN}\n    targets: [xnnpack, {{name: android, backends: [vulkan, xnnpack]}}]\n")
+    entry = load_manifest(path).models[0]
+    assert entry.targets == ("xnnpack", "android")
+    assert entry.options["android"] == {"backends": ["vulkan", "xnnpack"]}
+    path.write_text(f"models:\n  - model: {CNN}\n    targets: [{{name: android, backends: [vulkan, portable]}}]\n")
+    with pytest.raises(ManifestError, match="'portable' is not a backend"):
+        load_manifest(path)
+
+
+def test_options_are_checked_before_any_work():
+    with pytest.raises(BackendError, match=r"target 'coreml': unknown options \['compute_unit'\]"):
+        partitioner_for("coreml", {"compute_unit": "cpu_only"})
+    with pytest.raises(BackendError, match="option compute_units: 'gpu' is not one of"):
+        partitioner_for("coreml", {"compute_units": "gpu"})
+    with pytest.raises(BackendError, match="option 'buffer_limit' must be int"):
+        partitioner_for("vulkan", {"buffer_limit": "big"})
+
+
+def test_qnn_without_its_sdk_is_one_line_before_any_model_runs(tmp_path, cli, monkeypatch):
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    (tmp_path / "boom.py").write_text("def m():\n    raise SystemExit('the model ran')\n")
+    code, _, errors = cli("lower", f"{tmp_path / 'boom.py'}:m", "-t", "qnn", "--store", tmp_path / "s")
+    assert code == 2 and len(errors) == 1
+    assert "QNN_SDK_ROOT" in errors[0] and "not on PyPI" in errors[0]
+
+
+def test_preprocess_key_holds_compiler_versions_only_when_given():
+    program = ArtifactRef("file:///p", "ab" * 32, 1, "program")
+    inputs = {"program": program, "backend_id": "XnnpackBackend", "compile_specs": [], "label": "m/t0"}
+    policy = CacheConfig(results="/tmp").policy("preprocess", stages.STAGE_VERSIONS["preprocess"],
+                                                 stages.STAGE_IGNORES["preprocess"],
+                                                 stages.STAGE_OPTIONAL["preprocess"])
+    before = StageCachePolicy(stage="preprocess", version=stages.STAGE_VERSIONS["preprocess"],
+                              ignore=stages.STAGE_IGNORES["preprocess"])  # the key before versions
+    plain = policy.key_for(stages.stage_inputs("preprocess", inputs))
+    assert plain == before.key_for(inputs)
+    keyed = [policy.key_for(stages.stage_inputs("preprocess", {**inputs, "versions": v}))
+             for v in ({"executorch": "1.5.1", "coremltools": "9.0"}, {"executorch": "1.5.1", "coremltools": "9.1"})]
+    assert len({plain, *keyed}) == 3
+
+
+def test_a_fleet_of_four_device_families_lowers_then_recompiles_nothing(tmp_path):
+    from flows.lower_fleet import lower_fleet, plan_fleet
+
+    mlp = f"{ROOT / 'examples' / 'models.py'}:mlp"
+    fleet = {"store": str(tmp_path / "store"), "models": [{
+        "name": "mlp", "model": mlp,
+        "targets": ["xnnpack", "openvino", "coreml", {"name": "android", "backends": ["vulkan", "xnnpack"]}]}]}
+    rows = plan_fleet(fleet)
+    compiles = {(r["target"], r["stage"]) for r in rows if r["stage"] == "preprocess"}
+    assert {t for t, _ in compiles} == {"xnnpack", "openvino", "coreml", "android"}  # the vendor compile stages
+    summary, ran = executions_during(lower_fleet, fleet)
+    assert summary["failed"] == [], summary
+    assert ran["preprocess"] == 4  # xnnpack, openvino, coreml, vulkan (android's xnnpack step finds nothing left)
+    targets = manifest_of(tmp_path / "store", "mlp")["targets"]
+    assert targets["android"]["delegation"]["backends"]["vulkan"]["partitions"] == 1
+    assert targets["coreml"]["delegation"]["compile_seconds"] > 0
+    summary, ran = executions_during(lower_fleet, fleet)
+    assert summary["failed"] == [] and not ran, dict(ran)
+    assert all(r["cached"] for r in plan_fleet(fleet))

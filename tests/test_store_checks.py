@@ -1,0 +1,146 @@
+"""Issue 27: a local store trusts an object it checked while the file holding it is unchanged.
+
+``ArtifactStore.verify`` (what a cache hit runs) hashes the objects it names unless
+``checked/ab/cdef...`` records the stamp (path, size, mtime_ns, ctime_ns, inode, device,
+window) the file had when its bytes last hashed to the name (or were written by the
+store).  A cached rerun then stats its objects instead of reading them; any change made
+through the filesystem still makes the check hash, and a corrupt object is caught and
+quarantined as before (tasks/store.py, "Checked objects").  Bytes read are counted with
+``/proc/self/io`` (``rchar``: every byte this process read).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tasks.store import REHASH_ENV, ArtifactCorrupt, ArtifactMissing, ArtifactStore
+
+SIZE = 4 * 2**20
+
+
+def bytes_read() -> int:
+    """Bytes this process has read so far (any file, any call)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def verify_reads(store: ArtifactStore, ref) -> int:
+    """Bytes read by ``store.verify(ref)``."""
+    before = bytes_read()
+    store.verify(ref)
+    return bytes_read() - before
+
+
+@pytest.fixture
+def stored(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    data = bytes(range(256)) * (SIZE // 256)
+    return store, store.put_bytes(data, "blob"), data
+
+
+def _overwrite_keeping_times(path: str, offset: int, data: bytes) -> None:
+    """Change bytes in place, then put the file's atime and mtime back to the nanosecond."""
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+
+
+def test_an_object_the_store_wrote_or_hashed_is_not_read_again_while_its_file_is_unchanged(stored, monkeypatch):
+    store, ref, _ = stored
+    assert store.checked(ref.sha256)  # written by the store: its bytes were hashed then
+    assert verify_reads(store, ref) < 4096  # the record, not the 4 MiB object
+    os.utime(store.object_path(ref.sha256))  # touched: hashed once more, then trusted again
+    assert not store.checked(ref.sha256)
+    assert verify_reads(store, ref) >= SIZE
+    assert store.checked(ref.sha256) and verify_reads(store, ref) < 4096
+    monkeypatch.setenv(REHASH_ENV, "1")  # the records ignored: every check hashes
+    assert not store.checked(ref.sha256) and verify_reads(store, ref) >= SIZE
+
+
+@pytest.mark.parametrize("change", ["same size, times put back", "truncated", "extended", "replaced",
+                                    "record garbled"])
+def test_a_changed_object_is_hashed_and_caught(stored, change):
+    store, ref, data = stored
+    path = store.object_path(ref.sha256)
+    if change == "same size, times put back":
+        _overwrite_keeping_times(path, SIZE // 2, b"\xff\x00")
+    elif change == "truncated":
+        os.truncate(path, SIZE - 1)
+    elif change == "extended":
+        with open(path, "ab") as f:
+            f.write(b"\0")
+    elif change == "replaced":  # another file renamed over it, with the original's times
+        st = os.stat(path)
+        with open(path + ".new", "wb") as f:
+            f.write(data[:-1] + b"?")
+        os.utime(path + ".new", ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(path + ".new", path)
+    else:  # a record that does not parse: not trusted, and the object itself is fine
+        with open(store.checked_path(ref.sha256), "wb") as f:
+            f.write(b"{not json")
+        assert verify_reads(store, ref) >= SIZE and store.checked(ref.sha256)
+        return
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt, match=ref.sha256):
+        store.verify(ref)
+    assert not os.path.exists(store.checked_path(ref.sha256))  # quarantined with its record
+    with pytest.raises(ArtifactMissing):
+        store.verify(ref)
+    assert store.put_bytes(data, "blob") == ref and store.checked(ref.sha256)  # rewritten, checked
+
+
+def test_a_published_link_keeps_the_check_and_a_change_through_it_is_caught(stored):
+    """``publish_object`` hard-links the output to the object (a link moves the object's
+    ctime): the check is kept; bytes changed through the output's path are the object's."""
+    store, ref, _ = stored
+    published = store.publish_object("m/xnnpack.pte", ref, "pte")
+    assert store.checked(ref.sha256) and verify_reads(store, ref) < 4096
+    _overwrite_keeping_times(store.named_path("m/xnnpack.pte"), 0, b"\x01")
+    with pytest.raises(ArtifactCorrupt):
+        store.verify(ref)
+    with pytest.raises(ArtifactCorrupt):
+        store.get_bytes(published)
+
+
+def test_a_window_is_checked_by_its_container_and_the_range(tmp_path):
+    """An object kept as a window of a bigger one (keep_as_windows) is trusted while the
+    container's file is unchanged; bytes changed in its range are caught."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    assert store.keep_as_windows(program, [(4, SIZE)], container) == SIZE
+    assert not os.path.exists(store.object_path(ref.sha256)) and store.window(ref.sha256)
+    assert store.checked(ref.sha256) and verify_reads(store, ref) < 4096
+    _overwrite_keeping_times(store.object_path(program.sha256), 4 + SIZE // 3, b"\x00\x00\x00")
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt, match="window"):
+        store.verify(ref)
+
+
+def test_other_stores_always_hash(tmp_path):
+    store = ArtifactStore("memory://lowerflow-checks")
+    ref = store.put_bytes(b"x" * 100, "blob")
+    assert not store.checked(ref.sha256)
+    store.fs.pipe_file(store.object_path(ref.sha256), b"y" * 100)
+    with pytest.raises(ArtifactCorrupt):
+        store.verify(ref)
+    store.fs.rm(store.root, recursive=True)
+
+
+def test_gc_removes_the_check_records_of_the_objects_it_removes(stored):
+    from tasks.gc import collect
+
+    store, ref, _ = stored
+    kept = store.put_bytes(b"recent" * 100, "blob")  # new: kept, with its record
+    os.utime(store.object_path(ref.sha256), (0, 0))  # old and unused: swept
+    report = collect(store, keep_days=1)
+    assert report.removed_objects == [ref.sha256]
+    assert not os.path.exists(store.checked_path(ref.sha256))
+    assert store.checked(kept.sha256)
