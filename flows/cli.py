@@ -513,11 +513,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
     .pte has exactly those); exit 1 on a mismatch."""
     from tasks.model_spec import ModelSpecError, load_model
 
-    data = check_program_data(args.pte, args.data)
     if args.model is None:
         if args.data is None:
             raise CLIError("verify: give --model SPEC (run against eager) or --data FILE.ptd (check the pair)",
                            EXIT_USAGE)
+        check_program_data(args.pte, args.data)
         say(f"{args.pte}: every weight it needs is in {args.data}")
         return EXIT_OK
     spec = parse_spec(args.model, args)
@@ -525,16 +525,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     options = {**load_arguments(args, args.model), **({} if dynamic_shapes is None else {"dynamic_shapes": dynamic_shapes})}
     if spec.kind == "pt2":
         raise CLIError(f"model spec {spec.text!r}: verify needs a factory's eager model, not a .pt2", EXIT_USAGE)
-    pte = Path(args.pte)  # read by path: ExecuTorch's runtime maps the file
-    try:
-        with pte.open("rb"):
-            pass
-    except OSError as exc:
-        raise CLIError(f"cannot read {args.pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         loaded = load_model(spec, options or None)
     except ModelSpecError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from exc
+    data = check_program_data(args.pte, args.data)
+    pte = Path(args.pte)  # read by path: ExecuTorch's runtime maps the file
     from lowering.verify import resolve_mode, verify, verify_methods, verify_quick
     from lowering.verify_executorch import with_data
 
@@ -582,7 +578,7 @@ def check_program_data(pte: str, data: str | None) -> bytes | None:
     except ExternalDataError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
     except Exception as exc:  # not a .pte at all
-        raise CLIError(f"cannot verify {pte!r}: {type(exc).__name__}: {first_line(str(exc))}", EXIT_USAGE) from None
+        raise CLIError(f"cannot verify {pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from None
     return blob
 
 

@@ -83,13 +83,17 @@ def gates_by_target(value: Any, targets, where: str = "gates") -> dict[str, dict
     return out or None
 
 
-def benchmark_by_target(value: Any, targets, where: str = "benchmark") -> dict[str, dict | None]:
-    """A ``benchmark`` setting as ``{target: settings dict or None (off)}``: true (the
-    default), false, a mapping of :class:`BenchmarkSettings` fields, or per target."""
+def benchmark_by_target(value: Any, targets, where: str = "benchmark",
+                        gated: Mapping[str, Any] | None = None) -> dict[str, dict | None]:
+    """A ``benchmark`` setting as ``{target: settings dict or None (off)}``: true, false, a
+    mapping of :class:`BenchmarkSettings` fields, or per target.  Not set (None): on for the
+    targets that have gates (``gated``, :func:`gates_by_target`'s), whose figures need it."""
     out = {}
     for target, setting in _per_target(value, targets, set(BenchmarkSettings().to_dict())).items():
+        if setting is None and value is None:
+            setting = bool((gated or {}).get(target))
         try:
-            settings = BenchmarkSettings.of(True if setting is None and value is None else setting)
+            settings = BenchmarkSettings.of(setting)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"{where}: {exc}") from None
         out[target] = None if settings is None else settings.to_dict()

@@ -112,13 +112,13 @@ def lower_model(
     runtime_ops: Any = None,
     trust_pickle: bool = False,
     external_weights: Any = None,
-    benchmark: Any = True,
+    benchmark: Any = None,
     gates: Any = None,
     accept_regressions: bool = False,
 ) -> dict:
     """Lower ``model`` (a model spec) for every target; returns the model manifest.
 
-    ``benchmark``: time each verified program on ExecuTorch's runtime of this host, and
+    ``benchmark``: (default: where ``gates`` are set) time each verified program on ExecuTorch's runtime of this host, and
     against the published one (:mod:`lowering.benchmark`): true, false, settings, or per
     target.  ``gates``: ``{"latency": 1.10, "size": 1.05, "error": 1.5, "sqnr_drop_db": 1.0}``
     (or per target): a program worse than the published one beyond a gate is not
@@ -178,7 +178,7 @@ def run_model(
     runtime_ops: Any = None,
     trust_pickle: bool = False,
     external_weights: Any = None,
-    benchmark: Any = True,
+    benchmark: Any = None,
     gates: Any = None,
     accept_regressions: bool = False,
     cached_only: bool = False,
@@ -208,8 +208,8 @@ def run_model(
             return call_stage(getattr(stages, stage), records, **inputs)
 
     # publishes (a hard link in a local directory: no second copy) unless a gate refuses
-    publish = Publisher(stages.store, gates_by_target(gates, targets), accept_regressions,
-                        benchmark_by_target(benchmark, targets))
+    gated = gates_by_target(gates, targets)
+    publish = Publisher(stages.store, gated, accept_regressions, benchmark_by_target(benchmark, targets, gated=gated))
 
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,

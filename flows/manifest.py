@@ -107,7 +107,7 @@ class ModelEntry:
     runtime_ops: Mapping[str, Any] | None = None
     #: Target -> True for the targets whose weights go to a ``.ptd``: :func:`external_by_target`.
     external_weights: Mapping[str, bool] | None = None
-    #: The benchmark setting (flows.gates.benchmark_by_target; None: the default, on).
+    #: The benchmark setting (flows.gates.benchmark_by_target; None: on where gates are set).
     benchmark: Any = None
     #: Target -> {figure: limit} (flows.gates.gates_by_target), or None: no gate.
     gates: Mapping[str, Any] | None = None

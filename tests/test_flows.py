@@ -95,9 +95,9 @@ def test_resume_after_emit_failure_runs_only_emit_and_after(tmp_path):
     stages.FAULTS.clear()
 
     resumed, ran = executions_during(lower_model, f"{MODELS}:cnn", ["reference"], store=store)
-    assert dict(ran) == {"emit": 1, "verify": 1, "benchmark": 1}
+    assert dict(ran) == {"emit": 1, "verify": 1}
     done = records(resumed, "reference")
-    assert all(cached for stage, cached in done if stage not in ("emit", "verify", "benchmark"))
+    assert all(cached for stage, cached in done if stage not in ("emit", "verify"))
     assert not dict(done)["emit"]
 
     clean, _ = executions_during(lower_model, f"{MODELS}:cnn", ["reference"], store=str(tmp_path / "clean"))
@@ -114,7 +114,7 @@ def test_fleet_resume_after_emit_failure_keeps_finished_stages(tmp_path):
     assert not list((tmp_path / "store" / "prefect" / "locks").glob("*.lock")), "locks left held"
     resumed, ran = executions_during(lower_fleet, manifest)
     assert resumed["ok"]
-    assert dict(ran) == {"emit": 4, "verify": 4, "benchmark": 4}
+    assert dict(ran) == {"emit": 4, "verify": 4}
 
 
 class FlakyBackend(ReferenceBackend):
@@ -256,7 +256,7 @@ def test_two_concurrent_runs_compute_each_stage_once(tmp_path, prefect_api):
             totals[stage] = totals.get(stage, 0) + n
     assert totals == {
         "export": 1, "memory_plan": 2, "emit": 2, "verify": 2, "partition": 1,
-        "create_submodule": 1, "build_programs": 1, "preprocess": 1, "adjust": 1, "benchmark": 2,
+        "create_submodule": 1, "build_programs": 1, "preprocess": 1, "adjust": 1,
     }
 
 
