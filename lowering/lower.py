@@ -50,6 +50,8 @@ class LowerResult:
     #: With ``external_weights``: the exported edge program before quantize and delegation, what
     #: :func:`lowering.rebind.rebind_weights` binds a retrain's weights to.
     source_program: ExportedProgram | None = None
+    #: A weights-only rebind's quantized program (with a recipe): what the program computes, in torch.
+    quantized_program: ExportedProgram | None = None
 
     @property
     def arena_bytes(self) -> int:

@@ -55,7 +55,7 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
         raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    source, bindings = _bindings(previous.source_program, _state_of(model), quantize)
+    source, bindings, quantized = _bindings(previous.source_program, _state_of(model), quantize)
     timings["bind"] = time.perf_counter() - start
     start = time.perf_counter()
     program = rebound_program(previous.exported_program, bindings)
@@ -66,7 +66,7 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
     timings["emit"] = time.perf_counter() - start
     _check_same(pte, previous.pte)
     return LowerResult(pte=pte, memory_plan=previous.memory_plan, exported_program=program, timings=timings,
-                       ptd=ptd, source_program=source)
+                       ptd=ptd, source_program=source, quantized_program=quantized)
 
 
 def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) -> Any:
@@ -81,7 +81,7 @@ def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) 
     sources, programs = {}, {}
     for name, source in previous.source_programs.items():
         state = _state_of(model[name] if isinstance(model, Mapping) and name in model else model)
-        sources[name], bindings = _bindings(source, state, quantize)
+        sources[name], bindings, _ = _bindings(source, state, quantize)
         programs[name] = rebound_program(previous.exported_programs[name], bindings)
     built = build_methods_pte({name: (programs[name], previous.memory_plans[name]) for name in programs},
                               previous.constant_methods, runtime_ops=runtime_ops, external_weights=True)
@@ -98,17 +98,19 @@ def _state_of(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quantize: Any):
-    """(the source program bound to ``state``, target -> tensor of every weight after quantize)."""
+    """(the source program bound to ``state``, target -> tensor of every weight after quantize,
+    the quantized program or None)."""
     bound = bind_source(source, state)
     if quantize is None:
-        return bound, _tensors(bound)
+        return bound, _tensors(bound), None
     from .quantize import parse_recipe, quantize as quantize_program
 
     recipe = parse_recipe(quantize)
     if recipe.to_dict().get("recipe") == "int8":
         raise NotWeightsOnly("recipe int8 (static) calibrates activations on the model: its activation "
                              "quantization parameters are in the program, so new weights need a new program")
-    return bound, _tensors(quantize_program(bound, recipe))
+    quantized = quantize_program(bound, recipe)
+    return bound, _tensors(quantized), quantized
 
 
 def _check_same(pte: bytes, previous: bytes) -> None:

@@ -42,6 +42,7 @@ import torch
 
 from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
+from lowering.export.folding import folded_recipes
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
 from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
@@ -90,6 +91,7 @@ STAGE_VERSIONS = {
     "memory_plan": "2",
     "emit": "1",
     "emit_methods": "1",
+    "bind_weights": "1",
     "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
     "verify_sequence": "2",  # 2: as verify 3
     "benchmark": "2",  # 2: instances rotated, the latency ratio the median of round-by-round ratios
@@ -125,9 +127,14 @@ def _begin(stage: str) -> None:
 # --------------------------------------------------------------------------- stage bodies
 
 
-def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict) -> dict:
+def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict,
+               external_weights: bool | None = None) -> dict:
     """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
-    see :mod:`tasks.fingerprint`), never on where its file lives."""
+    see :mod:`tasks.fingerprint`), never on where its file lives.  ``external_weights``
+    (in the key only when given): ``fingerprint`` is the model's structure digest (its
+    weights by name and layout, not bytes: :mod:`flows.weights_only`), and the result also
+    holds ``weights``, the digest of the weights this program holds, and ``folded``, how
+    export folded views of them (what :func:`run_bind_weights` binds new weights with)."""
     _begin("export")
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
@@ -138,7 +145,51 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
                                 strict=loaded.strict)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
-    return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+    result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+    if external_weights:
+        result["weights"] = loaded.fingerprint.parts.get("weights")
+        result["folded"] = put_doc(store, folded_recipes(program), "folded")
+    return result
+
+
+def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: ArtifactRef, emitted: dict,
+                     weights: str, model: str, fingerprint: str, options: dict | None = None,
+                     recipe: dict | None = None, reference: ArtifactRef | None = None,
+                     runtime_ops: list[str] | None = None) -> dict:
+    """The weights of a program lowered with external weights (:mod:`flows.weights_only`):
+    the ``.ptd`` of the model whose weights digest is ``weights``, bound to the program the
+    graph stages made from ``exported`` (stage export's result, keyed on the model's structure),
+    ``program`` (delegated), ``plan`` and ``emitted`` (``{"pte", "ptd"}``).
+
+    The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
+    as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
+    ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
+    byte-identical); ``"reference"``: the quantized program with them (verify's).  When they
+    cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
+    lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
+    ``options``: only find the model again, not in the key."""
+    from lowering.export.folding import restore_folded
+    from lowering.lower import LowerResult
+    from lowering.rebind import NotWeightsOnly, rebind_weights
+
+    _begin("bind_weights")
+    if weights == exported.get("weights"):
+        return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
+    start = time.perf_counter()
+    loaded = live_model(model, fingerprint, options)
+    source = copy_program(get_program(store, exported["program"]))
+    restore_folded(source, get_doc(store, exported["folded"]))
+    previous = LowerResult(pte=store.get_bytes(emitted["pte"]), memory_plan=get_memory_plan(store, plan),
+                           exported_program=get_program(store, program), ptd=b"", source_program=source)
+    try:
+        bound = rebind_weights(previous, loaded.module, quantize=recipe, runtime_ops=runtime_ops)
+    except NotWeightsOnly as exc:
+        return {"fallback": str(exc)}
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": reference, "rebound": True}
+    if bound.quantized_program is not None:
+        result["reference"] = put_program(store, bound.quantized_program)
+    result["seconds"] = round(time.perf_counter() - start, 4)
+    return result
 
 
 def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
@@ -614,12 +665,14 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "export": ("model",), "quantize": ("source", "model", "fingerprint", "options"), "partition": (),
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
+    "bind_weights": ("model", "fingerprint", "options"),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
     "benchmark": ("model", "options"),
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "export": ("external_weights",),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
