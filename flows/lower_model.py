@@ -421,7 +421,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         **({"weights_only": {k: v for k, v in weights.items() if k in ("bytes", "fallback")}}
            if weights and bind is None else {}),
     }
-    reference = None
+    reference = derived = None
     try:
         if quantized is not None:
             calibration = quantized["calibration"] or {}
@@ -430,6 +430,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
                        source=calibration.get("source"), model=model, fingerprint=fingerprint,
                        options=load_options)
             program = reference = done["program"]
+            derived = done.get("derived")  # how it quantized the weights (bind_weights quantizes a retrain's so)
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
@@ -445,14 +446,15 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             bound = run("bind_weights", records, **bind, program=program, plan=planned["plan"], emitted=emitted,
                         model=model, fingerprint=fingerprint, options=load_options,
                         recipe=quantized["recipe"] if quantized is not None else None, reference=reference,
-                        runtime_ops=runtime_ops)
+                        derived=derived if quantized is not None else None, runtime_ops=runtime_ops)
             if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
                 program, again = weights["fallback"]()
                 return lower_target(run, publish, name, model, fingerprint, program, target, options,
                                     [*records, *again], verify, quantized, load_options, dry, runtime_ops,
                                     external_weights, {"fallback": bound["fallback"]})
             emitted, reference = {**emitted, "ptd": bound["ptd"]}, bound["reference"]
-            result["weights_only"] = {"bind_weights": "rebound" if bound["rebound"] else "as exported"}
+            result["weights_only"] = {"bind_weights": "rebound" if bound["rebound"] else "as exported",
+                                      **({"quantized": bound["quantized"]} if "quantized" in bound else {})}
         data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}

@@ -155,7 +155,7 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
 def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: ArtifactRef, emitted: dict,
                      weights: str, model: str, fingerprint: str, options: dict | None = None,
                      recipe: dict | None = None, reference: ArtifactRef | None = None,
-                     runtime_ops: list[str] | None = None) -> dict:
+                     derived: ArtifactRef | None = None, runtime_ops: list[str] | None = None) -> dict:
     """The weights of a program lowered with external weights (:mod:`flows.weights_only`):
     the ``.ptd`` of the model whose weights digest is ``weights``, bound to the program the
     graph stages made from ``exported`` (stage export's result, keyed on the model's structure),
@@ -164,7 +164,8 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
     as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
     ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
-    byte-identical); ``"reference"``: the quantized program with them (verify's).  When they
+    byte-identical); ``"reference"``: the quantized program with them (verify's).  ``derived``:
+    how the quantize stage computed its constants (then only the weights are quantized again).  When they
     cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
     lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
     ``options``: only find the model again, not in the key."""
@@ -179,13 +180,22 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     loaded = live_model(model, fingerprint, options)
     source = copy_program(get_program(store, exported["program"]))
     restore_folded(source, get_doc(store, exported["folded"]))
+    quantized = None
+    if reference is not None and derived is not None:
+        from lowering.quantize.graph import DERIVED_META
+
+        quantized = copy_program(get_program(store, reference))
+        quantized.graph_module.meta[DERIVED_META] = get_doc(store, derived)
     previous = LowerResult(pte=store.get_bytes(emitted["pte"]), memory_plan=get_memory_plan(store, plan),
-                           exported_program=get_program(store, program), ptd=b"", source_program=source)
+                           exported_program=get_program(store, program), ptd=b"", source_program=source,
+                           quantized_program=quantized)
     try:
         bound = rebind_weights(previous, loaded.module, quantize=recipe, runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": reference, "rebound": True}
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": reference, "rebound": True,
+              # a recipe's weights: quantized by the quantize stage's recorded recipes, or by its pass again
+              **({"quantized": "weights" if "quantize_weights" in bound.timings else "pass"} if recipe else {})}
     if bound.quantized_program is not None:
         result["reference"] = put_program(store, bound.quantized_program)
     result["seconds"] = round(time.perf_counter() - start, 4)
@@ -204,6 +214,7 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     (:func:`tasks.calibration.calibration_batches`): not in the key.
     """
     from lowering.quantize import parse_recipe, quantize
+    from lowering.quantize.graph import DERIVED_META
 
     from .calibration import calibration_batches
 
@@ -211,8 +222,11 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
     quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
+    derived = quantized.graph_module.meta.get(DERIVED_META)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
-            "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}}
+            "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)},
+            **({"derived": put_doc(store, derived, "derived_constants")} if derived else {})}
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
