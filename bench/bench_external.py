@@ -129,6 +129,9 @@ def flow_nights(hidden: int, layers: int) -> list[float]:
     (work / "retrained.py").write_text(FLOW_FACTORIES.format(bench=str(Path(__file__).parent), hidden=hidden,
                                                              layers=layers))
     ratios = []
+    # the Prefect server's start and the first imports: neither night's
+    lower_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:mlp", ["xnnpack"],
+                store=str(work / "warm-up"), verify=False, quantize="8da4w", external_weights=True)
     for factory in ("cnn", "llama"):
         for recipe in (None, "8da4w"):
             store = work / f"store-{factory}-{recipe}"

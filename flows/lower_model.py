@@ -361,7 +361,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         return exported[structure]
 
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets, verify) if publish is None else None
+        dry = dataclasses.replace(DryRun.of(quant, targets, verify), bound=frozenset(
+            t for t in targets if structured[t])) if publish is None else None
         try:
             for structure in sorted(set(structured.values())):
                 export(structure)
@@ -446,7 +447,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             bound = run("bind_weights", records, **bind, program=program, plan=planned["plan"], emitted=emitted,
                         model=model, fingerprint=fingerprint, options=load_options,
                         recipe=quantized["recipe"] if quantized is not None else None, reference=reference,
-                        derived=derived if quantized is not None else None, runtime_ops=runtime_ops)
+                        derived=derived if quantized is not None else None, runtime_ops=runtime_ops,
+                        references=verify != "off")
             if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
                 program, again = weights["fallback"]()
                 return lower_target(run, publish, name, model, fingerprint, program, target, options,
@@ -780,6 +782,8 @@ class DryRun:
     #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
     #: stages to list (reading the program costs time a fully cached plan need not spend).
     control_flow: Any = None
+    #: The targets keyed on the model's structure (stage ``bind_weights`` after emit: flows/weights_only.py).
+    bound: frozenset = frozenset()
 
     @classmethod
     def of(cls, quant: QuantSettings, targets, verify: dict[str, str]) -> "DryRun":
@@ -797,6 +801,9 @@ class DryRun:
             stages = tuple(s for s in stages if s != "verify")
         if target in self.quantized:
             stages = ("quantize", *stages)
+        if target in self.bound and "emit" in stages:
+            at = stages.index("emit") + 1
+            stages = (*stages[:at], "bind_weights", *stages[at:])
         if "adjust" in stages and self.control_flow is not None and self.control_flow():
             at = stages.index("adjust") + 1
             stages = (*stages[:at], "lower_control_flow", *stages[at:])

@@ -138,9 +138,7 @@ def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
     otherwise is ever bound by name or by recipe)."""
     from .quantize.graph import DERIVED_META, derived_value, value_digest
 
-    entries = quantized.graph_module.meta.get(DERIVED_META)
-    if not entries:
-        return None
+    entries = quantized.graph_module.meta.get(DERIVED_META) or {}
     old_tables, new_tables = _tensors(source), _tensors(bound)
 
     def recorded(target: str) -> bool:

@@ -155,7 +155,8 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
 def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: ArtifactRef, emitted: dict,
                      weights: str, model: str, fingerprint: str, options: dict | None = None,
                      recipe: dict | None = None, reference: ArtifactRef | None = None,
-                     derived: ArtifactRef | None = None, runtime_ops: list[str] | None = None) -> dict:
+                     derived: ArtifactRef | None = None, runtime_ops: list[str] | None = None,
+                     references: bool = True) -> dict:
     """The weights of a program lowered with external weights (:mod:`flows.weights_only`):
     the ``.ptd`` of the model whose weights digest is ``weights``, bound to the program the
     graph stages made from ``exported`` (stage export's result, keyed on the model's structure),
@@ -164,7 +165,8 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
     as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
     ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
-    byte-identical); ``"reference"``: the quantized program with them (verify's).  ``derived``:
+    byte-identical); ``"reference"``: the quantized program with them (verify's; None unless
+    ``references``, false when verify does not run: storing a program costs seconds).  ``derived``:
     how the quantize stage computed its constants (then only the weights are quantized again).  When they
     cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
     lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
@@ -178,13 +180,15 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
-    source = copy_program(get_program(store, exported["program"]))
+    # (what the store does not keep in a program: how export folded views, how quantize derived constants;
+    # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
+    source = get_program(store, exported["program"])
     restore_folded(source, get_doc(store, exported["folded"]))
     quantized = None
     if reference is not None and derived is not None:
         from lowering.quantize.graph import DERIVED_META
 
-        quantized = copy_program(get_program(store, reference))
+        quantized = get_program(store, reference)
         quantized.graph_module.meta[DERIVED_META] = get_doc(store, derived)
     previous = LowerResult(pte=store.get_bytes(emitted["pte"]), memory_plan=get_memory_plan(store, plan),
                            exported_program=get_program(store, program), ptd=b"", source_program=source,
@@ -193,10 +197,10 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         bound = rebind_weights(previous, loaded.module, quantize=recipe, runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": reference, "rebound": True,
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": None, "rebound": True,
               # a recipe's weights: quantized by the quantize stage's recorded recipes, or by its pass again
               **({"quantized": "weights" if "quantize_weights" in bound.timings else "pass"} if recipe else {})}
-    if bound.quantized_program is not None:
+    if bound.quantized_program is not None and references:  # verify's (stored only when verify runs)
         result["reference"] = put_program(store, bound.quantized_program)
     result["seconds"] = round(time.perf_counter() - start, 4)
     return result
@@ -223,10 +227,10 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     fp32 = get_program(store, program)
     quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
     # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
-    derived = quantized.graph_module.meta.get(DERIVED_META)
+    derived = quantized.graph_module.meta.get(DERIVED_META, {})
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
             "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)},
-            **({"derived": put_doc(store, derived, "derived_constants")} if derived else {})}
+            "derived": put_doc(store, derived, "derived_constants")}
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:

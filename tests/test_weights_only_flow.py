@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from flows.lower_fleet import lower_fleet
 from flows.weights_only import STATIC_INT8
@@ -168,3 +169,52 @@ def test_without_external_weights_the_keys_are_as_they_were(tmp_path, stage, inp
     assert policy.key_document(stage_inputs(stage, inputs))["inputs"] == expected
     on = policy.key_document(stage_inputs(stage, {**inputs, "external_weights": True}))["inputs"]
     assert on == {**expected, "external_weights": True}
+
+
+def test_a_recipe_quantizes_only_the_weights_and_checks_its_recipes():
+    """rebind_weights quantizes a retrain's weights by the recipes the quantize pass recorded
+    (no graph pass), giving a cold lowering's bytes; a recipe whose digests do not match what
+    the program holds is never used (the pass runs again)."""
+    import dataclasses
+
+    from examples.models import MLP
+    from lowering.quantize.graph import DERIVED_META
+    from lowering.rebind import rebind_weights
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return MLP().eval()
+
+    x = (torch.randn(4, 64),)
+    night1 = lower(model(1), x, partitioner=partitioner_for("xnnpack"), quantize="8da4w", external_weights=True)
+    cold2 = lower(model(2), x, partitioner=partitioner_for("xnnpack"), quantize="8da4w", external_weights=True)
+    update = rebind_weights(night1, model(2), quantize="8da4w")
+    assert "quantize_weights" in update.timings and "quantize_pass" not in update.timings
+    assert (update.pte, update.ptd) == (night1.pte, cold2.ptd)
+    for name, tensor in cold2.quantized_program.constants.items():  # verify's reference: tonight's
+        assert torch.equal(update.quantized_program.constants[name], tensor), name
+    tampered = dataclasses.replace(night1, quantized_program=copy_with_meta(night1.quantized_program))
+    recipes = tampered.quantized_program.graph_module.meta[DERIVED_META]
+    first = sorted(recipes)[0]
+    recipes[first] = {**recipes[first], "value": "0" * 64}
+    again = rebind_weights(tampered, model(2), quantize="8da4w")
+    assert "quantize_pass" in again.timings and again.ptd == cold2.ptd
+
+
+def copy_with_meta(program):
+    from lowering.program import copy_program
+    from lowering.quantize.graph import DERIVED_META
+
+    copied = copy_program(program)
+    copied.graph_module.meta[DERIVED_META] = dict(program.graph_module.meta[DERIVED_META])
+    return copied
+
+
+def test_a_plan_lists_bind_weights(tmp_path):
+    from flows.lower_model import plan_model
+
+    (tmp_path / "retrained.py").write_text(FACTORIES)
+    (tmp_path / "seed.txt").write_text("1")
+    plan = plan_model(f"{tmp_path / 'retrained.py'}:mlp", ["portable"], str(tmp_path / "store"), external_weights=True)
+    assert [r["stage"] for r in plan["targets"]["portable"]["stages"]] == [
+        "export", "memory_plan", "emit", "bind_weights", "verify"]
