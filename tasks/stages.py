@@ -90,8 +90,8 @@ STAGE_VERSIONS = {
     "memory_plan": "2",
     "emit": "1",
     "emit_methods": "1",
-    "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
-    "verify_sequence": "2",  # 2: as verify 3
+    "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
+    "verify_sequence": "3",  # 3: as verify 4
     "benchmark": "2",  # 2: instances rotated, the latency ratio the median of round-by-round ratios
 }
 
