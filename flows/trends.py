@@ -2,7 +2,7 @@
 
     benchmark_line(entry)          # "latency 0.12 ms (p90 0.20) …, vs published: latency ×0.99"
     trend_images(store, manifest)  # per target: the trend picture of its last nights, inline
-    change_lines(summary)          # the fleet report's changes, regressions first
+    regressions_first(rows)        # the fleet report's rows, regressed targets first
 
 Honest numbers: every benchmark line says where it was measured (this host's CPU and its
 thread count; a device differs) and flags figures whose spread (p90 / median) is above
@@ -77,19 +77,6 @@ def trend_images(store: Any, manifest: Mapping[str, Any], inline_limit: int = IN
         if small is not None:
             images[target] = png_data_uri(small)
     return images
-
-
-def change_lines(summary: Mapping[str, Any]) -> list[str]:
-    """``model / target: latency ×0.97, size ×1.00`` for each target with a change against
-    the published program, regressions first (flagged), then the others."""
-    rows = []
-    for name, manifest in (summary.get("models") or {}).items():
-        for target, entry in ((manifest or {}).get("targets") or {}).items():
-            if entry.get("change"):
-                flag = " — REGRESSED, not published" if entry.get("regressed") else (
-                    " — published (accepted)" if entry.get("accepted_regressions") else "")
-                rows.append((not entry.get("regressed"), f"{name} / {target}: {change_cell(entry)}{flag}"))
-    return [line for _, line in sorted(rows, key=lambda r: r[0])]
 
 
 def regressions_first(rows: list[dict]) -> list[dict]:

@@ -149,8 +149,13 @@ def test_reports_say_regressed_first_with_the_change_and_where_latency_was_measu
     assert [(r["model"], r["ok"], r["change"]) for r in fleet_rows(summary)] == [
         ("b", "regressed", "latency ×1.42, size ×1.00"), ("a", "ok", "latency ×0.97, size ×1.00")]
     md = fleet_report_markdown(summary)
-    assert md.index("b / xnnpack: latency ×1.42, size ×1.00 — REGRESSED, not published") \
-        < md.index("a / portable: latency ×0.97, size ×1.00")
+    # The change column (compact), regressions first; a quantized program's accuracy on a second line.
+    assert "| b | xnnpack | regressed | lat ×1.42 · size ×1.00 |" in md
+    assert md.index("| b | xnnpack |") < md.index("| a | portable | ok | lat ×0.97 · size ×1.00 |")
+    quantized = {"change": {"latency": 1.0, "size": 0.5, "error": 2.0, "sqnr_drop_db": 2.5}}
+    assert change_cell(quantized, compact=True) == "lat ×1.00 · size ×0.50\nerr ×2.00 · sqnr -2.5 dB"
+    summary["models"]["a"]["targets"]["portable"] = {**fine, **quantized}
+    assert "| a | portable | ok | lat ×1.00 · size ×0.50<br>err ×2.00 · sqnr -2.5 dB |" in fleet_report_markdown(summary)
     report = model_report_markdown({"name": "b", "targets": {"xnnpack": regressed}})
     assert "## xnnpack — regressed" in report
     assert "this host's CPU (Some CPU, 2 threads, load average 9.5); a device's latency differs" in report
