@@ -42,9 +42,16 @@ def benchmark_line(entry: Mapping[str, Any]) -> str | None:
              f"load {f.get('load_ms')} ms"]
     if f.get("prefill_tok_s"):
         parts.append(f"prefill {f['prefill_tok_s']} tok/s, decode {f.get('decode_tok_s')} tok/s")
+    if len(bench.get("methods") or {}) > 1:  # each method timed on its own; the figures are a round of all
+        parts.append("per method: " + ", ".join(
+            f"{m} {(r.get('figures') or {}).get('latency_ms')} ms"
+            + (f" ×{r['ratios']['latency']:.2f}" if (r.get("ratios") or {}).get("latency") else "")
+            for m, r in bench["methods"].items()))
     ratios = bench.get("ratios")
     if ratios:
         parts.append("vs published: " + ", ".join(f"{k} ×{v:.2f}" for k, v in ratios.items()))
+    if bench.get("not_compared"):
+        parts.append(f"not compared with the published program ({bench['not_compared']})")
     host = bench.get("host") or {}
     where = (f"measured on this host's CPU ({host.get('cpu')}, {host.get('threads')} threads, "
              f"load average {bench.get('load_average')}); a device's latency differs")
