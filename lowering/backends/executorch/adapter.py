@@ -32,6 +32,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 
 from ...delegation import TAG, CompileSpec, DelegationSpec, PreprocessResult
 from ...errors import BackendError
+from ...export import KEPT
 from ...partition import Partitioner, PartitionResult
 from ...program import copy_program
 
@@ -81,6 +82,16 @@ class EtPartitioner(Partitioner):
         self.backend_id = backend_id
         self.et_partitioner = et_partitioner
 
+    def ops_to_not_decompose(self, exported_program: ExportedProgram):
+        """ExecuTorch's partitioner's own answer, on the program before decomposition (as
+        ``to_edge_transform_and_lower`` asks it): Core ML keeps ``linear``, ``max_pool2d``, ..."""
+        try:
+            with quiet():
+                return self.et_partitioner.ops_to_not_decompose(exported_program)
+        except Exception as exc:
+            raise BackendError(f"ExecuTorch's {type(self.et_partitioner).__name__}.ops_to_not_decompose failed on "
+                               f"this program: {type(exc).__name__}: {exc}") from exc
+
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         edge = copy_program(exported_program)
         retarget_to_edge(edge.graph_module)
@@ -129,11 +140,35 @@ def anonymous_call_graph(program: ExportedProgram) -> ExportedProgram:
 
 
 def et_edge_program(program: ExportedProgram) -> ExportedProgram:
-    """The partition as ExecuTorch's edge program (``to_edge`` with its IR checks off)."""
+    """The partition as ExecuTorch's edge program (``to_edge`` with its IR checks off), the
+    ops stage 1 kept whole for the partitioner (``meta[KEPT]``) preserved, as
+    ``to_edge_transform_and_lower`` preserves them."""
     from executorch.exir import EdgeCompileConfig, to_edge
 
-    return to_edge(anonymous_call_graph(program),
-                   compile_config=EdgeCompileConfig(_check_ir_validity=False)).exported_program()
+    kept = list(dict.fromkeys(n.target for n in program.graph.nodes if n.op == "call_function" and n.meta.get(KEPT)))
+    config = EdgeCompileConfig(_check_ir_validity=False, preserve_ops=kept)
+    edge = to_edge(anonymous_call_graph(program), compile_config=config).exported_program()
+    return with_input_names(edge, program)
+
+
+def with_input_names(edge: ExportedProgram, program: ExportedProgram) -> ExportedProgram:
+    """``edge`` with its user inputs named as in ``program``, in place: the retrace of an
+    anonymous signature names them ``arg_0``, ..., and Core ML writes the names into the model.
+
+    Before:: %arg_0 : placeholder     After:: %x : placeholder
+    """
+    names = dict(zip(edge.graph_signature.user_inputs, program.graph_signature.user_inputs))
+    taken = {n.name for n in edge.graph.nodes} - set(names)
+    if any(new in taken for new in names.values()):
+        return edge  # (an input named like another node: left as the retrace named it)
+    for node in edge.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            node.name = node.target = names[node.name]
+    for spec in edge.graph_signature.input_specs:
+        if getattr(spec.arg, "name", None) in names:
+            spec.arg.name = names[spec.arg.name]
+    edge.graph_module.recompile()
+    return edge
 
 
 def et_compile_specs(compile_specs) -> list:
