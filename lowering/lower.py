@@ -114,13 +114,24 @@ def lower(
                              external_weights=external_weights)
     partitioner = external_weights_partitioner(partitioner, external_weights)
     timings = dict.fromkeys(STAGES, 0.0)
-    with _timed(timings, "export"):
-        program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict,
-                                keep=_ops_to_not_decompose(partitioner))
-    source = program if external_weights else None
-    if quantize is not None and partitioner is None:
-        _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
-    program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
+    keep = _ops_to_not_decompose(partitioner)
+    quantizer = _backend_quantizer(partitioner, quantize, model_or_exported_program)
+    if quantizer is not None:  # the backend quantizes the module itself (Ethos-U: Arm's quantizer)
+        if external_weights or dynamic_shapes is not None:
+            raise LoweringError("lower: a backend's own quantizer takes neither external_weights nor dynamic_shapes")
+        from .quantize import quantize_module
+
+        with _timed(timings, "quantize"):
+            program = quantize_module(model_or_exported_program, example_inputs, quantize, calibration, quantizer,
+                                      name=_label(model_or_exported_program), keep=keep)
+        source = None
+    else:
+        with _timed(timings, "export"):
+            program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict, keep=keep)
+        source = program if external_weights else None
+        if quantize is not None and partitioner is None:
+            _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
+        program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit.method import build_pte
     from .external import program_files
@@ -282,11 +293,25 @@ def lower_methods(
                               source_programs=sources or None, constant_methods=dict(constants))
 
 
-def _ops_to_not_decompose(partitioner: Any):
-    """The partitioner's ``ops_to_not_decompose`` (a list of partitioners: their chain's); None without one."""
+def _as_partitioner(partitioner: Any) -> Partitioner | None:
+    """A Partitioner (a list of them: their chain), else None."""
     if isinstance(partitioner, (list, tuple)) and partitioner and all(isinstance(p, Partitioner) for p in partitioner):
         partitioner = ChainPartitioner(partitioner)
-    return partitioner.ops_to_not_decompose if isinstance(partitioner, Partitioner) else None
+    return partitioner if isinstance(partitioner, Partitioner) else None
+
+
+def _ops_to_not_decompose(partitioner: Any):
+    """The partitioner's ``ops_to_not_decompose`` (a list of partitioners: their chain's); None without one."""
+    partitioner = _as_partitioner(partitioner)
+    return partitioner.ops_to_not_decompose if partitioner is not None else None
+
+
+def _backend_quantizer(partitioner: Any, recipe: Any, model: Any):
+    """The partitioner's own quantizer for ``recipe`` when a module is to be quantized with it; else None."""
+    partitioner = _as_partitioner(partitioner)
+    if partitioner is None or recipe is None or not isinstance(model, torch.nn.Module):
+        return None
+    return partitioner.quantizer(_parse_recipe(recipe))
 
 
 def _edge_program(

@@ -80,6 +80,12 @@ class Partitioner(abc.ABC):
         those no partition took (:mod:`lowering.export.kept`).  None by default."""
         return [], None
 
+    def quantizer(self, recipe) -> object | None:
+        """The backend's own PT2E quantizer for ``recipe`` (a :class:`~lowering.quantize.QuantRecipe`),
+        applied to the model before decomposition (:func:`lowering.quantize.quantize_module`); None,
+        the default: lowerflow's recipe applies."""
+        return None
+
     def __call__(self, exported_program: ExportedProgram) -> PartitionResult:
         return self.partition(exported_program)
 
@@ -112,6 +118,10 @@ class ChainPartitioner(Partitioner):
 
         return ops, check
 
+    def quantizer(self, recipe) -> object | None:
+        """The first step's backend quantizer (the backend the chain prefers)."""
+        return self.partitioners[0].quantizer(recipe)
+
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
                              "which delegates with each of its partitioners in turn")
@@ -127,6 +137,9 @@ class ExternalWeightsPartitioner(Partitioner):
 
     def ops_to_not_decompose(self, exported_program: ExportedProgram) -> tuple[list, Callable | None]:
         return self.inner.ops_to_not_decompose(exported_program)
+
+    def quantizer(self, recipe) -> object | None:
+        return self.inner.quantizer(recipe)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         result = self.inner.partition(exported_program)

@@ -44,9 +44,11 @@ def payloads(program) -> list[tuple[str, bytes, dict]]:
 
 
 def lowerflow_payloads(model, inputs, target: str, options: dict | None = None):
-    # lowerflow's export without constant folding: ExecuTorch's graph keeps permute_copy(weight) too.
-    program = lowering.export(model, inputs, fold_constants=False)
-    return payloads(to_backend(program, partitioner_for(target, options)))
+    # lowerflow's export without constant folding: ExecuTorch's graph keeps permute_copy(weight) too;
+    # the ops the partitioner keeps whole stay whole, as lowering.lower does.
+    partitioner = partitioner_for(target, options)
+    program = lowering.export(model, inputs, fold_constants=False, keep=partitioner.ops_to_not_decompose)
+    return payloads(to_backend(program, partitioner))
 
 
 def executorch_payloads(model, inputs, target: str, options: dict | None = None):

@@ -19,13 +19,14 @@ dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 from typing import Any
 
 from ...delegation import BackendDetails, PreprocessResult
 from .adapter import EtPartitioner, et_preprocess
 from .coreml import deterministic_payload
-from .options import check_options, make_et_partitioner
+from .options import QUANTIZERS, check_options, make_et_partitioner
 from .targets import TARGETS, EtTarget, check_available, compiler_versions
 
 
@@ -45,7 +46,9 @@ class ExecutorchBackend(BackendDetails):
     def partitioner(cls, **options: Any) -> EtPartitioner:
         cls.check_available()
         full = check_options(cls.target, options)
-        return EtPartitioner(cls.target.backend_id, make_et_partitioner(cls.target, full))
+        quantizer = QUANTIZERS.get(cls.target.name)
+        return EtPartitioner(cls.target.backend_id, make_et_partitioner(cls.target, full),
+                             quantizer_for=None if quantizer is None else functools.partial(quantizer, full))
 
     @classmethod
     def compiler_versions(cls) -> dict[str, str]:
