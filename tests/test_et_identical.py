@@ -128,3 +128,50 @@ def test_coreml_cnn_fails_in_coremltools_as_executorchs_own_lowering_does():
     et = make_et_partitioner(TARGETS["coreml"], check_options(TARGETS["coreml"], None))
     with pytest.raises(Exception, match=re.escape(message)):
         to_edge_transform_and_lower(torch.export.export(model, inputs), partitioner=[et])
+
+
+def ethos_u_ready() -> str | None:
+    """Why the Ethos-U compiler cannot run here (CI's test extra has no tosa-tools / vela), or None."""
+    from lowering.backends.executorch.targets import check_available
+
+    try:
+        check_available(TARGETS["ethos-u"])
+    except BackendError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("factory", [mlp, cnn], ids=["mlp", "cnn_batchnorm"])
+def test_ethos_u_int8_payloads_are_executorchs(factory):
+    """``quantize='int8'`` for ``ethos-u`` quantizes with Arm's own EthosUQuantizer (what its partitioner
+    takes: lowerflow's own int8 graph it takes 0 nodes of), on the module before decomposition, as
+    ExecuTorch's Ethos-U flow does; the Vela command streams are ExecuTorch's, byte for byte."""
+    reason = ethos_u_ready()
+    if reason:
+        pytest.skip(reason)
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.runtime import Runtime
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from lowering.backends.executorch.options import ethos_u_quantizer
+    from lowering.quantize import parse_recipe
+
+    model, inputs = factory()
+    result = lowering.lower(model, inputs, partitioner=partitioner_for("ethos-u"), quantize="int8",
+                            calibration=[inputs])
+    ours = payloads(result.exported_program)
+    options = check_options(TARGETS["ethos-u"], None)
+    prepared = prepare_pt2e(torch.export.export(model, inputs).module(check_guards=False),
+                            ethos_u_quantizer(options, parse_recipe("int8")))
+    prepared(*inputs)
+    converted = convert_pt2e(prepared)
+    et = make_et_partitioner(TARGETS["ethos-u"], options)
+    theirs = payloads(to_edge_transform_and_lower(torch.export.export(converted, inputs),
+                                                  partitioner=[et]).exported_program())
+    assert [b for b, _, _ in ours] == [b for b, _, _ in theirs] == ["EthosUBackend"]
+    assert ours == theirs and len(ours[0][1]) > 10_000
+    # All of it on the NPU: only the input's quantize and the output's dequantize stay outside.
+    outside = [str(n.target) for n in result.exported_program.graph.nodes if n.op == "call_function"]
+    assert sorted(outside) == sorted(["quantized_decomposed.quantize_per_tensor.default", "executorch_call_delegate",
+                                      "<built-in function getitem>", "quantized_decomposed.dequantize_per_tensor.default"])
+    assert Runtime.get().load_program(result.pte).method_names == {"forward"}
