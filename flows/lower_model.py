@@ -46,6 +46,7 @@ from typing import Any, Callable
 from prefect import flow, get_run_logger
 from prefect.exceptions import MissingContextError
 
+from lowering.benchmark import combined
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
 from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
 from tasks.cache import CacheConfig
@@ -283,19 +284,25 @@ def plan_model(
     runtime_ops: Any = None,
     trust_pickle: bool = False,
     external_weights: Any = None,
+    benchmark: Any = None,
+    gates: Any = None,
 ) -> dict:
-    """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would run."""
+    """Dry run of :func:`lower_model`: per target, which stages hit the cache and which would
+    run (the benchmark stage where ``benchmark`` / ``gates`` turn it on, as the run would)."""
     verify = check_verify(verify, targets)
     lookup = StageLookup(CacheConfig.for_store(store, locks=locks))
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
+    gated = gates_by_target(gates, targets)
+    bench = Publisher(lookup.store, gated, benchmark=benchmark_by_target(benchmark, targets, gated=gated))
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                      load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
-                     external_by_target(external_weights, targets))
+                     external_by_target(external_weights, targets), dry_benchmark=bench)
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
               quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None,
-              runtime_ops: dict | None = None, external: dict | None = None) -> dict:
+              runtime_ops: dict | None = None, external: dict | None = None,
+              dry_benchmark: "Publisher | None" = None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages
     (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`;
     ``external``: ``{target: True}`` of the targets with external weights, :func:`external_by_target`).
@@ -304,6 +311,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     weights, code, attributes, inputs; :mod:`tasks.fingerprint`) is the export
     stage's key, so a model whose checkpoint or helper module changed is always
     re-exported.  The loaded model is handed to the export and verify stages.
+    A dry run (``publish`` None) lists the benchmark stage where ``dry_benchmark`` (the
+    plan's :class:`~flows.gates.Publisher`) says it runs.
 
     The stages get the spec as :attr:`ModelSpec.key_text` (a file's resolved path):
     it is in their keys, which must not depend on how the user spelled the path.
@@ -343,9 +352,10 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
         manifest["methods"] = list(loaded.methods)
         with holding(loaded), labelled(model=name):
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
-                                     export_options(version, None, extras), runtime_ops or {}, quant, external)
+                                     export_options(version, None, extras), runtime_ops or {}, quant, external,
+                                     dry_benchmark=dry_benchmark)
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets, verify) if publish is None else None
+        dry = DryRun.of(quant, targets, verify, dry_benchmark) if publish is None else None
         try:
             exported = run("export", export_records, model=model, fingerprint=fingerprint,
                            options=export_options(version, dynamic_shapes, extras))
@@ -423,11 +433,10 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             result["verify"] = report
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
-        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
-        if bench is not None and emitted.get("ptd") is None:  # (a program with a .ptd: not yet benchmarked)
-            result["benchmark"] = {**run("benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprint,
-                                         options=load_options, **bench),
-                                   "pte_bytes": emitted["pte"].size, "arena_bytes": planned["arena_bytes"]}
+        benchmarked = benchmark(run, records, publish or (dry and dry.benchmark), name, target, emitted,
+                                planned["arena_bytes"], model=model, fingerprint=fingerprint, options=load_options)
+        if benchmarked is not None:
+            result["benchmark"] = benchmarked
         if publish is not None:  # only a verified program that passes its gates is published
             publish_files(publish, result, name, target, emitted)
         result["ok"] = True
@@ -440,7 +449,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
 def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, options, version, verify,
                       load_options: dict | None = None, runtime_ops: dict | None = None,
-                      quant: QuantSettings = NO_QUANTIZATION, external: dict | None = None) -> dict:
+                      quant: QuantSettings = NO_QUANTIZATION, external: dict | None = None,
+                      dry_benchmark: "Publisher | None" = None) -> dict:
     """:func:`lower_dag` of a model of several methods: export each method (keyed on
     the method's own fingerprint), then each target's stages.  ``load_options``: what the
     model was loaded with (default: its ``version``), for a stage retried in another process.
@@ -456,7 +466,8 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                                             options=load_options)
             exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
     except Exception as exc:
-        return _all_failed(manifest, targets, records, exc, methods=True, dry=DryRun.of(quant, targets, verify))
+        return _all_failed(manifest, targets, records, exc, methods=True,
+                           dry=DryRun.of(quant, targets, verify, dry_benchmark))
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
@@ -477,7 +488,7 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
                 quantized=quantize_step(quant, target, None),
-                external_weights=bool((external or {}).get(target)),
+                external_weights=bool((external or {}).get(target)), dry_benchmark=dry_benchmark,
             )
     return manifest
 
@@ -487,7 +498,8 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                          load_options: dict | None = None, constants: dict | None = None,
                          runtime_ops: list[str] | None = None,
                          written_elsewhere: dict[str, list[str]] | None = None,
-                         quantized: dict | None = None, external_weights: bool = False) -> dict:
+                         quantized: dict | None = None, external_weights: bool = False,
+                         dry_benchmark: "Publisher | None" = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -503,7 +515,9 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     and verify compares each method, and the sequence, with the quantized programs.
     ``verify``: the target's mode, as :func:`lower_target`'s (the check of shared state,
     ``verify_sequence``, runs in both).  ``external_weights``: as :func:`lower_target`'s
-    (one ``.ptd`` for every method)."""
+    (one ``.ptd`` for every method).  The benchmark stage times each method on its own (each
+    method's record has its report; the target's, :func:`lowering.benchmark.combined`).
+    ``dry_benchmark``: a dry run's :class:`~flows.gates.Publisher` (where the stage would run)."""
     load_options = load_options or {"version": version}
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
@@ -554,20 +568,25 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["verify"] = _combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
-        bench = publish.benchmark_inputs(name, target, emitted["pte"]) if publish is not None else None
-        if bench is not None and len(programs) == 1 and not data:  # one traced method (an hf: model's forward)
-            [(method, _)] = programs.items()
-            result["benchmark"] = {**for_method(run, method)(
-                "benchmark", records, pte=emitted["pte"], model=model, fingerprint=fingerprints[method], method=method,
-                options=load_options, **bench), "pte_bytes": emitted["pte"].size,
-                "arena_bytes": result["memory_plan"]["arena_bytes"]}
+        reports = {}
+        for method in programs:  # each method timed on its own (an hf: model: its forward)
+            report = benchmark(for_method(run, method), records, publish or dry_benchmark, name, target, emitted,
+                               methods[method]["memory_plan"]["arena_bytes"], model=model,
+                               fingerprint=fingerprints[method], method=method, options=load_options)
+            if report is not None:
+                reports[method] = methods[method]["benchmark"] = report
+        if reports:
+            result["benchmark"] = reports[method] if len(reports) == 1 else {
+                **combined(reports), "arena_bytes": result["memory_plan"]["arena_bytes"],
+                **{k: report[k] for k in ("pte_bytes", "ptd_bytes") if k in report}}
         if publish is not None:
             publish_files(publish, result, name, target, emitted)
         result["ok"] = True
     except Regressed as exc:
         result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
-        dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()))
+        dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()),
+                     benchmark=dry_benchmark)
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
 
@@ -710,10 +729,25 @@ def delegate_control_flow(run: Run, program, tagged, target, options, records, s
     return inner["program"], summary
 
 
+def benchmark(run: Run, records: list[dict], benchmarker: "Publisher | None", name: str, target: str, emitted: dict,
+              arena_bytes: int | None, **inputs: Any) -> dict | None:
+    """Stage ``benchmark`` of a verified program (with its ``.ptd``, external weights), where
+    it is on for ``target``: the stage's report with the program's bytes (None: off).
+    ``benchmarker``: the run's :class:`~flows.gates.Publisher` (in a dry run, the plan's: it
+    only reads what is published); ``inputs``: the model's (``model``, ``fingerprint``, ...)."""
+    bench = None if benchmarker is None else benchmarker.benchmark_inputs(name, target, emitted["pte"], emitted.get("ptd"))
+    if bench is None:
+        return None
+    report = run("benchmark", records, pte=emitted["pte"], **inputs, **bench)
+    ptd = emitted.get("ptd")
+    return {**report, "pte_bytes": emitted["pte"].size, **({"ptd_bytes": ptd.size} if ptd is not None else {}),
+            "arena_bytes": arena_bytes}
+
+
 def publish_files(publish, result: dict, name: str, target: str, emitted: dict) -> None:
     """Publish the target's ``.pte`` (and its ``.ptd``: the entry says which data file the
     program needs, with the sha256 of each) into ``result``."""
-    result["pte"] = publish(name, target, emitted["pte"], result=result)  # raises Regressed past a gate
+    result["pte"] = publish(name, target, emitted["pte"], result=result, data=emitted.get("ptd"))  # raises Regressed past a gate
     if emitted.get("ptd") is not None:
         result["ptd"] = publish(name, target, emitted["ptd"], "ptd")
         result["pte"]["needs"] = f"{target}.ptd"
@@ -730,30 +764,35 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
 @dataclasses.dataclass(frozen=True)
 class DryRun:
     """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
-    quantize, which verify (``verify: off`` runs no verify stage), and whether the program
-    has cond / map (stage ``lower_control_flow``)."""
+    quantize, which verify (``verify: off`` runs no verify stage), which are benchmarked,
+    and whether the program has cond / map (stage ``lower_control_flow``)."""
 
     quantized: frozenset = frozenset()
     #: The targets whose verify mode is ``off``.
     unverified: frozenset = frozenset()
+    #: The plan's :class:`~flows.gates.Publisher`: where the benchmark stage runs, and (it
+    #: reads what is published) its inputs.  None: no benchmark stage.
+    benchmark: Any = None
     #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
     #: stages to list (reading the program costs time a fully cached plan need not spend).
     control_flow: Any = None
 
     @classmethod
-    def of(cls, quant: QuantSettings, targets, verify: dict[str, str]) -> "DryRun":
+    def of(cls, quant: QuantSettings, targets, verify: dict[str, str], benchmark: Any = None) -> "DryRun":
         """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
         return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
-                   frozenset(t for t in targets if verify[t] == "off"))
+                   frozenset(t for t in targets if verify[t] == "off"), benchmark=benchmark)
 
     def with_control_flow(self, probe) -> "DryRun":
         return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
 
     def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
-        """``stages`` (what follows export) with ``quantize`` and ``lower_control_flow`` where
-        they run, without ``verify`` where it is off."""
+        """``stages`` (what follows export) with ``quantize``, ``lower_control_flow`` and
+        ``benchmark`` where they run, without ``verify`` where it is off."""
         if target in self.unverified:
             stages = tuple(s for s in stages if s != "verify")
+        if self.benchmark is not None and self.benchmark.benchmarked(target):
+            stages = (*stages, "benchmark")
         if target in self.quantized:
             stages = ("quantize", *stages)
         if "adjust" in stages and self.control_flow is not None and self.control_flow():

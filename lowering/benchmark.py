@@ -22,6 +22,7 @@ or in a fresh interpreter (a program that needs ExecuTorch's LLM kernels) alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import statistics
@@ -85,7 +86,8 @@ def load_average() -> float | None:
 
 def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Sequence[tuple[str, list]],
             settings: dict, prefill_calls: int = 0) -> list[dict]:
-    """Figures of each of ``programs`` (paths or bytes), run by ExecuTorch's ``runtime``:
+    """Figures of each of ``programs`` (paths or bytes, or ``(path, .ptd path)`` of a program
+    with external weights), run by ExecuTorch's ``runtime``:
     every method of ``names`` loaded, then rounds of ``calls`` ``[(method, flat inputs)]``
     interleaved between the programs (the order reversed every other round).  A decoder's
     first ``prefill_calls`` calls are its prefill, the rest decode steps."""
@@ -98,7 +100,7 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
     for turn in range(settings.loads):
         for i in (range(len(programs)) if turn % 2 == 0 else reversed(range(len(programs)))):
             start = time.perf_counter()
-            program = runtime.load_program(programs[i])
+            program = load(runtime, programs[i])
             methods = {name: program.load_method(name) for name in names}
             loads[i].append(time.perf_counter() - start)
             instances[i].append({**methods, "__program__": program})  # the program outlives its methods
@@ -127,6 +129,14 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
         out[0]["paired_latency_ratio"] = round(statistics.median(
             sum(new) / sum(old) for new, old in zip(rounds[0], rounds[1]) if sum(old) > 0), 4)
     return out
+
+
+def load(runtime, program: Any):
+    """``runtime.load_program`` of a path or bytes, or of ``(path, .ptd path)`` with its external weights."""
+    if isinstance(program, (tuple, list)):
+        path, data = program
+        return runtime.load_program(path, data_path=data)
+    return runtime.load_program(program)
 
 
 def figures(load: float, rounds: list[list[float]], prefill_calls: int, settings: BenchmarkSettings) -> dict:
@@ -171,10 +181,13 @@ def round_calls(module: Any, example_inputs: Sequence[Any], settings: BenchmarkS
 
 
 def benchmark_pte(pte: Any, names: Sequence[str], calls: Sequence[tuple[str, list]], settings: BenchmarkSettings,
-                  previous: Any = None, prefill_calls: int = 0) -> dict:
-    """The report of ``pte`` (a path, or bytes), and of its ratios to ``previous`` when given:
+                  previous: Any = None, prefill_calls: int = 0, data: Any = None, previous_data: Any = None) -> dict:
+    """The report of ``pte`` (a path, or bytes), and of its ratios to ``previous`` when given
+    (``data`` / ``previous_data``: the paths of their ``.ptd``, external weights):
     ``{"figures", "previous"?, "ratios"?, "host", "settings", "load_average"}``, or
-    ``{"skipped": why}`` where ExecuTorch's runtime is not installed or cannot run it."""
+    ``{"skipped": why}`` where ExecuTorch's runtime is not installed or cannot run it.  Where
+    the previous program cannot run tonight's calls (the model's inputs changed), tonight's is
+    timed alone and ``"not_compared"`` says why (no ratios: a latency gate has nothing to check)."""
     from .verify import delegate_backend_ids
     from .verify_executorch import executorch_runner, program_operators
 
@@ -184,14 +197,50 @@ def benchmark_pte(pte: Any, names: Sequence[str], calls: Sequence[tuple[str, lis
     missing = runner.missing_backends(delegate_backend_ids(pte)) or runner.missing_operators(program_operators(pte))
     if missing:
         return {"skipped": f"not runnable on ExecuTorch's runtime here: {missing}"}
-    programs = [os.fspath(p) if isinstance(p, (str, os.PathLike)) else p for p in (pte, previous) if p is not None]
+    programs = [(os.fspath(p), os.fspath(d)) if d is not None else os.fspath(p) if isinstance(p, (str, os.PathLike)) else p
+                for p, d in ((pte, data), (previous, previous_data)) if p is not None]
     calls = [(name, list(inputs)) for name, inputs in calls]
-    measured = runner.call(pte, "lowering.benchmark:measure", programs, list(names), calls, settings.to_dict(),
-                           prefill_calls)
+    measure_them = functools.partial(runner.call, pte, "lowering.benchmark:measure")
+    not_compared = None
+    try:
+        measured = measure_them(programs, list(names), calls, settings.to_dict(), prefill_calls)
+    except Exception as exc:  # the published program may not take tonight's inputs (another shape)
+        if previous is None:
+            raise
+        measured = measure_them(programs[:1], list(names), calls, settings.to_dict(), prefill_calls)
+        not_compared = f"the published program does not run tonight's calls: {type(exc).__name__}: {exc}"
     report: dict[str, Any] = {"figures": measured[0], "host": host(), "settings": settings.to_dict(),
                               "load_average": load_average()}
-    if previous is not None:
+    if not_compared:
+        report["not_compared"] = not_compared.splitlines()[0][:300]
+    elif previous is not None:
         report["previous"] = measured[1]
         report["ratios"] = {**ratios(measured[0], measured[1]),
                             "latency": measured[0].pop("paired_latency_ratio")}
     return report
+
+
+def combined(reports: dict[str, dict]) -> dict:
+    """The report of a program of several methods from each method's (each timed on its own):
+    a round is one call of each method (latency and p90 summed), the widest spread, the
+    slowest load, and per ratio the worst method's (the highest: a regression of any method
+    is the program's); ``{"skipped": why}`` if a method was not benchmarked.  The methods'
+    own reports stay in ``"methods"``."""
+    skipped = {m: r["skipped"] for m, r in reports.items() if r.get("skipped")}
+    if skipped:
+        return {"skipped": "; ".join(f"{m}: {why}" for m, why in skipped.items()), "methods": reports}
+    first = next(iter(reports.values()))
+    each = [r["figures"] for r in reports.values()]
+    figures = {"load_ms": max(f["load_ms"] for f in each),
+               "latency_ms": round(sum(f["latency_ms"] for f in each), 4),
+               "p90_ms": round(sum(f["p90_ms"] for f in each), 4),
+               "spread": max((f.get("spread") or 0) for f in each), "rounds": min(f["rounds"] for f in each)}
+    out = {"figures": figures, "host": first["host"], "settings": first["settings"],
+           "load_average": first.get("load_average"), "methods": reports}
+    not_compared = [f"{m}: {r['not_compared']}" for m, r in reports.items() if r.get("not_compared")]
+    if not_compared:
+        out["not_compared"] = "; ".join(not_compared)
+    if all(r.get("ratios") for r in reports.values()):
+        out["ratios"] = {k: max(r["ratios"][k] for r in reports.values())
+                         for k in first["ratios"] if all(k in r["ratios"] for r in reports.values())}
+    return out

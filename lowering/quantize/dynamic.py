@@ -252,3 +252,43 @@ def bf16_group_scales(program: ExportedProgram) -> ExportedProgram:
     rounded._constants = {name: value.to(torch.bfloat16).to(torch.float32) if name in names else value
                           for name, value in program.constants.items()}
     return rounded
+
+
+#: How far :func:`nudged_activation_scales` moves every dynamic activation scale (relative):
+#: a quantized activation moves by at most 127 · 2**-16 ≈ 0.002 of an int8 step, so only the
+#: values that close to a rounding boundary flip by one step — the kind of 1-LSB difference a
+#: runtime's own qparams arithmetic (reciprocal multiplies, fused rounding) makes.
+NUDGE = 2.0 ** -16
+
+
+def nudged_activation_scales(module: torch.fx.GraphModule, relative: float = NUDGE) -> torch.fx.GraphModule:
+    """``module`` (a quantized program's ``.module()``, changed in place and returned) with the
+    scale of every dynamic activation quantization multiplied by ``1 + relative``: the
+    reference run the way a runtime that computes its qparams a rounding apart would run it.
+    How far its outputs move measures how much the model amplifies 1-LSB requantization
+    differences (:func:`lowering.accuracy.quantized_tolerance`).
+
+    Before::
+
+        %cq = torchao.choose_qparams_affine(%x, "ASYMMETRIC", [1, K], int8, -128, 127, None, None, int8)
+        %s = getitem(%cq, 0)
+        %xq = torchao.quantize_affine(%x, [1, K], %s, %zp, int8, -128, 127)
+
+    After::
+
+        %s = getitem(%cq, 0)
+        %s_nudged = aten.mul.Tensor(%s, 1 + relative)
+        %xq = torchao.quantize_affine(%x, [1, K], %s_nudged, %zp, int8, -128, 127)
+
+    (the same for ``quantized_decomposed.choose_qparams.tensor``, int8-dynamic's convs).
+    """
+    choosers = (torch.ops.torchao.choose_qparams_affine.default, torch.ops.quantized_decomposed.choose_qparams.tensor)
+    graph = module.graph
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].target in choosers):
+            with graph.inserting_after(node):
+                nudged = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + relative))
+            node.replace_all_uses_with(nudged, delete_user_cb=lambda user: user is not nudged)
+    module.recompile()
+    return module
