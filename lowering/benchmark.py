@@ -2,8 +2,10 @@
 
     load        runtime.load_program + load_method of the program's methods, ms
     latency     one round (the model's calls: its example inputs once; a decoder: a prefill of
-                ``prefill`` tokens, then ``decode`` single-token steps), timed after ``warmup``
-                rounds, until ``seconds`` passed (``min_rounds`` .. ``max_rounds``): median, p90, ms
+                ``prefill`` tokens, then ``decode`` single-token steps; a tiny program's calls
+                repeated to last 0.5 ms), timed after ``warmup`` rounds, ``min_rounds`` rounds
+                (compared with a previous program: until ``seconds`` passed too, at most
+                ``max_rounds``): median, p90, ms
     tokens/s    a decoder's prefill tokens / median prefill call, decode steps / median decode time
     spread      p90 / median; above :data:`SPREAD_FLAG` the figures come from a loaded machine
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import platform
 import statistics
@@ -110,26 +113,34 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
             loads[i].append(time.perf_counter() - start)
             instances[i].append({**methods, "__program__": program})  # the program outlives its methods
 
-    def one_round(methods: dict) -> tuple[list[float], float]:
-        """Each call's wall-clock seconds, and the round's CPU seconds of this thread."""
-        times, cpu = [], time.thread_time()
-        for name, inputs in calls:
-            start = time.perf_counter()
-            methods[name].execute(inputs)
-            times.append(time.perf_counter() - start)
-        return times, time.thread_time() - cpu
+    def one_round(methods: dict, repeat: int = 1) -> tuple[list[float], float]:
+        """Each call's wall-clock seconds (the mean of ``repeat`` runs of the calls), and the
+        round's CPU seconds of this thread."""
+        times, cpu = [0.0] * len(calls), time.thread_time()
+        for _ in range(repeat):
+            for k, (name, inputs) in enumerate(calls):
+                start = time.perf_counter()
+                methods[name].execute(inputs)
+                times[k] += time.perf_counter() - start
+        return [t / repeat for t in times], time.thread_time() - cpu
 
     # Warm-up: ``warmup`` rounds of each program, over its instances (each at least once).
     for turn in range(max(settings.warmup, settings.loads)):
         for each in instances:
-            one_round(each[turn % len(each)])
+            warm = sum(one_round(each[turn % len(each)])[0])
+    # A round of a tiny program repeats its calls to last MIN_ROUND_SECONDS: a few-microsecond
+    # round is mostly the clocks' and the loop's own cost, which skewed its ratio (~0.97).
+    repeat = max(1, min(REPEAT_LIMIT, math.ceil(MIN_ROUND_SECONDS / warm))) if warm > 0 else REPEAT_LIMIT
     rounds: list[list[list[float]]] = [[] for _ in programs]
     cpu: list[list[float]] = [[] for _ in programs]
     order = list(range(len(programs)))
+    # Alone (nothing published to compare with: a first night), ``min_rounds`` give the trend's
+    # figures; a comparison runs ``seconds`` too, for a steady ratio.
+    seconds = settings.seconds if len(programs) > 1 else 0.0
     start, count = time.perf_counter(), 0
-    while count < settings.max_rounds and (count < settings.min_rounds or time.perf_counter() - start < settings.seconds):
+    while count < settings.max_rounds and (count < settings.min_rounds or time.perf_counter() - start < seconds):
         for i in (order if count % 2 == 0 else order[::-1]):
-            times, used = one_round(instances[i][count % len(instances[i])])
+            times, used = one_round(instances[i][count % len(instances[i])], repeat)
             rounds[i].append(times)
             cpu[i].append(used)
         count += 1
@@ -138,6 +149,10 @@ def measure(runtime, programs: Sequence[Any], names: Sequence[str], calls: Seque
         out[0]["paired_latency_ratio"] = round(statistics.median(
             new / old for new, old in zip(cpu[0], cpu[1]) if old > 0), 4)
     return out
+
+
+#: The shortest timed round (see :func:`measure`), and the most repeats of a round's calls in one.
+MIN_ROUND_SECONDS, REPEAT_LIMIT = 0.0005, 100
 
 
 def load(runtime, program: Any):
@@ -265,3 +280,14 @@ def combined(reports: dict[str, dict]) -> dict:
         out["ratios"] = {k: max(r["ratios"][k] for r in reports.values())
                          for k in first["ratios"] if all(k in r["ratios"] for r in reports.values())}
     return out
+
+
+def not_runnable(verify: dict | None) -> str | None:
+    """Why ExecuTorch's runtime here cannot run the program, as its verify report says (its
+    ``executorch`` check skipped for missing backends or operators: a ReferenceBackend
+    program), else None: the benchmark stage would only skip it, so it is not run."""
+    for check in (verify or {}).get("checks") or []:
+        why = check.get("skipped") or ""
+        if check.get("runtime") == "executorch" and why.startswith(("backends not in", "operators not in")):
+            return f"not runnable on ExecuTorch's runtime here ({why})"
+    return None

@@ -92,7 +92,7 @@ STAGE_VERSIONS = {
     "emit_methods": "1",
     "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
     "verify_sequence": "2",  # 2: as verify 3
-    "benchmark": "2",  # 2: instances rotated, the latency ratio the median of round-by-round ratios
+    "benchmark": "3",  # 3: the ratio by the thread's CPU time, files read per load, tiny rounds repeated, alone min_rounds
 }
 
 
