@@ -54,7 +54,7 @@ from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
-from . import heartbeats, run_logs
+from . import heartbeats, run_logs, weights_only
 from .load_options import export_options, load_extras
 from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
@@ -354,26 +354,47 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant, external,
                                      dry_benchmark=dry_benchmark)
+    # {target: why it is keyed on its weights' bytes, None: on its structure} (flows/weights_only.py)
+    bytes_reasons = {t: weights_only.bytes_reason(loaded, quantize_step(quant, t, calibration))
+                     for t in targets if (external or {}).get(t)}
+    structured = {t: bytes_reasons.get(t, "") is None for t in targets}
+    records_of: dict[bool, list[dict]] = {False: export_records, True: []}
+    exported: dict[bool, dict] = {}
+
+    def export(structure: bool) -> dict:
+        """Stage export keyed on the model's whole fingerprint, or (``structure``) on its structure."""
+        if structure not in exported:
+            exported[structure] = run(
+                "export", records_of[structure], model=model,
+                fingerprint=loaded.fingerprint.structure_digest if structure else fingerprint,
+                options=export_options(version, dynamic_shapes, extras), **({"external_weights": True} if structure else {}))
+        return exported[structure]
+
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets, verify, dry_benchmark) if publish is None else None
+        dry = dataclasses.replace(DryRun.of(quant, targets, verify, dry_benchmark), bound=frozenset(
+            t for t in targets if structured[t])) if publish is None else None
         try:
-            exported = run("export", export_records, model=model, fingerprint=fingerprint,
-                           options=export_options(version, dynamic_shapes, extras))
+            for structure in sorted(set(structured.values())):
+                export(structure)
         except Exception as exc:
             if dry is not None and isinstance(exc, WouldRun):
                 dry = dry.with_control_flow(lambda: exported_control_flow(loaded))
-            return _all_failed(manifest, targets, export_records, exc, dry=dry)
+            return _all_failed(manifest, targets, records_of[False] + records_of[True], exc, dry=dry)
         if dry is not None:
-            dry = dry.with_control_flow(lambda: stored_control_flow(run, exported["program"]))
+            dry = dry.with_control_flow(lambda: stored_control_flow(run, next(iter(exported.values()))["program"]))
         for target in targets:
+            structure = structured[target]
+            shape = ({"bind": weights_only.bind_inputs(loaded, exported[True]),
+                      "fallback": lambda: (export(False)["program"], list(records_of[False]))} if structure
+                     else {"bytes": bytes_reasons[target]} if target in bytes_reasons else None)
             with labelled(target=target):
                 manifest["targets"][target] = lower_target(
-                    run, publish, name, model, fingerprint, exported["program"], target,
-                    options.get(target, {}), list(export_records), verify[target],
+                    run, publish, name, model, fingerprint, exported[structure]["program"], target,
+                    options.get(target, {}), list(records_of[structure]), verify[target],
                     quantized=quantize_step(quant, target, calibration),
                     load_options=export_options(version, dynamic_shapes, extras), dry=dry,
                     runtime_ops=(runtime_ops or {}).get(target),
-                    external_weights=bool((external or {}).get(target)),
+                    external_weights=bool((external or {}).get(target)), weights=shape,
                 )
     return manifest
 
@@ -390,21 +411,28 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify: str,
                  quantized: dict | None = None, load_options: dict | None = None,
                  dry: "DryRun | None" = None, runtime_ops: list[str] | None = None,
-                 external_weights: bool = False) -> dict:
+                 external_weights: bool = False, weights: dict | None = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
     ``verify``: the target's verify mode (``full``, ``quick`` or ``off``: flows.verify_mode).
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
     compares with the quantized program and reports the error against fp32 eager.
     ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
-    runs the pair, both are published)."""
+    runs the pair, both are published).  ``weights`` (with external weights: :mod:`flows.weights_only`):
+    ``{"bind": ..., "fallback": () -> (program, records)}`` when ``program`` is the structure-keyed
+    export (stage ``bind_weights`` makes the ``.ptd``; where it cannot, the target is lowered
+    again from the bytes-keyed export ``fallback`` gives), else ``{"bytes": why}`` or
+    ``{"fallback": why}``, what the target's ``weights_only`` record says."""
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
+    bind = (weights or {}).get("bind")
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
+        **({"weights_only": {k: v for k, v in weights.items() if k in ("bytes", "fallback")}}
+           if weights and bind is None else {}),
     }
-    reference = None
+    reference = derived = None
     try:
         if quantized is not None:
             calibration = quantized["calibration"] or {}
@@ -413,6 +441,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
                        source=calibration.get("source"), model=model, fingerprint=fingerprint,
                        options=load_options)
             program = reference = done["program"]
+            derived = done.get("derived")  # how it quantized the weights (bind_weights quantizes a retrain's so)
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
@@ -424,6 +453,20 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
         emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops, **external)
+        if bind is not None:  # tonight's weights bound to the structure's program (flows/weights_only.py)
+            bound = run("bind_weights", records, **bind, program=program, plan=planned["plan"], emitted=emitted,
+                        model=model, fingerprint=fingerprint, options=load_options,
+                        recipe=quantized["recipe"] if quantized is not None else None, reference=reference,
+                        derived=derived if quantized is not None else None, runtime_ops=runtime_ops,
+                        references=verify != "off")
+            if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
+                program, again = weights["fallback"]()
+                return lower_target(run, publish, name, model, fingerprint, program, target, options,
+                                    [*records, *again], verify, quantized, load_options, dry, runtime_ops,
+                                    external_weights, {"fallback": bound["fallback"]})
+            emitted, reference = {**emitted, "ptd": bound["ptd"]}, bound["reference"]
+            result["weights_only"] = {"bind_weights": "rebound" if bound["rebound"] else "as exported",
+                                      **({"quantized": bound["quantized"]} if "quantized" in bound else {})}
         data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
@@ -779,6 +822,8 @@ class DryRun:
     #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
     #: stages to list (reading the program costs time a fully cached plan need not spend).
     control_flow: Any = None
+    #: The targets keyed on the model's structure (stage ``bind_weights`` after emit: flows/weights_only.py).
+    bound: frozenset = frozenset()
 
     @classmethod
     def of(cls, quant: QuantSettings, targets, verify: dict[str, str], benchmark: Any = None) -> "DryRun":
@@ -798,6 +843,9 @@ class DryRun:
             stages = (*stages, "benchmark")
         if target in self.quantized:
             stages = ("quantize", *stages)
+        if target in self.bound and "emit" in stages:
+            at = stages.index("emit") + 1
+            stages = (*stages[:at], "bind_weights", *stages[at:])
         if "adjust" in stages and self.control_flow is not None and self.control_flow():
             at = stages.index("adjust") + 1
             stages = (*stages[:at], "lower_control_flow", *stages[at:])

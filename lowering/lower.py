@@ -50,6 +50,9 @@ class LowerResult:
     #: With ``external_weights``: the exported edge program before quantize and delegation, what
     #: :func:`lowering.rebind.rebind_weights` binds a retrain's weights to.
     source_program: ExportedProgram | None = None
+    #: With ``external_weights`` and a recipe: the quantized program before delegation (what the
+    #: program computes, in torch; what :func:`lowering.rebind.rebind_weights` quantizes new weights by).
+    quantized_program: ExportedProgram | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -124,7 +127,7 @@ def lower(
         with _timed(timings, "quantize"):
             program = quantize_module(model_or_exported_program, example_inputs, quantize, calibration, quantizer,
                                       name=_label(model_or_exported_program), keep=keep)
-        source = None
+        source = quantized = None
     else:
         with _timed(timings, "export"):
             program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict, keep=keep)
@@ -132,6 +135,7 @@ def lower(
         if quantize is not None and partitioner is None:
             _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
         program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
+        quantized = program if external_weights and quantize is not None else None
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit.method import build_pte
     from .external import program_files
@@ -140,7 +144,7 @@ def lower(
         pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights),
                                  external_weights)
     return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd,
-                       source_program=source)
+                       source_program=source, quantized_program=quantized)
 
 
 def _quantize(program: ExportedProgram, recipe: Any, calibration: Any, timings: dict[str, float],
