@@ -46,7 +46,7 @@ from typing import Any, Callable
 from prefect import flow, get_run_logger
 from prefect.exceptions import MissingContextError
 
-from lowering.benchmark import combined
+from lowering.benchmark import combined, not_runnable
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
 from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
 from tasks.cache import CacheConfig
@@ -449,7 +449,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             if report.get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(report)}")
         benchmarked = benchmark(run, records, publish or (dry and dry.benchmark), name, target, emitted,
-                                planned["arena_bytes"], model=model, fingerprint=fingerprint, options=load_options)
+                                planned["arena_bytes"], result["verify"], model=model, fingerprint=fingerprint,
+                                options=load_options)
         if benchmarked is not None:
             result["benchmark"] = benchmarked
         if publish is not None:  # only a verified program that passes its gates is published
@@ -586,7 +587,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         reports = {}
         for method in programs:  # each method timed on its own (an hf: model: its forward)
             report = benchmark(for_method(run, method), records, publish or dry_benchmark, name, target, emitted,
-                               methods[method]["memory_plan"]["arena_bytes"], model=model,
+                               methods[method]["memory_plan"]["arena_bytes"], methods[method]["verify"], model=model,
                                fingerprint=fingerprints[method], method=method, options=load_options)
             if report is not None:
                 reports[method] = methods[method]["benchmark"] = report
@@ -715,15 +716,17 @@ def delegate_control_flow(run: Run, program, tagged, target, options, records, s
 
 
 def benchmark(run: Run, records: list[dict], benchmarker: "Publisher | None", name: str, target: str, emitted: dict,
-              arena_bytes: int | None, **inputs: Any) -> dict | None:
+              arena_bytes: int | None, verify: dict | None = None, **inputs: Any) -> dict | None:
     """Stage ``benchmark`` of a verified program (with its ``.ptd``, external weights), where
-    it is on for ``target``: the stage's report with the program's bytes (None: off).
+    it is on for ``target``: the stage's report with the program's bytes (None: off).  Not
+    run where ``verify`` (its report) found ExecuTorch's runtime cannot run the program.
     ``benchmarker``: the run's :class:`~flows.gates.Publisher` (in a dry run, the plan's: it
     only reads what is published); ``inputs``: the model's (``model``, ``fingerprint``, ...)."""
     bench = None if benchmarker is None else benchmarker.benchmark_inputs(name, target, emitted["pte"], emitted.get("ptd"))
     if bench is None:
         return None
-    report = run("benchmark", records, pte=emitted["pte"], **inputs, **bench)
+    skipped = not_runnable(verify)  # (a ReferenceBackend program): no stage, no task run
+    report = {"skipped": skipped} if skipped else run("benchmark", records, pte=emitted["pte"], **inputs, **bench)
     ptd = emitted.get("ptd")
     return {**report, "pte_bytes": emitted["pte"].size, **({"ptd_bytes": ptd.size} if ptd is not None else {}),
             "arena_bytes": arena_bytes}

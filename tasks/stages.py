@@ -94,7 +94,7 @@ STAGE_VERSIONS = {
     "bind_weights": "1",
     "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
     "verify_sequence": "3",  # 3: as verify 4
-    "benchmark": "2",  # 2: instances rotated, the latency ratio the median of round-by-round ratios
+    "benchmark": "3",  # 3: the ratio by the thread's CPU time, files read per load, tiny rounds repeated, alone min_rounds
 }
 
 
