@@ -37,8 +37,6 @@ from .console import quiet_flow_run
 quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
 from typing import Any, Callable
@@ -55,6 +53,7 @@ from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
 from . import heartbeats, run_logs, weights_only
+from .dry_run import DryRun, exported_control_flow, stored_control_flow
 from .method_totals import combined_verify, total_delegation, total_plan, total_quantize
 from .load_options import export_options, load_extras
 from .manifest import external_by_target, profiles_by_target
@@ -747,81 +746,6 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
     for target in targets:
         manifest["targets"][target] = _failed(list(records), exc, target, methods, dry)
     return manifest
-
-
-@dataclasses.dataclass(frozen=True)
-class DryRun:
-    """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
-    quantize, which verify (``verify: off`` runs no verify stage), which are benchmarked,
-    and whether the program has cond / map (stage ``lower_control_flow``)."""
-
-    quantized: frozenset = frozenset()
-    #: The targets whose verify mode is ``off``.
-    unverified: frozenset = frozenset()
-    #: The plan's :class:`~flows.gates.Publisher`: where the benchmark stage runs, and (it
-    #: reads what is published) its inputs.  None: no benchmark stage.
-    benchmark: Any = None
-    #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
-    #: stages to list (reading the program costs time a fully cached plan need not spend).
-    control_flow: Any = None
-    #: The targets keyed on the model's structure (stage ``bind_weights`` after emit: flows/weights_only.py).
-    bound: frozenset = frozenset()
-
-    @classmethod
-    def of(cls, quant: QuantSettings, targets, verify: dict[str, str], benchmark: Any = None,
-           bound: frozenset = frozenset()) -> "DryRun":
-        """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
-        return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
-                   frozenset(t for t in targets if verify[t] == "off"), benchmark=benchmark, bound=bound)
-
-    def with_control_flow(self, probe) -> "DryRun":
-        return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
-
-    def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
-        """``stages`` (what follows export) with ``quantize``, ``lower_control_flow`` and
-        ``benchmark`` where they run, without ``verify`` where it is off."""
-        if target in self.unverified:
-            stages = tuple(s for s in stages if s != "verify")
-        if self.benchmark is not None and self.benchmark.benchmarked(target):
-            stages = (*stages, "benchmark")
-        if target in self.quantized:
-            stages = ("quantize", *stages)
-        if target in self.bound and "emit" in stages:
-            at = stages.index("emit") + 1
-            stages = (*stages[:at], "bind_weights", *stages[at:])
-        if "adjust" in stages and self.control_flow is not None and self.control_flow():
-            at = stages.index("adjust") + 1
-            stages = (*stages[:at], "lower_control_flow", *stages[at:])
-        return stages
-
-
-def stored_control_flow(run: Run, program) -> bool:
-    """Whether the cached exported program ``program`` (a ref) has cond / map nodes."""
-    from lowering.control_flow_graph import control_flow_nodes
-    from tasks.artifacts import get_program
-
-    store = getattr(run, "store", None)
-    if store is None:
-        return False
-    try:
-        return bool(control_flow_nodes(get_program(store, program).graph))
-    except Exception:  # an unreadable program: the real run will say so
-        return False
-
-
-def exported_control_flow(loaded) -> bool:
-    """Whether the model, exported now in memory (a dry run whose export is not cached),
-    has cond / map nodes; False when it cannot be exported (the run will say why)."""
-    from lowering.control_flow_graph import control_flow_nodes
-    from lowering.export import export
-
-    if loaded.module is None:
-        return False
-    try:
-        program = export(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)
-    except Exception:
-        return False
-    return bool(control_flow_nodes(program.graph))
 
 
 def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False,
