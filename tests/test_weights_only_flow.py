@@ -51,6 +51,11 @@ def cnn():
 
 def cond():
     return _weights(models.CondLinear), (torch.rand(4, 16) + 0.1,)
+
+
+def two_methods():
+    model = _weights(models.CNN)
+    return {"small": (model, (torch.randn(1, 3, 32, 32),)), "again": (model, (torch.randn(1, 3, 32, 32),))}
 '''
 
 
@@ -127,9 +132,7 @@ def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
 def test_a_model_of_several_methods_is_lowered_fully_and_says_why(tmp_path):
     from flows.weights_only import METHODS
 
-    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["portable"], "verify": False},
-                "models": [{"name": "m", "model": f"{ROOT / 'examples' / 'models.py'}:encoder_decoder",
-                            "external_weights": True}]}
+    manifest = retrain_fleet(tmp_path, "two_methods", ("portable",), verify=False)
     entry = lower_fleet(manifest)["models"]["m"]["targets"]["portable"]
     assert entry["ok"] and entry["weights_only"] == {"bytes": METHODS}, entry
 
