@@ -44,6 +44,7 @@ from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
     EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
 )
+from . import weights_only
 from .history import change_cell
 from .trends import benchmark_line, regressions_first, status_word, trend_images
 from .report_pictures import (
@@ -204,17 +205,6 @@ def check_status(ok: bool | None) -> str:
     return "skipped" if ok is None else ("ok" if ok else "FAILED")
 
 
-def weights_only_line(record: Mapping[str, Any]) -> str:
-    """How the target's weights were bound (:mod:`flows.weights_only`): to last night's
-    program, or why it was lowered fully."""
-    if record.get("bind_weights") == "rebound":
-        return "tonight's weights bound to the cached program (no graph stage ran again)"
-    if record.get("bind_weights"):
-        return "the program and its weights lowered together (a later retrain binds new weights only)"
-    why = record.get("fallback") or record.get("bytes")
-    return f"lowered fully: {why}"
-
-
 def update_line(update: Mapping[str, Any]) -> str:
     """What a device downloads for this run's update, against shipping the whole program."""
     what = ".ptd only (the program is unchanged)" if update.get("program") == "unchanged" else \
@@ -242,7 +232,7 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
     if entry.get("update"):
         lines += [f"**device update:** {update_line(entry['update'])}", ""]
     if entry.get("weights_only"):
-        lines += [f"**weights-only:** {weights_only_line(entry['weights_only'])}", ""]
+        lines += [f"**weights-only:** {weights_only.report_line(entry['weights_only'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):
