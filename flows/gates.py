@@ -6,7 +6,7 @@ Per figure, the largest change allowed against the program published now for the
 model and target:
 
     latency        new / old median latency, both run interleaved in one process (benchmark stage)
-    size           new / old ``.pte`` bytes
+    size           new / old program bytes: the ``.pte`` and its ``.ptd`` (external weights)
     error          new / old max |Δ| / max |fp32| of a quantized program (verify)
     sqnr_drop_db   old SQNR - new SQNR, dB (verify)
 
@@ -101,12 +101,13 @@ def benchmark_by_target(value: Any, targets, where: str = "benchmark",
 
 
 def gate_figures(previous: Mapping[str, Any], result: Mapping[str, Any]) -> dict[str, float]:
-    """The changes of ``result`` (tonight's target record) against ``previous`` (the
-    published record), for the figures both have."""
+    """The changes of ``result`` (tonight's target record, with ``program_bytes``: its
+    ``.pte`` and ``.ptd`` bytes) against ``previous`` (the published record), for the figures
+    both have.  ``size`` counts a program's ``.pte`` and its ``.ptd`` (external weights)."""
     figures: dict[str, float] = {}
-    old_pte, new_size = previous.get("pte") or {}, result.get("pte_size")
-    if old_pte.get("size") and new_size:
-        figures["size"] = round(new_size / old_pte["size"], 4)
+    old_size, new_size = program_bytes(previous), result.get("program_bytes")
+    if old_size and new_size:
+        figures["size"] = round(new_size / old_size, 4)
     latency = ((result.get("benchmark") or {}).get("ratios") or {}).get("latency")
     if latency:
         figures["latency"] = latency
@@ -165,39 +166,49 @@ class Publisher:
         return self._published[name]
 
     def previous(self, name: str, target: str) -> dict | None:
-        """The published record of ``target`` whose program is still in outputs/ (None: none)."""
+        """The published record of ``target`` whose program (and ``.ptd``) is still in outputs/ (None: none)."""
         record = self.published(name).get(target)
-        pte = (record or {}).get("pte")
-        if not record or not record.get("ok") or not pte:
+        if not record or not record.get("ok") or not record.get("pte"):
             return None
-        ref = ArtifactRef(str(pte["uri"]), str(pte["sha256"]), int(pte["size"]), "pte")
-        return record if self.store.exists(ref) else None
+        files = [ArtifactRef(str(f["uri"]), str(f["sha256"]), int(f["size"]), kind)
+                 for kind, f in ((k, record.get(k)) for k in ("pte", "ptd")) if f]
+        return record if all(self.store.exists(ref) for ref in files) else None
 
-    def previous_pte(self, name: str, target: str, sha256: str) -> ArtifactRef | None:
-        """The published program to benchmark tonight's against: None on a first lowering
-        or when it is the same program (nothing to compare)."""
+    def previous_files(self, name: str, target: str, pte: ArtifactRef, ptd: ArtifactRef | None = None) -> dict:
+        """The published program to benchmark tonight's against, ``{"previous": ref}`` and its
+        ``"previous_ptd"`` when it has external weights: ``{}`` on a first lowering or when it
+        is the same program (the same ``.pte`` and ``.ptd``: nothing to compare)."""
         record = self.previous(name, target)
-        if record is None or record["pte"]["sha256"] == sha256:
-            return None
-        pte = record["pte"]
-        return ArtifactRef(self.store.uri(self.store.object_path(pte["sha256"])), pte["sha256"], int(pte["size"]), "pte")
+        if record is None or not differs(record, pte, ptd):
+            return {}
+        files = {"previous": self._object(record["pte"], "pte")}
+        if record.get("ptd"):
+            files["previous_ptd"] = self._object(record["ptd"], "ptd")
+        return files
 
-    def benchmark_inputs(self, name: str, target: str, pte: ArtifactRef) -> dict | None:
-        """The benchmark stage's settings, host and previous program (None: benchmark off)."""
-        settings = self.benchmark.get(target, BenchmarkSettings().to_dict())
-        if settings is None:
-            return None
-        previous = self.previous_pte(name, target, pte.sha256)
-        return {"settings": settings, "host": host(),
-                **({"previous": previous} if previous is not None else {})}
+    def _object(self, file: Mapping[str, Any], kind: str) -> ArtifactRef:
+        return ArtifactRef(self.store.uri(self.store.object_path(file["sha256"])), file["sha256"], int(file["size"]), kind)
 
-    def __call__(self, name: str, target: str, pte: ArtifactRef, kind: str = "pte", result: dict | None = None) -> dict:
+    def benchmarked(self, target: str) -> bool:
+        """Whether the benchmark stage runs for ``target``."""
+        return self.benchmark.get(target, BenchmarkSettings().to_dict()) is not None
+
+    def benchmark_inputs(self, name: str, target: str, pte: ArtifactRef, ptd: ArtifactRef | None = None) -> dict | None:
+        """The benchmark stage's settings, host, the program's ``.ptd`` and the previous program's
+        files (None: benchmark off)."""
+        if not self.benchmarked(target):
+            return None
+        return {"settings": self.benchmark.get(target, BenchmarkSettings().to_dict()), "host": host(),
+                **({"ptd": ptd} if ptd is not None else {}), **self.previous_files(name, target, pte, ptd)}
+
+    def __call__(self, name: str, target: str, pte: ArtifactRef, kind: str = "pte", result: dict | None = None,
+                 data: ArtifactRef | None = None) -> dict:
         """Publish ``pte`` as ``target``'s program (``kind`` ``"ptd"``: its data), unless
-        ``result`` (tonight's record) fails a gate against the published one: then raise
-        :class:`Regressed`, publishing nothing."""
+        ``result`` (tonight's record; ``data``: its ``.ptd``) fails a gate against the published
+        one: then raise :class:`Regressed`, publishing nothing."""
         previous = self.previous(name, target)
-        if result is not None and previous is not None and previous["pte"]["sha256"] != pte.sha256:
-            figures = gate_figures(previous, {**result, "pte_size": pte.size})
+        if result is not None and previous is not None and differs(previous, pte, data):
+            figures = gate_figures(previous, {**result, "program_bytes": pte.size + (data.size if data else 0)})
             result["change"] = figures
             failures = check_gates(name, target, figures, self.gates.get(target))
             if failures and not self.accept:
@@ -207,3 +218,13 @@ class Publisher:
                 result["accepted_regressions"] = failures
         ref = self.store.publish_object(f"{name}/{target}.{kind}", pte, kind)
         return {"uri": ref.uri, "sha256": ref.sha256, "size": ref.size}
+
+
+def differs(record: Mapping[str, Any], pte: ArtifactRef, ptd: ArtifactRef | None) -> bool:
+    """Whether tonight's ``.pte`` (and ``.ptd``) differ from the published ``record``'s."""
+    return record["pte"]["sha256"] != pte.sha256 or (record.get("ptd") or {}).get("sha256") != (ptd and ptd.sha256)
+
+
+def program_bytes(record: Mapping[str, Any]) -> int:
+    """A published record's program bytes: its ``.pte`` and its ``.ptd`` (external weights)."""
+    return sum(int((record.get(kind) or {}).get("size") or 0) for kind in ("pte", "ptd"))

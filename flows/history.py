@@ -102,11 +102,25 @@ def manifest_to_store(manifest: dict, publisher) -> dict | None:
     return stored
 
 
-def change_cell(record: Mapping[str, Any]) -> str:
-    """The fleet report's change against the published program: ``latency ×0.97, size ×1.00``
-    (``—``: nothing to compare; a first lowering, or the same program)."""
+def change_cell(record: Mapping[str, Any], compact: bool = False) -> str:
+    """The change against the published program: ``latency ×0.97, size ×1.00`` (``—``:
+    nothing to compare; a first lowering, or the same program).
+
+    ``compact``: the fleet artifact's cell, narrow enough for its table to fit the V1 UI
+    (flows/reports.py): ``lat ×0.97 · size ×1.00``, a quantized program's accuracy on a
+    second line (``err ×2.00 · sqnr -2.5 dB``; the artifact breaks the cell there)."""
     change = record.get("change") or {}
-    parts = [f"{k} ×{change[k]:.2f}" for k in ("latency", "size", "error") if change.get(k) is not None]
-    if change.get("sqnr_drop_db") is not None:
-        parts.append(f"sqnr {-change['sqnr_drop_db']:+.1f} dB")
-    return ", ".join(parts) or "—"
+
+    def ratio(figure: str) -> list[str]:
+        name = COMPACT_FIGURES[figure] if compact else figure
+        return [f"{name} ×{change[figure]:.2f}"] if change.get(figure) is not None else []
+
+    speed = ratio("latency") + ratio("size")
+    quality = ratio("error") + ([f"sqnr {-change['sqnr_drop_db']:+.1f} dB"] if change.get("sqnr_drop_db") is not None else [])
+    if not compact:
+        return ", ".join(speed + quality) or "—"
+    return "\n".join(" · ".join(line) for line in (speed, quality) if line) or "—"
+
+
+#: The figures' names in the fleet artifact's change cells (its legend spells them out).
+COMPACT_FIGURES = {"latency": "lat", "size": "size", "error": "err"}

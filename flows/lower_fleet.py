@@ -74,10 +74,15 @@ def member_parameters(entry: ModelEntry, store_url: str, locks: str | None) -> d
         **({"dynamic_shapes": entry.dynamic_shapes} if entry.dynamic_shapes is not None else {}),
         **quantize_parameters(entry),
         **load_parameters(entry),
-        **({"benchmark": entry.benchmark} if entry.benchmark is not None else {}),
-        **({"gates": {k: dict(v) for k, v in entry.gates.items()}} if entry.gates else {}),
+        **benchmark_parameters(entry),
         **({"accept_regressions": True} if entry.accept_regressions else {}),
     }
+
+
+def benchmark_parameters(entry: ModelEntry) -> dict[str, Any]:
+    """The entry's ``benchmark`` and ``gates`` as ``lower_model`` (and ``plan_model``) parameters (only when set)."""
+    return {**({"benchmark": entry.benchmark} if entry.benchmark is not None else {}),
+            **({"gates": {k: dict(v) for k, v in entry.gates.items()}} if entry.gates else {})}
 
 
 def load_parameters(entry: ModelEntry) -> dict[str, Any]:
@@ -632,7 +637,7 @@ def plan_models(manifest: str | dict | FleetManifest) -> dict:
         planned = plan_model(
             entry.model, list(entry.targets), fleet.store, {k: dict(v) for k, v in entry.options.items()},
             entry.name, entry.version, entry.verify, dynamic_shapes=entry.dynamic_shapes,
-            **quantize_parameters(entry), **load_parameters(entry),
+            **quantize_parameters(entry), **load_parameters(entry), **benchmark_parameters(entry),
         )
         summary["models"][entry.name] = planned
         if any(result.get("ok") is False for result in planned["targets"].values()):

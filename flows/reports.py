@@ -44,7 +44,9 @@ from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
     EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
 )
-from .trends import benchmark_line, change_cell, change_lines, regressions_first, status_word, trend_images
+from . import weights_only
+from .history import change_cell
+from .trends import benchmark_line, regressions_first, status_word, trend_images
 from .report_pictures import (
     INLINE_PNG_LIMIT,
     as_memory_plan,
@@ -229,6 +231,8 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
                   f"`{str(entry['ptd'].get('sha256', ''))[:16]}`, `{entry['ptd'].get('uri')}`", ""]
     if entry.get("update"):
         lines += [f"**device update:** {update_line(entry['update'])}", ""]
+    if entry.get("weights_only"):
+        lines += [f"**weights-only:** {weights_only.report_line(entry['weights_only'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):
@@ -371,7 +375,7 @@ def _target_row(name: str, target: str, entry: Mapping[str, Any], compact: bool 
         "seconds": format_seconds(sum(float(r.get("seconds") or 0.0) for r in stages)),
         "delegated": delegation_cell(entry.get("delegation"), digits=0 if compact else 1),
         "verify": verify_cell(entry.get("verify"), short=compact),
-        "change": change_cell(entry),
+        "change": change_cell(entry, compact=compact),
         "error": first_line(entry.get("error"), 100),
     }
 
@@ -426,24 +430,25 @@ def fleet_text_table(fleet_summary: Mapping[str, Any]) -> str:
 
 
 def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
-    """The fleet report: a status line, one table row per model x target, then the errors.
+    """The fleet report: a status line, one table row per model x target (regressions
+    first), then the errors.
 
     A model whose report was published (its manifest's ``"report"``, see
     :func:`publish_model_report`) links to its artifact (:func:`model_report_link`).
-    Errors are listed under the table, not in a column: a long first line would
-    widen the table past the Prefect UI's content area (the V1 UI then cuts it; its
-    cells do not wrap).  For the same reason the cells are :func:`fleet_rows`'s
-    compact ones: the demo fleet's table is 818 px wide in the V1 UI's 830 px at a
-    1400 px window (948 px with the full runtime names and one decimal).
+    The table must fit the Prefect V1 UI's content area (830 px at a 1400 px window; its
+    cells do not wrap, a wider table is cut at the right): errors are listed under the
+    table, not in a column; the cells are :func:`fleet_rows`'s compact ones (a quantized
+    program's change on two lines); the artifact's columns are :data:`FLEET_ARTIFACT_COLUMNS`.  The demo fleet
+    with a change on every target and a regression: 781 px wide in V1 (measured in Chromium).
     """
     rows = fleet_rows(fleet_summary, compact=True)
     models = fleet_summary.get("models") or {}
     failed = list(fleet_summary.get("failed") or [])
     status = "all models lowered" if fleet_summary.get("ok") and not failed else f"FAILED: {', '.join(_md_text(n) for n in failed) or '?'}"
-    columns = [c for c in FLEET_COLUMNS if c not in ("error", "change")]  # both listed under the table
+    columns = FLEET_ARTIFACT_COLUMNS
     body = []
     for r in rows:
-        cells = [md_cell(r[c]) for c in columns]
+        cells = [md_cell(r[c]) if c != "change" else "<br>".join(map(md_cell, r[c].split("\n"))) for c in columns]
         link = model_report_link((models.get(r["model"]) or {}).get("report"))
         if link:
             cells[0] = _md_link(r["model"], link)
@@ -452,23 +457,40 @@ def fleet_report_markdown(fleet_summary: Mapping[str, Any]) -> str:
     lines = [
         "# lowerflow fleet",
         "",
-        f"store `{fleet_summary.get('store', '?')}` · {len(models)} models · {status}",
+        f"store `{fleet_summary.get('store', '?')}` · {len(models)} models · {stages_line(fleet_summary)} · {status}",
         "",
         "| " + " | ".join(columns) + " |",
         rule,
         *body,
         "",
+        f"change: tonight's program against the published one — {FLEET_CHANGE_LEGEND}",
+        "",
         f"verify: the runtimes whose outputs matched eager — {FLEET_RUNTIME_LEGEND}",
     ]
-    changes = change_lines(fleet_summary)
-    if changes:  # under the table, as the errors: a column would widen it past V1's content area
-        lines += ["", "**change against the published programs** (regressions first)", ""]
-        lines += [f"- {_md_text(line)}" for line in changes]
     errors = fleet_errors(fleet_summary)
     if errors:
         lines += ["", "**errors**", ""]
         lines += [f"- {_md_text(model)} / {_md_text(target)}: {_md_text(error)}" for model, target, error in errors]
     return "\n".join(lines) + "\n"
+
+
+#: The fleet artifact's columns: :data:`FLEET_COLUMNS` without the error (listed under the
+#: table), the stages' cache hits and seconds (totalled in the status line) and the arena
+#: bytes (in each model's report), which would widen the table past the V1 UI.
+FLEET_ARTIFACT_COLUMNS = ("model", "target", "ok", "change", "pte bytes", "delegated", "verify")
+
+
+def stages_line(fleet_summary: Mapping[str, Any]) -> str:
+    """``"98/140 stages cached, 212.4 s"``: the stage records of every target of the fleet."""
+    stages = [r for m in (fleet_summary.get("models") or {}).values()
+              for e in ((m or {}).get("targets") or {}).values() for r in (e.get("stages") or [])]
+    seconds = sum(float(r.get("seconds") or 0.0) for r in stages)
+    return f"{count_cached(stages)}/{len(stages)} stages cached, {seconds:.1f} s"
+
+
+#: The legend of :func:`~flows.history.change_cell`'s compact cells under the fleet artifact's table.
+FLEET_CHANGE_LEGEND = ("lat: median latency, new/old, both run interleaved on this host; size: .pte bytes; "
+                       "err: max error; sqnr: SQNR change (quantized programs); —: nothing to compare")
 
 
 #: The legend of :data:`RUNTIME_ABBREVIATIONS` under the fleet artifact's table.

@@ -2,7 +2,7 @@
 
     benchmark_line(entry)          # "latency 0.12 ms (p90 0.20) …, vs published: latency ×0.99"
     trend_images(store, manifest)  # per target: the trend picture of its last nights, inline
-    change_lines(summary)          # the fleet report's changes, regressions first
+    regressions_first(rows)        # the fleet report's rows, regressed targets first
 
 Honest numbers: every benchmark line says where it was measured (this host's CPU and its
 thread count; a device differs) and flags figures whose spread (p90 / median) is above
@@ -42,9 +42,16 @@ def benchmark_line(entry: Mapping[str, Any]) -> str | None:
              f"load {f.get('load_ms')} ms"]
     if f.get("prefill_tok_s"):
         parts.append(f"prefill {f['prefill_tok_s']} tok/s, decode {f.get('decode_tok_s')} tok/s")
+    if len(bench.get("methods") or {}) > 1:  # each method timed on its own; the figures are a round of all
+        parts.append("per method: " + ", ".join(
+            f"{m} {(r.get('figures') or {}).get('latency_ms')} ms"
+            + (f" ×{r['ratios']['latency']:.2f}" if (r.get("ratios") or {}).get("latency") else "")
+            for m, r in bench["methods"].items()))
     ratios = bench.get("ratios")
     if ratios:
         parts.append("vs published: " + ", ".join(f"{k} ×{v:.2f}" for k, v in ratios.items()))
+    if bench.get("not_compared"):
+        parts.append(f"not compared with the published program ({bench['not_compared']})")
     host = bench.get("host") or {}
     where = (f"measured on this host's CPU ({host.get('cpu')}, {host.get('threads')} threads, "
              f"load average {bench.get('load_average')}); a device's latency differs")
@@ -77,19 +84,6 @@ def trend_images(store: Any, manifest: Mapping[str, Any], inline_limit: int = IN
         if small is not None:
             images[target] = png_data_uri(small)
     return images
-
-
-def change_lines(summary: Mapping[str, Any]) -> list[str]:
-    """``model / target: latency ×0.97, size ×1.00`` for each target with a change against
-    the published program, regressions first (flagged), then the others."""
-    rows = []
-    for name, manifest in (summary.get("models") or {}).items():
-        for target, entry in ((manifest or {}).get("targets") or {}).items():
-            if entry.get("change"):
-                flag = " — REGRESSED, not published" if entry.get("regressed") else (
-                    " — published (accepted)" if entry.get("accepted_regressions") else "")
-                rows.append((not entry.get("regressed"), f"{name} / {target}: {change_cell(entry)}{flag}"))
-    return [line for _, line in sorted(rows, key=lambda r: r[0])]
 
 
 def regressions_first(rows: list[dict]) -> list[dict]:

@@ -100,13 +100,13 @@ def put_pte(store: ArtifactStore, pte: bytes) -> ArtifactRef:
 
 
 def local_pte(store: ArtifactStore, ref: ArtifactRef, files: contextlib.ExitStack) -> str:
-    """A local file of the program ``ref``: the store's own where it is a local directory,
-    else a temporary copy (removed when ``files`` closes)."""
+    """A local file of the program ``ref`` (or its ``.ptd``): the store's own where it is a
+    local directory, else a temporary copy (removed when ``files`` closes)."""
     path = store.local_object_path(ref)
     if path is not None:
         return path
     tmp = files.enter_context(tempfile.TemporaryDirectory(prefix="lowerflow-benchmark-"))
-    path = os.path.join(tmp, f"{ref.sha256}.pte")
+    path = os.path.join(tmp, f"{ref.sha256}.{ref.kind or 'pte'}")
     with open(path, "wb") as f:
         f.write(store.get_bytes(ref))
     return path

@@ -110,7 +110,7 @@ def test_figures_of_a_quantized_program_and_the_change_cell():
         return {"ok": True, "pte": {"size": size, "sha256": "x", "uri": "u"}, "verify": {"ok": True, "checks": [check]},
                 **({"benchmark": {"ratios": {"latency": latency}}} if latency else {})}
 
-    figures = gate_figures(record(1000, 30.0, 0.01), {**record(1100, 27.5, 0.02, latency=0.97), "pte_size": 1100})
+    figures = gate_figures(record(1000, 30.0, 0.01), {**record(1100, 27.5, 0.02, latency=0.97), "program_bytes": 1100})
     assert figures == {"size": 1.1, "latency": 0.97, "error": 2.0, "sqnr_drop_db": 2.5}
     assert check_gates("m", "xnnpack", figures, {"latency": 1.1, "size": 1.05, "sqnr_drop_db": 1.0}) == [
         "size ×1.10 > 1.05", "sqnr_drop_db +2.50 dB > 1"]
@@ -149,8 +149,13 @@ def test_reports_say_regressed_first_with_the_change_and_where_latency_was_measu
     assert [(r["model"], r["ok"], r["change"]) for r in fleet_rows(summary)] == [
         ("b", "regressed", "latency ×1.42, size ×1.00"), ("a", "ok", "latency ×0.97, size ×1.00")]
     md = fleet_report_markdown(summary)
-    assert md.index("b / xnnpack: latency ×1.42, size ×1.00 — REGRESSED, not published") \
-        < md.index("a / portable: latency ×0.97, size ×1.00")
+    # The change column (compact), regressions first; a quantized program's accuracy on a second line.
+    assert "| b | xnnpack | regressed | lat ×1.42 · size ×1.00 |" in md
+    assert md.index("| b | xnnpack |") < md.index("| a | portable | ok | lat ×0.97 · size ×1.00 |")
+    quantized = {"change": {"latency": 1.0, "size": 0.5, "error": 2.0, "sqnr_drop_db": 2.5}}
+    assert change_cell(quantized, compact=True) == "lat ×1.00 · size ×0.50\nerr ×2.00 · sqnr -2.5 dB"
+    summary["models"]["a"]["targets"]["portable"] = {**fine, **quantized}
+    assert "| a | portable | ok | lat ×1.00 · size ×0.50<br>err ×2.00 · sqnr -2.5 dB |" in fleet_report_markdown(summary)
     report = model_report_markdown({"name": "b", "targets": {"xnnpack": regressed}})
     assert "## xnnpack — regressed" in report
     assert "this host's CPU (Some CPU, 2 threads, load average 9.5); a device's latency differs" in report
@@ -161,3 +166,91 @@ def test_reports_say_regressed_first_with_the_change_and_where_latency_was_measu
     store.put_named("b/history.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode(), "history")
     assert set(trend_images(store, {"name": "b", "targets": {"xnnpack": regressed}})) == {"xnnpack"}
     assert png_size(trend_png(lines, title="b / xnnpack")) == (800, 220)
+
+
+def test_the_plan_lists_the_benchmark_stage_where_it_runs(tmp_path):
+    (tmp_path / "net.py").write_text(NET.format(repeat=1, extra=0))
+    (tmp_path / "fleet.yaml").write_text(
+        "store: store\nmodels:\n"
+        "  - {name: gated, model: net.py:net, targets: [portable], gates: {latency: 1.5}}\n"
+        "  - {name: plain, model: net.py:net, targets: [portable]}\n")
+    home = tmp_path / "home"
+
+    def plan() -> dict[str, list[str]]:
+        out = lowerflow("plan", "fleet.yaml", cwd=tmp_path, home=home)
+        assert out.returncode == 0, out.stderr
+        return {line.split()[0]: line.split()[2:] for line in out.stdout.splitlines()
+                if line.startswith(("gated ", "plain "))}
+
+    # Cold: the gated model's stages end with the benchmark (its gate needs the latency); not the other's.
+    assert plan() == {"gated": ["0/5", "export,", "memory_plan,", "emit,", "verify,", "benchmark"],
+                      "plain": ["0/4", "export,", "memory_plan,", "emit,", "verify"]}
+    night = lowerflow("fleet", "fleet.yaml", cwd=tmp_path, home=home)
+    assert night.returncode == 0, night.stderr
+    assert plan() == {"gated": ["5/5", "-"], "plain": ["4/4", "-"]}  # a warm night: the benchmark cached too
+
+
+TWO_METHODS = """
+import torch
+
+def two():
+    torch.manual_seed(0)
+    encode = torch.nn.Sequential(torch.nn.Linear({inputs}, {width}), torch.nn.ReLU(), torch.nn.Linear({width}, 16))
+    decode = torch.nn.Sequential(torch.nn.Linear(16, {width}), torch.nn.ReLU(), torch.nn.Linear({width}, 4))
+    return {{"encode": (encode.eval(), (torch.randn(2, {inputs}),)), "decode": (decode.eval(), (torch.randn(2, 16),))}}
+"""
+
+
+def test_a_program_of_several_methods_is_benchmarked_method_by_method(tmp_path):
+    from flows.reports import model_report_markdown
+
+    model, store = tmp_path / "two.py", tmp_path / "store"
+    args = ["lower", "two.py:two", "-t", "portable", "--store", str(store), "-o", str(tmp_path / "two.pte"),
+            "--gates", '{"latency": 100}']
+    def night(width: int, inputs: int = 16) -> dict:
+        model.write_text(TWO_METHODS.format(width=width, inputs=inputs))
+        done = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+        assert done.returncode == 0, done.stderr
+        return json.loads((store / "outputs" / "two" / "manifest.json").read_text())["targets"]["portable"]
+
+    night(8)
+    record = night(24)
+    bench = record["benchmark"]
+    assert sorted(bench["methods"]) == ["decode", "encode"]
+    each = bench["methods"].values()
+    # A round is one call of each method; the program's ratio is its worst method's.
+    assert bench["figures"]["latency_ms"] == pytest.approx(sum(r["figures"]["latency_ms"] for r in each), abs=1e-3)
+    assert bench["ratios"]["latency"] == max(r["ratios"]["latency"] for r in each)
+    assert record["change"]["latency"] == bench["ratios"]["latency"]
+    assert [r["benchmark"]["figures"] for r in record["methods"].values()] == [r["figures"] for r in each]
+    line = model_report_markdown({"name": "two", "targets": {"portable": record}})
+    assert "per method: decode " in line and ", encode " in line
+    # encode takes other inputs tonight: last night's program cannot run them; timed alone, said so.
+    record = night(24, inputs=12)
+    assert "ratios" not in record["benchmark"] and "latency" not in record["change"]
+    assert record["benchmark"]["not_compared"].startswith("encode: the published program does not run tonight's calls")
+    assert record["benchmark"]["methods"]["decode"]["ratios"]["latency"] > 0
+
+
+def test_a_program_with_external_weights_is_benchmarked_with_them_and_gated_on_both_files(tmp_path):
+    model, store = tmp_path / "net.py", tmp_path / "store"
+    args = ["lower", "net.py:net", "-t", "portable", "--external-weights", "--store", str(store),
+            "-o", str(tmp_path / "net.pte"), "--gates", '{"latency": 100, "size": 1.05}']
+    model.write_text(NET.format(repeat=1, extra=0))
+    assert lowerflow(*args, cwd=tmp_path, home=tmp_path / "home").returncode == 0
+    out = store / "outputs" / "net"
+    night1 = {p: (out / p).read_bytes() for p in ("portable.pte", "portable.ptd")}
+    # Retrained (other weights): the same .pte, another .ptd; benchmarked against the published pair.
+    model.write_text(NET.format(repeat=1, extra=0).replace("manual_seed(0)", "manual_seed(1)"))
+    retrained = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+    assert retrained.returncode == 0, retrained.stderr
+    record = json.loads((out / "manifest.json").read_text())["targets"]["portable"]
+    assert (out / "portable.pte").read_bytes() == night1["portable.pte"]
+    assert (out / "portable.ptd").read_bytes() != night1["portable.ptd"]
+    assert record["benchmark"]["ptd_bytes"] == record["ptd"]["size"] and record["benchmark"]["ratios"]["latency"] > 0
+    assert record["change"]["size"] == 1.0
+    # A 1 MB table in the .ptd: the size gate counts .pte + .ptd (the .pte alone barely grows).
+    model.write_text(NET.format(repeat=1, extra=4096))
+    bigger = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+    line = assert_one_line_error(bigger, 1, "net: portable: regressed: size ×", "> 1.05")
+    assert float(line.split("size ×")[1].split()[0]) > 10

@@ -203,11 +203,12 @@ def test_fleet_rows_one_per_model_and_target(cnn_plan):
 def test_fleet_markdown_and_text_tables(cnn_plan):
     summary = fleet_summary(cnn_plan)
     md = fleet_report_markdown(summary)
-    assert "store `memory://fleet` · 2 models · FAILED: cnn, broken" in md
-    header = "| model | target | ok | pte bytes | arena bytes | cached | seconds | delegated | verify |"
+    # The stages' cache hits and seconds: totalled in the status line, not columns (the table fits V1).
+    assert "store `memory://fleet` · 2 models · 5/14 stages cached, 7.0 s · FAILED: cnn, broken" in md
+    header = "| model | target | ok | change | pte bytes | delegated | verify |"
     rows = table_rows(md, header)
-    assert rows[0] == ["mlp", "portable", "ok", "70,000", "8,192", "2/3", "1.75", "—", "—"]
-    assert rows[1][7:9] == ["15/20 (75%)", "ok (lf, et)"]  # compact: the table fits the V1 UI at 1400 px
+    assert rows[0] == ["mlp", "portable", "ok", "—", "70,000", "—", "—"]
+    assert rows[1][5:7] == ["15/20 (75%)", "ok (lf, et)"]  # compact: the table fits the V1 UI at 1400 px
     assert len(rows) == 4
     # Errors under the table, whole first lines (a column would widen the table past the UI).
     errors = md[md.index("**errors**"):].splitlines()[2:]
@@ -224,8 +225,7 @@ def test_fleet_markdown_links_published_models_to_their_artifacts(cnn_plan):
     summary = fleet_summary(cnn_plan)
     summary["models"]["mlp"]["report"] = {"key": "lowerflow-model-mlp", "artifact_id": "0f0e-id"}
     summary["models"]["cnn"]["report"] = {"key": "lowerflow-model-cnn", "artifact_id": None}
-    rows = table_rows(fleet_report_markdown(summary),
-                      "| model | target | ok | pte bytes | arena bytes | cached | seconds | delegated | verify |")
+    rows = table_rows(fleet_report_markdown(summary), "| model | target | ok | change | pte bytes | delegated | verify |")
     # By id (this run's report) from the fleet's page /artifacts/artifact/<id>; by key without an id;
     # no link for a model that never published a report.
     assert [r[0] for r in rows] == ["[mlp](../artifact/0f0e-id)", "[cnn](../key/lowerflow-model-cnn)",
@@ -244,7 +244,7 @@ def test_verify_cell():
 
 def test_fleet_all_ok_status():
     summary = {"store": "s", "models": {}, "ok": True, "failed": []}
-    assert "0 models · all models lowered" in fleet_report_markdown(summary)
+    assert "0 models · 0/0 stages cached, 0.0 s · all models lowered" in fleet_report_markdown(summary)
 
 
 # --------------------------------------------------------------------------- PNG

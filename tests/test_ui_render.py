@@ -1,13 +1,14 @@
 """The run reports as a person sees them: the Prefect UI in a real browser.
 
-A ``prefect server start`` on 127.0.0.1 (its own PREFECT_HOME, a free port), a
-real ``lowerflow fleet`` run against it, then headless Debian Chromium, driven
-over the DevTools protocol (``websockets``, which Prefect already depends on),
-opens the fleet artifact in both UIs Prefect 3.8.8 serves (V1 at ``/``, V2 at
-``/v2/``), follows the link of a model's row, and checks that every image of
-the model artifact loaded (``naturalWidth`` > 0), the fleet table shows the
-delegation and verify cells of ``outputs/fleet.json`` and fits the page, and
-names with underscores read as they are (no markdown escapes showing).  Then the
+A ``prefect server start`` on 127.0.0.1 (its own PREFECT_HOME, a free port), two
+nights of a real ``lowerflow fleet`` against it (the benchmark stage on; the second
+night's model changed), then headless Debian Chromium, driven over the DevTools
+protocol (``websockets``, which Prefect already depends on), opens the fleet artifact
+in both UIs Prefect 3.8.8 serves (V1 at ``/``, V2 at ``/v2/``), follows the link of a
+model's row, and checks that every image of the model artifact loaded
+(``naturalWidth`` > 0: the memory-plan and the trend pictures), the fleet table shows
+the change, delegation and verify cells of ``outputs/fleet.json`` and fits the page,
+and names with underscores read as they are (no markdown escapes showing).  Then the
 run view: the fleet run's page lists a child run per model, named after it, and
 a model run's page lists its stage task runs as ``stage[model/target]``.
 Screenshots of each page are written to ``$LOWERFLOW_UI_SCREENSHOTS`` (default:
@@ -108,12 +109,28 @@ sys.exit(flows.cli.main(sys.argv[2:]))
 """
 
 
+#: The model the fleet lowers as :data:`MLP`: a width, changed between the two nights.
+TINY_MLP = """
+import torch
+
+WIDTH = {width}
+
+
+def mlp():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, 8)).eval()
+    return net, (torch.randn(4, 64),)
+"""
+
+
 @pytest.fixture(scope="module")
 def fleet_run(tmp_path_factory):
-    """``prefect server start`` on 127.0.0.1 (own PREFECT_HOME, free port) and a real
-    ``lowerflow fleet`` run against it: mlp (portable, reference) and a model whose
-    factory raises (named :data:`MLP` and :data:`BROKEN`).  Yields ``(server URL,
-    fleet summary from the store, fleet artifact id)``; stops the server afterwards."""
+    """``prefect server start`` on 127.0.0.1 (own PREFECT_HOME, free port) and two nights of
+    a real ``lowerflow fleet`` against it, benchmark on: the first lowers :data:`MLP`
+    (portable, reference), the second a wider :data:`MLP` (a change against the first
+    night's published programs, a second point of each trend) and a model whose factory
+    raises (:data:`BROKEN`).  Yields ``(server URL, the second night's fleet summary from
+    the store, its fleet artifact id)``; stops the server afterwards."""
     home = tmp_path_factory.mktemp("prefect-server-home")
     work = tmp_path_factory.mktemp("fleet")
     port = free_port()
@@ -129,22 +146,22 @@ def fleet_run(tmp_path_factory):
     try:
         (work / "broken.py").write_text("def broken():\n    raise RuntimeError('no model today')\n")
         manifest = work / "fleet.yaml"
-        manifest.write_text(textwrap.dedent(
-            f"""
-            store: {work / 'store'}
-            defaults: {{targets: [portable, reference]}}
-            models:
-              - name: {MLP}
-                model: {REPO}/examples/models.py:mlp
-              - name: "{BROKEN}"
-                model: broken.py:broken
-                targets: [portable]
-            """
-        ))
         client_env = clean_env(PREFECT_HOME=str(work / "client-home"), PREFECT_API_URL=f"{url}/api")
-        run = subprocess.run([sys.executable, "-c", FLEET_WHEN_UP, url, "fleet", str(manifest)],
-                             cwd=REPO, env=client_env, capture_output=True, text=True, timeout=300)
-        wait_healthy(url, server, log_path, timeout=5)
+        for night, width, broken in ((1, 32, ""), (2, 48, f'\n  - name: "{BROKEN}"\n    model: broken.py:broken\n    targets: [portable]')):
+            (work / "tiny.py").write_text(TINY_MLP.format(width=width))
+            manifest.write_text(textwrap.dedent(
+                f"""
+                store: {work / 'store'}
+                defaults: {{targets: [portable, reference], benchmark: true}}
+                models:
+                  - name: {MLP}
+                    model: tiny.py:mlp"""
+            ) + broken + "\n")
+            run = subprocess.run([sys.executable, "-c", FLEET_WHEN_UP, url, "fleet", str(manifest)],
+                                 cwd=REPO, env=client_env, capture_output=True, text=True, timeout=300)
+            wait_healthy(url, server, log_path, timeout=5)
+            if night == 1:
+                assert run.returncode == 0, run.stderr[-3000:]
         assert run.returncode == 1, run.stderr[-3000:]  # `broken` failed, on purpose
         assert f"1 of 2 models failed: {BROKEN}" in run.stderr
         summary = json.loads((work / "store" / "outputs" / "fleet.json").read_text())
@@ -295,7 +312,7 @@ def shown_name(name: str) -> str:
 @pytest.mark.parametrize("ui", ["v1", "v2"])
 def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run, screenshots):
     from flows.report_pictures import png_size
-    from flows.reports import fleet_rows
+    from flows.reports import FLEET_ARTIFACT_COLUMNS, fleet_rows
 
     prefect_server, summary, fleet_id = fleet_run
     mlp = summary["models"][MLP]
@@ -308,20 +325,25 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
         href = f"../artifact/{model_id}"
         link = browser.wait_for(link_js(href), f"link {href} in the fleet artifact")
         assert link == f"{base}/artifacts/artifact/{model_id}"
-        expected = sorted([shown_name(r["model"])] + [r[c] for c in ("target", "ok", "delegated", "verify")]
-                          for r in fleet_rows(summary, compact=True))
+        columns = list(FLEET_ARTIFACT_COLUMNS)
+        expected = sorted([shown_name(r["model"])] + [r[c] for c in columns[1:]] for r in fleet_rows(summary, compact=True))
         # The rows are read in the same evaluation that finds them all: the UI may re-render
         # the table between two evaluations (seen under load in V2).
         names = json.dumps([shown_name(MLP), shown_name(BROKEN)])
         rows = browser.wait_for(
             f"(() => {{ const rows = {TABLE_JS}.filter(r => r && {names}.includes(r[0]));"
             f" return rows.length >= {len(expected)} ? rows : null; }})()", "the fleet table")
-        shown = sorted([r[0], r[1], r[2], r[7], r[8]] for r in rows)
-        assert shown == expected
+        assert sorted(rows) == expected
         # The reference target delegated something; both of mlp's targets were verified.
-        cells = {(r[0], r[1]): r[3:] for r in expected}
-        assert cells[(MLP, "portable")][0] == "—" and cells[(MLP, "reference")][0].split("/")[0] not in ("0", "—")
-        assert all(cells[(MLP, t)][1].startswith("ok (lf") for t in ("portable", "reference"))
+        cells = {(r[0], r[1]): dict(zip(columns[2:], r[2:])) for r in expected}
+        assert cells[(MLP, "portable")]["delegated"] == "—"
+        assert cells[(MLP, "reference")]["delegated"].split("/")[0] not in ("0", "—")
+        assert all(cells[(MLP, t)]["verify"].startswith("ok (lf") for t in ("portable", "reference"))
+        # The change column: the wider mlp against the first night's programs, both run on
+        # ExecuTorch's runtime (portable), the size of each; nothing to compare for broken.
+        assert cells[(MLP, "portable")]["change"].startswith("lat ×") and " · size ×" in cells[(MLP, "portable")]["change"]
+        assert cells[(MLP, "reference")]["change"].startswith(("lat ×", "size ×"))
+        assert cells[(shown_name(BROKEN), "portable")]["change"] == "—"
         # broken's error, listed whole under the table (its last words are past the CLI's 100 characters).
         # (Polled: V2 may re-render the artifact between two evaluations under load.)
         browser.wait_for("document.body.innerText.includes('RuntimeError: no model today')", "broken's whole error")
@@ -342,9 +364,9 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
         # Follow the link (V1 opens it in a new tab: the same URL) to the model artifact.
         browser.open(link)
         pictures = browser.wait_for(
-            f"(() => {{ const i = {IMAGES_JS}; const p = i.filter(x => x.alt.startsWith('memory plan of'));"
-            f" return p.length === 2 && i.every(x => x.complete) ? i : null; }})()",
-            "both memory-plan pictures, loaded",
+            f"(() => {{ const i = {IMAGES_JS}; const p = i.filter(x => x.alt.startsWith('memory plan of') || x.alt.startsWith('trend of'));"
+            f" return p.length === 4 && i.every(x => x.complete) ? i : null; }})()",
+            "both memory-plan pictures and both trend pictures, loaded",
         )
         # The heading names the model as it is (polled: V2 may re-render the artifact meanwhile).
         browser.wait_for(f"document.body.innerText.includes({json.dumps('lowerflow: ' + MLP)})", "the model's heading")
@@ -354,6 +376,10 @@ def test_fleet_and_model_artifacts_render_whole_in_the_prefect_ui(ui, fleet_run,
     assert sorted(i["alt"] for i in plans) == ["memory plan of portable", "memory plan of reference"]
     assert all(i["src"].startswith("data:image/png;base64,") for i in plans)
     assert all((i["width"], i["height"]) == (800, 450) for i in plans)
+    # The trend pictures of the two nights (.pte size, latency, ...), one per target.
+    trends = [i for i in pictures if i["alt"].startswith("trend of")]
+    assert sorted(i["alt"] for i in trends) == ["trend of portable", "trend of reference"]
+    assert all(i["src"].startswith("data:image/png;base64,") and (i["width"], i["height"]) == (800, 220) for i in trends)
     assert png_size(shot.read_bytes()) == WINDOW
     print(f"screenshots of the {ui} UI: {screenshots}")
 

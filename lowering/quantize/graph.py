@@ -90,12 +90,21 @@ def fake_mode_of(program: ExportedProgram):
     return detect_fake_mode([n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"])
 
 
+#: ``graph_module.meta`` key: how the pass computed each constant it lifted from a weight,
+#: ``{target: {"recipe": [kind, source target, *params], "source": digest, "value": digest}}``
+#: (:func:`derived_value`; the digests, :func:`value_digest`, of the source and of the constant as
+#: computed), so that a retrain's weights are quantized without the graph pass (:mod:`lowering.rebind`).
+DERIVED_META = "derived_constants"
+
+
 def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_from: torch.fx.Node | None = None,
-                 *, view: bool = False) -> torch.fx.Node:
+                 derived: tuple[list, torch.Tensor] | None = None, *, view: bool = False) -> torch.fx.Node:
     """Lift ``value`` as a new CONSTANT_TENSOR placeholder ``c_<name>`` (placed before the
     first user input, as export orders them); returns the placeholder.  The constant is a
     contiguous copy of ``value``, or with ``view`` ``value`` itself (sharing its memory: for
-    a constant the caller replaces or makes contiguous before the program is used)."""
+    a constant the caller replaces or makes contiguous before the program is used).
+    ``derived``: how ``value`` was computed from a weight, ``(recipe, the weight's value)``
+    (recorded under :data:`DERIVED_META`)."""
     graph = program.graph
     specs = program.graph_signature.input_specs
     taken = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
@@ -114,7 +123,47 @@ def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_
     ordered = [n for n in graph.nodes if n.op == "placeholder"]
     specs.insert(ordered.index(node), InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target))
     program.constants[target] = value
+    if derived is not None:
+        recipe, source = derived
+        entry = {"recipe": recipe, "source": value_digest(source), "value": value_digest(value)}
+        program.graph_module.meta[DERIVED_META] = {**program.graph_module.meta.get(DERIVED_META, {}), target: entry}
     return node
+
+
+def value_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (row-major)."""
+    import hashlib
+
+    data = tensor.detach().contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{data.dtype}{list(tensor.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def target_of(program: ExportedProgram, node: torch.fx.Node) -> str | None:
+    """The target (FQN or constant name) of a placeholder of ``program``."""
+    spec = spec_of(program).get(node)
+    return None if spec is None else spec.target
+
+
+def derived_value(recipe: list, source: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+    """The constant a :data:`DERIVED_META` recipe computes from its source's value:
+    ``["t", src]`` its transpose; ``["q", src, block, qmin, qmax, i]`` output ``i`` (qdata,
+    scale, zero point) of :func:`~lowering.quantize.weights.quantize_weight` (``memo``: the
+    three outputs of one weight computed once)."""
+    from .weights import WeightScheme, quantize_weight
+
+    kind = recipe[0]
+    if kind == "t":
+        return source.t().detach().contiguous().clone()
+    if kind == "q":
+        block, qmin, qmax, index = recipe[2:]
+        memo = {} if memo is None else memo
+        key = ("q", recipe[1], int(block), int(qmin), int(qmax))
+        if key not in memo:
+            memo[key] = quantize_weight(source, WeightScheme(int(block), int(qmin), int(qmax)))
+        return memo[key][int(index)].detach().contiguous()
+    raise ValueError(f"unknown derived constant recipe {kind!r}")
 
 
 def call(graph: torch.fx.Graph, target: Any, args: tuple, meta_from: torch.fx.Node | None = None) -> torch.fx.Node:
@@ -175,6 +224,7 @@ def unfold_linear_weights(program: ExportedProgram, views: bool = False) -> list
         natural = natural_of.get(weight)
         if natural is None:
             natural = natural_of[weight] = add_constant(program, f"_weight_{node.name}", value.t(), meta_from=node,
+                                                        derived=(["t", target_of(program, weight)], value),
                                                         view=views)
         with graph.inserting_before(node):
             permute = call(graph, torch.ops.aten.permute_copy.default, (natural, [1, 0]), meta_from=node)
