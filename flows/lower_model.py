@@ -47,7 +47,7 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import MissingContextError
 
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
+from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -386,7 +386,8 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
     compares with the quantized program and reports the error against fp32 eager.
-    ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
+    A target whose partitioner keeps ops whole (:func:`lowering.targets.keep_for`) gets its own
+    export stage first (cached on its own).  ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
     runs the pair, both are published)."""
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
     result: dict[str, Any] = {
@@ -396,6 +397,10 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     }
     reference = None
     try:
+        kept = keep_for(target, options) if target != PORTABLE else None
+        if kept is not None:  # its own export: the partitioner keeps ops whole (lowering.export.kept)
+            program = run("export", records, model=model, fingerprint=fingerprint, options=load_options,
+                          keep_for=kept)["program"]
         if quantized is not None:
             calibration = quantized["calibration"] or {}
             done = run("quantize", records, program=program, recipe=quantized["recipe"],

@@ -125,17 +125,20 @@ def _begin(stage: str) -> None:
 # --------------------------------------------------------------------------- stage bodies
 
 
-def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict) -> dict:
+def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict, keep_for: dict | None = None) -> dict:
     """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
-    see :mod:`tasks.fingerprint`), never on where its file lives."""
+    see :mod:`tasks.fingerprint`), never on where its file lives.  ``keep_for``
+    (:func:`lowering.targets.keep_for`; in the key only when given): one target's own
+    export, the ops its partitioner keeps left whole."""
     _begin("export")
+    keep = partitioner_for(keep_for["target"], keep_for["options"]).ops_to_not_decompose if keep_for else None
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
-        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle)
+        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle, keep=keep)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
-                                strict=loaded.strict)
+                                strict=loaded.strict, keep=keep)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
@@ -620,6 +623,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "export": ("keep_for",),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
