@@ -128,21 +128,24 @@ def _begin(stage: str) -> None:
 
 
 def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict,
-               external_weights: bool | None = None) -> dict:
+               external_weights: bool | None = None, keep_for: dict | None = None) -> dict:
     """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
     see :mod:`tasks.fingerprint`), never on where its file lives.  ``external_weights``
     (in the key only when given): ``fingerprint`` is the model's structure digest (its
     weights by name and layout, not bytes: :mod:`flows.weights_only`), and the result also
     holds ``weights``, the digest of the weights this program holds, and ``folded``, how
-    export folded views of them (what :func:`run_bind_weights` binds new weights with)."""
+    export folded views of them (what :func:`run_bind_weights` binds new weights with).
+    ``keep_for`` (:func:`lowering.targets.keep_for`; in the key only when given): one
+    target's own export, the ops its partitioner keeps left whole."""
     _begin("export")
+    keep = partitioner_for(keep_for["target"], keep_for["options"]).ops_to_not_decompose if keep_for else None
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
-        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle)
+        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle, keep=keep)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
-                                strict=loaded.strict)
+                                strict=loaded.strict, keep=keep)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
@@ -698,7 +701,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
-    "export": ("external_weights",),
+    "export": ("external_weights", "keep_for"),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
