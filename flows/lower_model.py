@@ -549,6 +549,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
+        **({"weights_only": {"bytes": weights_only.METHODS}} if external_weights else {}),  # why: lowered fully
     }
     references: dict[str, Any] = {}
     try:

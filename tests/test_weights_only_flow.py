@@ -124,6 +124,16 @@ def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
     assert "lowered fully: recipe int8 (static)" in target_section("xnnpack", entry)
 
 
+def test_a_model_of_several_methods_is_lowered_fully_and_says_why(tmp_path):
+    from flows.weights_only import METHODS
+
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": ["portable"], "verify": False},
+                "models": [{"name": "m", "model": f"{ROOT / 'examples' / 'models.py'}:encoder_decoder",
+                            "external_weights": True}]}
+    entry = lower_fleet(manifest)["models"]["m"]["targets"]["portable"]
+    assert entry["ok"] and entry["weights_only"] == {"bytes": METHODS}, entry
+
+
 def test_a_program_the_weights_cannot_be_bound_to_is_lowered_again(tmp_path):
     """Control flow: bind_weights says why, the target is lowered from the bytes-keyed export,
     and what it publishes is a cold lowering's pair."""
