@@ -37,8 +37,6 @@ from .console import quiet_flow_run
 quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import time
 from typing import Any, Callable
@@ -54,7 +52,9 @@ from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
 from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
 
-from . import heartbeats, run_logs
+from . import heartbeats, run_logs, weights_only
+from .dry_run import DryRun, exported_control_flow, stored_control_flow
+from .method_totals import combined_verify, total_delegation, total_plan, total_quantize
 from .load_options import export_options, load_extras
 from .manifest import external_by_target, profiles_by_target
 from .outages import mark_outage
@@ -354,26 +354,27 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
             return lower_methods_dag(run, publish, manifest, loaded, targets, options, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant, external,
                                      dry_benchmark=dry_benchmark)
+    exports = weights_only.Exports(run, loaded, model, export_options(version, dynamic_shapes, extras), export_records,
+                                   targets, external, lambda t: quantize_step(quant, t, calibration))
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets, verify, dry_benchmark) if publish is None else None
+        dry = DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()) if publish is None else None
         try:
-            exported = run("export", export_records, model=model, fingerprint=fingerprint,
-                           options=export_options(version, dynamic_shapes, extras))
+            exports.needed()
         except Exception as exc:
             if dry is not None and isinstance(exc, WouldRun):
                 dry = dry.with_control_flow(lambda: exported_control_flow(loaded))
-            return _all_failed(manifest, targets, export_records, exc, dry=dry)
+            return _all_failed(manifest, targets, exports.records[False] + exports.records[True], exc, dry=dry)
         if dry is not None:
-            dry = dry.with_control_flow(lambda: stored_control_flow(run, exported["program"]))
+            dry = dry.with_control_flow(lambda: stored_control_flow(run, next(iter(exports.done.values()))["program"]))
         for target in targets:
             with labelled(target=target):
                 manifest["targets"][target] = lower_target(
-                    run, publish, name, model, fingerprint, exported["program"], target,
-                    options.get(target, {}), list(export_records), verify[target],
+                    run, publish, name, model, fingerprint, exports.program(target), target,
+                    options.get(target, {}), exports.records_of(target), verify[target],
                     quantized=quantize_step(quant, target, calibration),
                     load_options=export_options(version, dynamic_shapes, extras), dry=dry,
                     runtime_ops=(runtime_ops or {}).get(target),
-                    external_weights=bool((external or {}).get(target)),
+                    external_weights=bool((external or {}).get(target)), weights=exports.weights(target),
                 )
     return manifest
 
@@ -390,21 +391,23 @@ def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -
 def lower_target(run, publish, name, model, fingerprint, program, target, options, records, verify: str,
                  quantized: dict | None = None, load_options: dict | None = None,
                  dry: "DryRun | None" = None, runtime_ops: list[str] | None = None,
-                 external_weights: bool = False) -> dict:
+                 external_weights: bool = False, weights: dict | None = None) -> dict:
     """The stages after export for one target; a failure is recorded, not raised.
     ``verify``: the target's verify mode (``full``, ``quick`` or ``off``: flows.verify_mode).
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
     compares with the quantized program and reports the error against fp32 eager.
     ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
-    runs the pair, both are published)."""
+    runs the pair, both are published).  ``weights``: :meth:`flows.weights_only.Exports.weights`."""
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
+    bind = (weights or {}).get("bind")
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
+        **({"weights_only": weights} if weights and bind is None else {}),  # {"bytes" or "fallback": why}
     }
-    reference = None
+    reference = derived = None
     try:
         if quantized is not None:
             calibration = quantized["calibration"] or {}
@@ -413,6 +416,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
                        source=calibration.get("source"), model=model, fingerprint=fingerprint,
                        options=load_options)
             program = reference = done["program"]
+            derived = done.get("derived")  # how it quantized the weights (bind_weights quantizes a retrain's so)
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
                                   "quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
         if target != PORTABLE:
@@ -424,6 +428,16 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
             "ref": planned["plan"].to_json(),  # the plan itself, for the report's picture
         }
         emitted = run("emit", records, program=program, plan=planned["plan"], runtime_ops=runtime_ops, **external)
+        if bind is not None:  # tonight's weights bound to the structure's program (flows/weights_only.py)
+            bound = weights_only.bind(run, records, bind, program, planned["plan"], emitted, quantized, reference, derived,
+                                      verify, runtime_ops, model=model, fingerprint=fingerprint, options=load_options)
+            if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
+                program, again = weights["fallback"]()
+                return lower_target(run, publish, name, model, fingerprint, program, target, options,
+                                    [*records, *again], verify, quantized, load_options, dry, runtime_ops,
+                                    external_weights, {"fallback": bound["fallback"]})
+            emitted, reference = {**emitted, "ptd": bound["ptd"]}, bound["reference"]
+            result["weights_only"] = weights_only.record(bound)
         data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             accuracy = {"reference": reference, **quantized["thresholds"]} if quantized is not None else {}
@@ -534,7 +548,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             programs = {method: references.setdefault(method, quantize_method(
                 for_method(run, method), records, program, quantized, model, fingerprints[method], load_options,
                 methods[method])) for method, program in programs.items()}
-            result["quantize"] = _total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
+            result["quantize"] = total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
                 program, methods[method]["delegation"] = delegate_target(
@@ -549,9 +563,9 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                 "ref": plan["plan"].to_json(),
             }
             planned[method] = {"program": program, "plan": plan["plan"]}
-        result["memory_plan"] = _total_plan([m["memory_plan"] for m in methods.values()])
+        result["memory_plan"] = total_plan([m["memory_plan"] for m in methods.values()])
         if target != PORTABLE:
-            result["delegation"] = _total_delegation([m["delegation"] for m in methods.values()])
+            result["delegation"] = total_delegation([m["delegation"] for m in methods.values()])
         emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
                       runtime_ops=runtime_ops, **external)
         data = {"ptd": emitted["ptd"]} if external_weights else {}
@@ -566,7 +580,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                 result["verify_sequence"] = reports["(sequence)"] = run(
                     "verify_sequence", records, pte=emitted["pte"], model=model, fingerprint=shared,
                     options=load_options, **({"references": references} if references else {}), **data)
-            result["verify"] = _combined_verify(reports)
+            result["verify"] = combined_verify(reports)
             if result["verify"].get("ok") is False:
                 raise RuntimeError(f"verify: the .pte does not match eager: {_verify_errors(result['verify'])}")
         reports = {}
@@ -602,13 +616,6 @@ def quantize_method(run: Run, records: list[dict], program, quantized: dict, mod
     return done["program"]
 
 
-def _total_quantize(recipe: dict, entries: list[dict]) -> dict:
-    """The target's ``quantize`` record over its methods (nodes and weight bytes summed)."""
-    return {"recipe": recipe, "calibration": None,
-            "quantized_nodes": sum(e["quantized_nodes"] for e in entries),
-            "weight_bytes": {k: sum(e["weight_bytes"][k] for e in entries) for k in ("fp32", "quantized")}}
-
-
 def for_method(run: Run, method: str) -> Run:
     """``run`` whose stage records say which method they are of (``"method": name``),
     as do its task runs' names (``emit[lm.decode/portable]``)."""
@@ -623,29 +630,6 @@ def for_method(run: Run, method: str) -> Run:
                 record["method"] = method
 
     return run_method
-
-
-def _total_plan(plans: list[dict]) -> dict:
-    """The methods' memory plans summed (each method has its own arena; shared state,
-    in every method's plan, is counted once)."""
-    shared = max((int(p.get("shared_state_bytes", 0)) for p in plans), default=0)
-    return {
-        "arena_bytes": sum(int(p["arena_bytes"]) for p in plans) - shared * max(len(plans) - 1, 0),
-        "lower_bound": sum(int(p["lower_bound"]) for p in plans),
-        "algorithm": ",".join(sorted({str(p["algorithm"]) for p in plans})),
-    }
-
-
-def _total_delegation(summaries: list[dict]) -> dict:
-    return {k: sum(int(s[k]) for s in summaries) for k in ("partitions", "delegated_nodes", "total_nodes")}
-
-
-def _combined_verify(reports: dict[str, dict]) -> dict:
-    """One verify report over the methods: each check says its ``method``; ok unless one failed."""
-    checks = [{**check, "method": method} for method, report in reports.items() for check in report.get("checks", [])]
-    oks = [report.get("ok") for report in reports.values()]
-    ok = False if False in oks else (None if all(o is None for o in oks) else True)
-    return {"ok": ok, "checks": checks}
 
 
 def delegate_target(run: Run, name, program, target, options, records, shared_state: list[str] | None = None,
@@ -762,75 +746,6 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
     for target in targets:
         manifest["targets"][target] = _failed(list(records), exc, target, methods, dry)
     return manifest
-
-
-@dataclasses.dataclass(frozen=True)
-class DryRun:
-    """What a dry run (``plan``) must know to list the stages a miss leaves: which targets
-    quantize, which verify (``verify: off`` runs no verify stage), which are benchmarked,
-    and whether the program has cond / map (stage ``lower_control_flow``)."""
-
-    quantized: frozenset = frozenset()
-    #: The targets whose verify mode is ``off``.
-    unverified: frozenset = frozenset()
-    #: The plan's :class:`~flows.gates.Publisher`: where the benchmark stage runs, and (it
-    #: reads what is published) its inputs.  None: no benchmark stage.
-    benchmark: Any = None
-    #: ``() -> bool``: whether the program has cond / map; asked only when a miss leaves
-    #: stages to list (reading the program costs time a fully cached plan need not spend).
-    control_flow: Any = None
-
-    @classmethod
-    def of(cls, quant: QuantSettings, targets, verify: dict[str, str], benchmark: Any = None) -> "DryRun":
-        """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
-        return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
-                   frozenset(t for t in targets if verify[t] == "off"), benchmark=benchmark)
-
-    def with_control_flow(self, probe) -> "DryRun":
-        return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
-
-    def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
-        """``stages`` (what follows export) with ``quantize``, ``lower_control_flow`` and
-        ``benchmark`` where they run, without ``verify`` where it is off."""
-        if target in self.unverified:
-            stages = tuple(s for s in stages if s != "verify")
-        if self.benchmark is not None and self.benchmark.benchmarked(target):
-            stages = (*stages, "benchmark")
-        if target in self.quantized:
-            stages = ("quantize", *stages)
-        if "adjust" in stages and self.control_flow is not None and self.control_flow():
-            at = stages.index("adjust") + 1
-            stages = (*stages[:at], "lower_control_flow", *stages[at:])
-        return stages
-
-
-def stored_control_flow(run: Run, program) -> bool:
-    """Whether the cached exported program ``program`` (a ref) has cond / map nodes."""
-    from lowering.control_flow_graph import control_flow_nodes
-    from tasks.artifacts import get_program
-
-    store = getattr(run, "store", None)
-    if store is None:
-        return False
-    try:
-        return bool(control_flow_nodes(get_program(store, program).graph))
-    except Exception:  # an unreadable program: the real run will say so
-        return False
-
-
-def exported_control_flow(loaded) -> bool:
-    """Whether the model, exported now in memory (a dry run whose export is not cached),
-    has cond / map nodes; False when it cannot be exported (the run will say why)."""
-    from lowering.control_flow_graph import control_flow_nodes
-    from lowering.export import export
-
-    if loaded.module is None:
-        return False
-    try:
-        program = export(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes)
-    except Exception:
-        return False
-    return bool(control_flow_nodes(program.graph))
 
 
 def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False,

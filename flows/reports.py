@@ -44,6 +44,7 @@ from lowering.memory_plan import ARENA_MEM_ID, MemoryPlan
 from .report_text import (  # noqa: F401 - format_seconds, first_line: the reports' API
     EMPHASIS_UNDERSCORE, first_line, format_bytes, format_seconds, markdown_table, md_cell, text_table,
 )
+from . import weights_only
 from .history import change_cell
 from .trends import benchmark_line, regressions_first, status_word, trend_images
 from .report_pictures import (
@@ -230,6 +231,8 @@ def target_section(target: str, entry: Mapping[str, Any], image: str | None = No
                   f"`{str(entry['ptd'].get('sha256', ''))[:16]}`, `{entry['ptd'].get('uri')}`", ""]
     if entry.get("update"):
         lines += [f"**device update:** {update_line(entry['update'])}", ""]
+    if entry.get("weights_only"):
+        lines += [f"**weights-only:** {weights_only.report_line(entry['weights_only'])}", ""]
     lines += [stage_table(entry.get("stages") or []), ""]
     lines += [f"**delegation:** {delegation_line(entry.get('delegation'))}", ""]
     if entry.get("quantize"):

@@ -172,6 +172,7 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, na
     import anyio
     from prefect.context import refresh_global_settings_context
 
+    from flows.console import say
     from flows.warm_up import share_api_tls_context
 
     refresh_global_settings_context()  # PREFECT_WORKER_QUERY_SECONDS set above
@@ -183,7 +184,9 @@ def _run_prefect_worker(pool: str, work_queues: list[str], limit: int | None, na
                                 name=name) as worker:
             async with anyio.create_task_group() as group:
                 group.start_soon(stop_on_sigterm, group.cancel_scope)
-                await worker.start()
+                # lowerflow's line in place of Prefect's ``Worker '…' started!`` (print()ed
+                # unflushed: to a log file it came out at exit, after the stop line).
+                await worker.start(printer=lambda _: say(f"lowerflow worker {worker.name}: polling"))
                 group.cancel_scope.cancel()
 
     try:

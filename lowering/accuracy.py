@@ -5,7 +5,9 @@ verify runs a quantized ``.pte`` against two references:
 * the **quantized eager reference** (the quantized program run in torch): the
   runtime must match it within :data:`QUANT_STEPS` steps of each output's int8
   grid (XNNPACK requantizes and rounds on its own; per-row dynamic
-  activations round differently), see :func:`quantized_tolerance`;
+  activations round differently), or within how far the reference itself moves
+  when its activation scales are nudged by a rounding, whichever is larger
+  (a deep model amplifies those 1-LSB flips), see :func:`quantized_tolerance`;
 * **fp32 eager** (the model itself): the error is reported, per output, as
   ``max_error`` = max |out - fp32| / max |fp32| and ``sqnr_db`` =
   10·log10(Σ fp32² / Σ (out - fp32)²), and held to the model's ``min_sqnr`` /
@@ -22,16 +24,33 @@ import torch
 #: Steps of an output's int8 grid the runtime may differ from the quantized eager
 #: reference by (1-LSB requantization differences accumulate over layers).
 QUANT_STEPS = 4
+#: How many times the nudged reference's distance a runtime may be from the reference: one
+#: nudge is one draw of which activations flip, and a runtime's flips are others (measured:
+#: runtime ÷ nudged 0.45 on SmolLM2's widths at 8 layers, 1.24 on an 8-layer decoder of
+#: hidden 256 with init range 0.1, tests/test_quantized_tolerance.py).
+NUDGE_MARGIN = 2.0
 
 
-def quantized_tolerance(reference: torch.Tensor) -> float:
+def quantized_tolerance(reference: torch.Tensor, nudged: torch.Tensor | None = None) -> float:
     """The absolute tolerance of one output: :data:`QUANT_STEPS` steps of an int8 grid
-    spanning the reference's range (at least 1e-5)."""
+    spanning the reference's range (at least 1e-5), or :data:`NUDGE_MARGIN` times
+    max |nudged - reference| if larger.
+
+    ``nudged``: the same output of the reference run with every dynamic activation scale
+    moved by 2**-16 (:func:`lowering.quantize.dynamic.nudged_activation_scales`), which flips
+    the few activations that close to a rounding boundary by one step, as a runtime's own
+    qparams arithmetic does.  A shallow model barely moves (a tiny decoder: ~1e-6, so the
+    int8-grid bound decides); a deep one amplifies each flip layer by layer — SmolLM2-135M's
+    30 random layers under 8da4w: ExecuTorch's XNNPACK and lowerflow's runtime each 0.1–0.18
+    from the reference and as far from each other, the nudged reference as far, while the
+    reference is 2.5 from fp32 (issue 27).  A wrong program (a lost layer, wrong scales or
+    zero points) is off by the quantization error itself, far beyond either bound."""
     if not reference.is_floating_point() or reference.numel() == 0:
         return 0.0
     ref = reference.detach().double()
     step = (ref.max() - ref.min()).item() / 255.0
-    return max(QUANT_STEPS * step, 1e-5)
+    spread = 0.0 if nudged is None else NUDGE_MARGIN * (nudged.detach().double() - ref).abs().max().item()
+    return max(QUANT_STEPS * step, 1e-5, spread)
 
 
 def output_error(actual: torch.Tensor, fp32: torch.Tensor) -> dict[str, float | None]:

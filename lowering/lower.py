@@ -27,9 +27,9 @@ from torch.export import ExportedProgram
 
 from .control_flow_graph import iter_scopes
 from .errors import LoweringError
-from .export import export, to_edge
+from .export import KEPT, export, to_edge
 from .memory_plan.plan import MemoryPlan, memory_plan
-from .partition import external_weights_partitioner
+from .partition import ChainPartitioner, Partitioner, external_weights_partitioner
 from .stock_ops.table import runtime_profile, stock_decomposition
 
 #: The stages ``LowerResult.timings`` reports, in order.
@@ -50,6 +50,9 @@ class LowerResult:
     #: With ``external_weights``: the exported edge program before quantize and delegation, what
     #: :func:`lowering.rebind.rebind_weights` binds a retrain's weights to.
     source_program: ExportedProgram | None = None
+    #: With ``external_weights`` and a recipe: the quantized program before delegation (what the
+    #: program computes, in torch; what :func:`lowering.rebind.rebind_weights` quantizes new weights by).
+    quantized_program: ExportedProgram | None = None
 
     @property
     def arena_bytes(self) -> int:
@@ -114,12 +117,25 @@ def lower(
                              external_weights=external_weights)
     partitioner = external_weights_partitioner(partitioner, external_weights)
     timings = dict.fromkeys(STAGES, 0.0)
-    with _timed(timings, "export"):
-        program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict)
-    source = program if external_weights else None
-    if quantize is not None and partitioner is None:
-        _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
-    program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
+    keep = _ops_to_not_decompose(partitioner)
+    quantizer = _backend_quantizer(partitioner, quantize, model_or_exported_program)
+    if quantizer is not None:  # the backend quantizes the module itself (Ethos-U: Arm's quantizer)
+        if external_weights or dynamic_shapes is not None:
+            raise LoweringError("lower: a backend's own quantizer takes neither external_weights nor dynamic_shapes")
+        from .quantize import quantize_module
+
+        with _timed(timings, "quantize"):
+            program = quantize_module(model_or_exported_program, example_inputs, quantize, calibration, quantizer,
+                                      name=_label(model_or_exported_program), keep=keep)
+        source = quantized = None
+    else:
+        with _timed(timings, "export"):
+            program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict, keep=keep)
+        source = program if external_weights else None
+        if quantize is not None and partitioner is None:
+            _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
+        program = _quantize(program, quantize, calibration, timings, _label(model_or_exported_program))
+        quantized = program if external_weights and quantize is not None else None
     program, plan = _delegate_and_plan(program, partitioner, timings)
     from .emit.method import build_pte
     from .external import program_files
@@ -128,7 +144,7 @@ def lower(
         pte, ptd = program_files(build_pte(program, plan, runtime_ops=runtime_ops, external_weights=external_weights),
                                  external_weights)
     return LowerResult(pte=pte, memory_plan=plan, exported_program=program, timings=timings, ptd=ptd,
-                       source_program=source)
+                       source_program=source, quantized_program=quantized)
 
 
 def _quantize(program: ExportedProgram, recipe: Any, calibration: Any, timings: dict[str, float],
@@ -281,13 +297,36 @@ def lower_methods(
                               source_programs=sources or None, constant_methods=dict(constants))
 
 
+def _as_partitioner(partitioner: Any) -> Partitioner | None:
+    """A Partitioner (a list of them: their chain), else None."""
+    if isinstance(partitioner, (list, tuple)) and partitioner and all(isinstance(p, Partitioner) for p in partitioner):
+        partitioner = ChainPartitioner(partitioner)
+    return partitioner if isinstance(partitioner, Partitioner) else None
+
+
+def _ops_to_not_decompose(partitioner: Any):
+    """The partitioner's ``ops_to_not_decompose`` (a list of partitioners: their chain's); None without one."""
+    partitioner = _as_partitioner(partitioner)
+    return partitioner.ops_to_not_decompose if partitioner is not None else None
+
+
+def _backend_quantizer(partitioner: Any, recipe: Any, model: Any):
+    """The partitioner's own quantizer for ``recipe`` when a module is to be quantized with it; else None."""
+    partitioner = _as_partitioner(partitioner)
+    if partitioner is None or recipe is None or not isinstance(model, torch.nn.Module):
+        return None
+    return partitioner.quantizer(_parse_recipe(recipe))
+
+
 def _edge_program(
     model_or_exported_program: torch.nn.Module | ExportedProgram,
     example_inputs: Sequence[Any] | None,
     dynamic_shapes: Any = None,
     strict: bool = False,
+    keep: Any = None,
 ) -> ExportedProgram:
-    """The edge-form program of a module or an exported program."""
+    """The edge-form program of a module or an exported program (``keep``: a partitioner's
+    ``ops_to_not_decompose``, for a program stage 1 decomposes here)."""
     if isinstance(model_or_exported_program, ExportedProgram):
         if example_inputs is not None or dynamic_shapes is not None:
             raise LoweringError(
@@ -295,7 +334,7 @@ def _edge_program(
                 "an ExportedProgram carries its own"
             )
         program = model_or_exported_program
-        return program if is_edge_form(program) else to_edge(program)
+        return program if is_edge_form(program) else to_edge(program, keep=keep)
     if not isinstance(model_or_exported_program, torch.nn.Module):
         raise LoweringError(
             "lower: expected a torch.nn.Module or an ExportedProgram, "
@@ -305,7 +344,7 @@ def _edge_program(
         raise LoweringError(
             f"lower: model {type(model_or_exported_program).__name__!r} needs example_inputs to be exported"
         )
-    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict)
+    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict, keep=keep)
 
 
 def is_edge_form(program: ExportedProgram) -> bool:
@@ -318,7 +357,7 @@ def is_edge_form(program: ExportedProgram) -> bool:
     """
     for node in (n for _, gm in iter_scopes(program.graph_module) for n in gm.graph.nodes):
         target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or node.meta.get(KEPT):
             continue
         if target.namespace != "aten":
             continue

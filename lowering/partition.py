@@ -74,6 +74,18 @@ class Partitioner(abc.ABC):
     @abc.abstractmethod
     def partition(self, exported_program: ExportedProgram) -> PartitionResult: ...
 
+    def ops_to_not_decompose(self, exported_program: ExportedProgram) -> tuple[list, Callable | None]:
+        """ATen ops the backend wants whole, asked on the program before decomposition, and an
+        optional per-node check (ExecuTorch's form): stage 1 leaves them whole, stage 2 decomposes
+        those no partition took (:mod:`lowering.export.kept`).  None by default."""
+        return [], None
+
+    def quantizer(self, recipe) -> object | None:
+        """The backend's own PT2E quantizer for ``recipe`` (a :class:`~lowering.quantize.QuantRecipe`),
+        applied to the model before decomposition (:func:`lowering.quantize.quantize_module`); None,
+        the default: lowerflow's recipe applies."""
+        return None
+
     def __call__(self, exported_program: ExportedProgram) -> PartitionResult:
         return self.partition(exported_program)
 
@@ -94,6 +106,22 @@ class ChainPartitioner(Partitioner):
             raise PartitionError("ChainPartitioner: expected a non-empty list of lowering.Partitioner")
         self.names = tuple(names) if names is not None else tuple(type(p).__name__ for p in self.partitioners)
 
+    def ops_to_not_decompose(self, exported_program: ExportedProgram) -> tuple[list, Callable | None]:
+        """Every step's ops, each node kept when a step that keeps its op would."""
+        answers = [p.ops_to_not_decompose(exported_program) for p in self.partitioners]
+        ops = list(dict.fromkeys(op for step_ops, _ in answers for op in step_ops))
+        if all(check is None for _, check in answers):
+            return ops, None
+
+        def check(node: torch.fx.Node) -> bool:
+            return any(node.target in step_ops and (c is None or c(node)) for step_ops, c in answers)
+
+        return ops, check
+
+    def quantizer(self, recipe) -> object | None:
+        """The first step's backend quantizer (the backend the chain prefers)."""
+        return self.partitioners[0].quantizer(recipe)
+
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
                              "which delegates with each of its partitioners in turn")
@@ -106,6 +134,12 @@ class ExternalWeightsPartitioner(Partitioner):
     def __init__(self, inner: Partitioner) -> None:
         self.inner = inner
         self.fused_ops = tuple(getattr(inner, "fused_ops", ()))
+
+    def ops_to_not_decompose(self, exported_program: ExportedProgram) -> tuple[list, Callable | None]:
+        return self.inner.ops_to_not_decompose(exported_program)
+
+    def quantizer(self, recipe) -> object | None:
+        return self.inner.quantizer(recipe)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         result = self.inner.partition(exported_program)
@@ -359,8 +393,11 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     patterns first, so it tags the fused calls.  The input program is not
     modified.  The result's program has every getitem
     tagged like its producer and every constant shared by several partitions
-    duplicated (:func:`duplicate_shared_constants`); every backend id is known.
+    duplicated (:func:`duplicate_shared_constants`); every backend id is known.  A node
+    stage 1 kept whole for a partitioner (:mod:`lowering.export.kept`) that no partition took
+    is decomposed.
     """
+    from .export.decompose import decompose_kept
     from .program import copy_program
 
     if not isinstance(partitioner, Partitioner):
@@ -377,6 +414,7 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
         find_backend(spec.backend_id)  # unknown ids fail before any rewriting
     tag_getitems_with_producer(program.graph)
     duplicate_shared_constants(program)
+    decompose_kept(program, lambda node: node.meta.get(TAG) is not None)  # what stage 1 kept and no partition took
     return PartitionResult(program, dict(sorted(result.partition_tags.items())))
 
 

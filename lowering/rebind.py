@@ -55,8 +55,11 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
         raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
     timings: dict[str, float] = {}
     start = time.perf_counter()
-    source, bindings = _bindings(previous.source_program, _state_of(model), quantize)
+    source, bindings, quantized, how = _bindings(previous.source_program, _state_of(model), quantize,
+                                                 getattr(previous, "quantized_program", None))
     timings["bind"] = time.perf_counter() - start
+    if how is not None:  # "quantize_weights" (the recorded recipes) or "quantize_pass" (the graph pass again)
+        timings[how] = timings["bind"]
     start = time.perf_counter()
     program = rebound_program(previous.exported_program, bindings)
     timings["preprocess"] = time.perf_counter() - start
@@ -66,7 +69,7 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
     timings["emit"] = time.perf_counter() - start
     _check_same(pte, previous.pte)
     return LowerResult(pte=pte, memory_plan=previous.memory_plan, exported_program=program, timings=timings,
-                       ptd=ptd, source_program=source)
+                       ptd=ptd, source_program=source, quantized_program=quantized)
 
 
 def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) -> Any:
@@ -81,7 +84,7 @@ def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) 
     sources, programs = {}, {}
     for name, source in previous.source_programs.items():
         state = _state_of(model[name] if isinstance(model, Mapping) and name in model else model)
-        sources[name], bindings = _bindings(source, state, quantize)
+        sources[name], bindings, _, _ = _bindings(source, state, quantize)
         programs[name] = rebound_program(previous.exported_programs[name], bindings)
     built = build_methods_pte({name: (programs[name], previous.memory_plans[name]) for name in programs},
                               previous.constant_methods, runtime_ops=runtime_ops, external_weights=True)
@@ -97,18 +100,80 @@ def _state_of(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in dict(model).items()}
 
 
-def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quantize: Any):
-    """(the source program bound to ``state``, target -> tensor of every weight after quantize)."""
+def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quantize: Any,
+              quantized_before: ExportedProgram | None = None):
+    """(the source program bound to ``state``, target -> tensor of every weight after quantize,
+    the quantized program or None).  ``quantized_before``: the previous lowering's quantized
+    program; where its pass recorded how it computed each constant, only the weights are
+    quantized (:func:`requantized_weights`: ``"quantize_weights"``), else the pass runs again
+    (``"quantize_pass"``); the 4th item says which (None without a recipe)."""
     bound = bind_source(source, state)
     if quantize is None:
-        return bound, _tensors(bound)
+        return bound, _tensors(bound), None, None
     from .quantize import parse_recipe, quantize as quantize_program
 
     recipe = parse_recipe(quantize)
     if recipe.to_dict().get("recipe") == "int8":
         raise NotWeightsOnly("recipe int8 (static) calibrates activations on the model: its activation "
                              "quantization parameters are in the program, so new weights need a new program")
-    return bound, _tensors(quantize_program(bound, recipe))
+    tensors = requantized_weights(quantized_before, source, bound) if quantized_before is not None else None
+    if tensors is not None:
+        from .program import copy_program
+
+        quantized = copy_program(quantized_before)
+        _swap(quantized, tensors, "the quantized program")
+        return bound, tensors, quantized, "quantize_weights"
+    quantized = quantize_program(bound, recipe)
+    return bound, _tensors(quantized), quantized, "quantize_pass"
+
+
+def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
+                        bound: ExportedProgram) -> dict[str, torch.Tensor] | None:
+    """Every constant of the ``quantized`` program (quantized from ``source``) for the weights of
+    ``bound`` (``source`` with new weights), computed from the recipes its quantize pass recorded
+    (:data:`lowering.quantize.graph.DERIVED_META`: a transpose, a group quantization), without
+    the graph pass.  None (the pass runs again) unless every constant is either a weight of
+    ``source`` by name, with its bytes, or has a recipe whose recorded digests say it is the
+    constant as computed from the source ``source`` holds (so nothing the pass changed
+    otherwise is ever bound by name or by recipe)."""
+    from .quantize.graph import DERIVED_META, derived_value, value_digest
+
+    entries = quantized.graph_module.meta.get(DERIVED_META) or {}
+    old_tables, new_tables = _tensors(source), _tensors(bound)
+
+    def recorded(target: str) -> bool:
+        """Whether ``target``'s recipe was computed from the source ``source`` holds (its digests chained)."""
+        entry = entries[target]
+        src = entry["recipe"][1]
+        if src in entries:
+            return entries[src]["value"] == entry["source"] and recorded(src)
+        return src in old_tables and value_digest(old_tables[src]) == entry["source"]
+
+    memo: dict = {}
+
+    def value(target: str) -> torch.Tensor:
+        if target not in memo:
+            entry = entries.get(target)
+            memo[target] = new_tables[target] if entry is None else \
+                derived_value(entry["recipe"], value(entry["recipe"][1]), memo)
+        return memo[target]
+
+    mutated = set(quantized.graph_signature.buffers_to_mutate.values())
+    out = {}
+    for target, before in _tensors(quantized).items():
+        if target in mutated:
+            continue
+        if target in entries:
+            if value_digest(before) != entries[target]["value"] or not recorded(target):
+                return None
+        elif target not in old_tables or not _equal(old_tables[target], before):
+            return None
+        out[target] = value(target)
+    return out
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
 def _check_same(pte: bytes, previous: bytes) -> None:

@@ -68,10 +68,23 @@ class Fingerprint:
     kind: str  # "factory" or "pt2"
     parts: Mapping[str, str]
     details: Mapping[str, Any]
+    #: The digest of the weights' names, dtypes, shapes and ties, without their bytes
+    #: (:func:`weights_digest`); None where it is not known (a .pt2, an hf: directory).
+    layout: str | None = dataclasses.field(default=None, compare=False)
 
     @property
     def digest(self) -> str:
         return _sha256_json({"format": FINGERPRINT_FORMAT, "kind": self.kind, "parts": dict(self.parts)})
+
+    @property
+    def structure_digest(self) -> str | None:
+        """The digest of everything but the weights' values: the same parts with the weights
+        part replaced by their :attr:`layout` (what the graph stages of a model lowered with
+        external weights are keyed on: :mod:`flows.weights_only`).  None without a layout."""
+        if self.layout is None:
+            return None
+        parts = {**self.parts, "weights": f"layout:{self.layout}"}
+        return _sha256_json({"format": FINGERPRINT_FORMAT, "kind": self.kind, "parts": parts})
 
     def to_json(self) -> dict[str, Any]:
         return {"digest": self.digest, "kind": self.kind, "parts": dict(self.parts), **dict(self.details)}
@@ -106,7 +119,7 @@ def fingerprint_module(
     ``dynamic_shapes`` is the JSON form (:func:`lowering.dynamic.dynamic_shapes_to_json`);
     None (static shapes) leaves the inputs digest as it always was.
     """
-    weights, weight_details = weights_digest(module)
+    weights, weight_details, layout = weights_digest(module)
     code, code_details = code_digest(module, factory_module)
     return Fingerprint(
         "factory",
@@ -118,6 +131,7 @@ def fingerprint_module(
             "options": _sha256_json(_plain(dict(options or {}))),
         },
         {"weights": weight_details, "code": code_details},
+        layout,
     )
 
 
@@ -132,7 +146,9 @@ def fingerprint_methods(methods: Mapping[str, Fingerprint]) -> Fingerprint:
     names = sorted(methods)
     parts = {part: _sha256_json({name: methods[name].parts.get(part) for name in names}) for part in PARTS}
     parts["methods"] = _sha256_json(names)
-    return Fingerprint("methods", parts, {"methods": {name: methods[name].to_json() for name in names}})
+    layouts = [methods[name].layout for name in names]
+    layout = None if None in layouts else _sha256_json(dict(zip(names, layouts)))
+    return Fingerprint("methods", parts, {"methods": {name: methods[name].to_json() for name in names}}, layout)
 
 
 def fingerprint_pt2(data: bytes, options: Mapping[str, Any] | None = None) -> Fingerprint:
@@ -210,12 +226,13 @@ def _file_digest(path: Path) -> str:
 # --------------------------------------------------------------------------- weights
 
 
-def weights_digest(module: torch.nn.Module) -> tuple[str, dict[str, Any]]:
+def weights_digest(module: torch.nn.Module) -> tuple[str, dict[str, Any], str]:
     """blake3 over every named tensor of the model (name, dtype, shape, bytes).
 
     Tied tensors (one storage under two names) are hashed once, and the tie is
     recorded (a tied and an untied model export differently).  Returns the
-    digest and ``{"tensors": n, "bytes": total}``.
+    digest, ``{"tensors": n, "bytes": total}`` and the layout digest (the same
+    entries without the bytes: :attr:`Fingerprint.layout`).
     """
     import blake3
 
@@ -231,7 +248,8 @@ def weights_digest(module: torch.nn.Module) -> tuple[str, dict[str, Any]]:
         # Which names share one tensor is part of the program (one input or two).
         entries.append([name, str(tensor.dtype), list(tensor.shape), digest, first if first != name else None])
     digest = blake3.blake3(_canonical(entries)).hexdigest()
-    return digest, {"tensors": len(entries), "bytes": total}
+    layout = blake3.blake3(_canonical([[n, d, s, tie] for n, d, s, _, tie in entries])).hexdigest()
+    return digest, {"tensors": len(entries), "bytes": total}, layout
 
 
 def named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

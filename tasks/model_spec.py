@@ -684,9 +684,11 @@ def holding(loaded: LoadedModel):
     entries = []
     with _LIVE_LOCK:
         for item in held:
-            entry = _LIVE.setdefault(item.fingerprint.digest, [item, 0])
-            entry[1] += 1
-            entries.append((item.fingerprint.digest, entry))
+            # and by its structure digest (the export of a model with external weights: flows.weights_only)
+            for digest in filter(None, (item.fingerprint.digest, item.fingerprint.structure_digest)):
+                entry = _LIVE.setdefault(digest, [item, 0])
+                entry[1] += 1
+                entries.append((digest, entry))
     try:
         yield loaded
     finally:
@@ -698,8 +700,8 @@ def holding(loaded: LoadedModel):
 
 
 def live_model(model: str, fingerprint: str, options: dict | None = None) -> LoadedModel:
-    """The loaded model whose fingerprint is ``fingerprint``: the one a running flow holds,
-    else loaded again (a stage retried in another process).  If the model no
+    """The loaded model whose fingerprint (or structure digest: :attr:`Fingerprint.structure_digest`)
+    is ``fingerprint``: the one a running flow holds, else loaded again (a stage retried in another process).  If the model no
     longer has that fingerprint (its weights or code changed since the flow
     started), a ModelSpecError says so rather than lowering a different model
     under the old key."""
@@ -710,9 +712,9 @@ def live_model(model: str, fingerprint: str, options: dict | None = None) -> Loa
     spec = ModelSpec.parse(model)
     loaded = load_model(spec, options)
     for method in (loaded.methods or {}).values():  # a stage of one method of several
-        if method.fingerprint.digest == fingerprint:
+        if fingerprint in (method.fingerprint.digest, method.fingerprint.structure_digest):
             return method
-    if loaded.fingerprint.digest != fingerprint:
+    if fingerprint not in (loaded.fingerprint.digest, loaded.fingerprint.structure_digest):
         raise ModelSpecError(
             f"model spec {spec.text!r} changed while it was being lowered "
             f"(fingerprint {fingerprint[:12]} -> {loaded.fingerprint.digest[:12]}); run again"

@@ -42,6 +42,7 @@ import torch
 
 from lowering.control_flow_graph import control_flow_nodes
 from lowering.export import export as export_module, load as load_pt2
+from lowering.export.folding import folded_recipes
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
 from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
@@ -90,8 +91,9 @@ STAGE_VERSIONS = {
     "memory_plan": "2",
     "emit": "1",
     "emit_methods": "1",
-    "verify": "3",  # 3: an XNNPACK program's quantized reference has bf16 group scales (issue 27)
-    "verify_sequence": "2",  # 2: as verify 3
+    "bind_weights": "1",
+    "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
+    "verify_sequence": "3",  # 3: as verify 4
     "benchmark": "3",  # 3: the ratio by the thread's CPU time, files read per load, tiny rounds repeated, alone min_rounds
 }
 
@@ -125,9 +127,14 @@ def _begin(stage: str) -> None:
 # --------------------------------------------------------------------------- stage bodies
 
 
-def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict) -> dict:
+def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict,
+               external_weights: bool | None = None) -> dict:
     """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
-    see :mod:`tasks.fingerprint`), never on where its file lives."""
+    see :mod:`tasks.fingerprint`), never on where its file lives.  ``external_weights``
+    (in the key only when given): ``fingerprint`` is the model's structure digest (its
+    weights by name and layout, not bytes: :mod:`flows.weights_only`), and the result also
+    holds ``weights``, the digest of the weights this program holds, and ``folded``, how
+    export folded views of them (what :func:`run_bind_weights` binds new weights with)."""
     _begin("export")
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
@@ -138,7 +145,65 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
                                 strict=loaded.strict)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
-    return {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+    result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+    if external_weights:
+        result["weights"] = loaded.fingerprint.parts.get("weights")
+        result["folded"] = put_doc(store, folded_recipes(program), "folded")
+    return result
+
+
+def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: ArtifactRef, emitted: dict,
+                     weights: str, model: str, fingerprint: str, options: dict | None = None,
+                     recipe: dict | None = None, reference: ArtifactRef | None = None,
+                     derived: ArtifactRef | None = None, runtime_ops: list[str] | None = None,
+                     references: bool = True) -> dict:
+    """The weights of a program lowered with external weights (:mod:`flows.weights_only`):
+    the ``.ptd`` of the model whose weights digest is ``weights``, bound to the program the
+    graph stages made from ``exported`` (stage export's result, keyed on the model's structure),
+    ``program`` (delegated), ``plan`` and ``emitted`` (``{"pte", "ptd"}``).
+
+    The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
+    as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
+    ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
+    byte-identical); ``"reference"``: the quantized program with them (verify's; None unless
+    ``references``, false when verify does not run: storing a program costs seconds).  ``derived``:
+    how the quantize stage computed its constants (then only the weights are quantized again).  When they
+    cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
+    lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
+    ``options``: only find the model again, not in the key."""
+    from lowering.export.folding import restore_folded
+    from lowering.lower import LowerResult
+    from lowering.rebind import NotWeightsOnly, rebind_weights
+
+    _begin("bind_weights")
+    if weights == exported.get("weights"):
+        return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
+    start = time.perf_counter()
+    loaded = live_model(model, fingerprint, options)
+    # (what the store does not keep in a program: how export folded views, how quantize derived constants;
+    # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
+    source = get_program(store, exported["program"])
+    restore_folded(source, get_doc(store, exported["folded"]))
+    quantized = None
+    if reference is not None and derived is not None:
+        from lowering.quantize.graph import DERIVED_META
+
+        quantized = get_program(store, reference)
+        quantized.graph_module.meta[DERIVED_META] = get_doc(store, derived)
+    previous = LowerResult(pte=store.get_bytes(emitted["pte"]), memory_plan=get_memory_plan(store, plan),
+                           exported_program=get_program(store, program), ptd=b"", source_program=source,
+                           quantized_program=quantized)
+    try:
+        bound = rebind_weights(previous, loaded.module, quantize=recipe, runtime_ops=runtime_ops)
+    except NotWeightsOnly as exc:
+        return {"fallback": str(exc)}
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "reference": None, "rebound": True,
+              # a recipe's weights: quantized by the quantize stage's recorded recipes, or by its pass again
+              **({"quantized": "weights" if "quantize_weights" in bound.timings else "pass"} if recipe else {})}
+    if bound.quantized_program is not None and references:  # verify's (stored only when verify runs)
+        result["reference"] = put_program(store, bound.quantized_program)
+    result["seconds"] = round(time.perf_counter() - start, 4)
+    return result
 
 
 def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
@@ -153,6 +218,7 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     (:func:`tasks.calibration.calibration_batches`): not in the key.
     """
     from lowering.quantize import parse_recipe, quantize
+    from lowering.quantize.graph import DERIVED_META
 
     from .calibration import calibration_batches
 
@@ -160,8 +226,15 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
     quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    weights = {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}
+    # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
+    derived = quantized.graph_module.meta.get(DERIVED_META, {})
+    # The stages after this one read the quantized program: the fp32 one's folded weights need
+    # not stay live through them (SmolLM2-135M 8da4w: 0.5 GB); another target reads it back.
+    del fp32
+    LIVE.drop(program)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
-            "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}}
+            "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -618,12 +691,14 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "export": ("model",), "quantize": ("source", "model", "fingerprint", "options"), "partition": (),
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
+    "bind_weights": ("model", "fingerprint", "options"),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
     "benchmark": ("model", "options"),
 }
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "export": ("external_weights",),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),

@@ -17,7 +17,7 @@ int8-dynamic and quantized embeddings (``--qembedding 8w|4w``: the stock runtime
 Random weights: 8da4w moves the logits far from fp32, so tokens are compared with the
 quantized reference, never with fp32 eager; XNNPACK keeps 4-bit group scales in bf16, so
 the token reference has its group scales rounded to bf16 too (the flow's verify compares
-with the fp32-scale reference, within 4 steps of the output's int8 grid).
+with the bf16-scale reference, within lowering.accuracy.quantized_tolerance).
 """
 
 from __future__ import annotations

@@ -316,8 +316,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_single_host_trial_services_start_and_stop(tmp_path):
-    """The trial's own services as its lines start them (free ports in place of 6379 and
-    5000, one of the checked ports taken): the port check names the taken one, Redis
+    """The trial's own services as its lines start them (on free ports, set in the
+    variables the block reads; the API's port taken): the port check names the taken one, Redis
     answers with its password, the bucket is made on the S3 server, and each stop line
     stops its service.  The deploy extra has moto's server."""
     import shutil
@@ -331,12 +331,12 @@ def test_single_host_trial_services_start_and_stop(tmp_path):
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     setup, stop = trial_blocks()
     assert setup[0].startswith("git clone") and "pip install -e '.[deploy]'" in setup[1]
-    wanted = ("python3 -c 'import socket", "export TRIAL=", "export REDIS_PASSWORD=", "redis-server ", "moto_server ",
-              "export AWS_", "export LOWERFLOW_LOCKS=", "python3 -c 'import s3fs")
+    wanted = ("export PORT=", "python3 -c 'import socket", "export TRIAL=", "export REDIS_PASSWORD=", "redis-server ",
+              "moto_server ", "export AWS_", "export LOWERFLOW_LOCKS=", "python3 -c 'import s3fs; s3fs.S3FileSystem().mkdir")
     lines = [l for l in setup if l.startswith(wanted)]
-    assert len(lines) == 9, lines
+    assert len(lines) == 10, lines
     ports = []
-    for _ in range(2):
+    for _ in range(3):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
@@ -344,12 +344,13 @@ def test_single_host_trial_services_start_and_stop(tmp_path):
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     python = sys.executable
-    script = "\n".join(l.replace("6379", str(ports[0])).replace("5000", str(ports[1])).replace("4200", str(
-        taken.getsockname()[1])).replace("python3 -c", f"{python} -c") for l in lines)
+    script = "\n".join(l.replace("python3 -c", f"{python} -c") for l in lines)
     script += (f"\n{python} -c 'import redis, os; print(\"redis:\", redis.Redis.from_url(os.environ[\"LOWERFLOW_LOCKS\"])"
                ".ping())'\n" + f"{python} -c 'import s3fs; print(\"buckets:\", s3fs.S3FileSystem().ls(\"\"))'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LOWERFLOW_", "REDIS"))}
-    env.update(HOME=str(tmp_path), PATH=f"{Path(python).parent}:{env.get('PATH', '/usr/bin:/bin')}")
+    env.update(HOME=str(tmp_path), PATH=f"{Path(python).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+               PORT=str(taken.getsockname()[1]), REDIS_PORT=str(ports[0]), S3_PORT=str(ports[1]),
+               LOWERFLOW_PG_PORT=str(ports[2]))  # the block's ports: the API's taken
     trial = tmp_path / ".lowerflow" / "trial"
     pids = []
     try:
@@ -358,7 +359,7 @@ def test_single_host_trial_services_start_and_stop(tmp_path):
         pids = [int((trial / f"{name}.pid").read_text()) for name in ("redis", "moto") if (trial / f"{name}.pid").exists()]
         assert result.returncode == 0, result.stdout + result.stderr
         out = result.stdout.splitlines()
-        assert out[0] == f"port {taken.getsockname()[1]} is taken" and not [l for l in out if "5433" in l], out
+        assert [l for l in out if l.startswith("port ")] == [f"port {taken.getsockname()[1]} is taken"], out
         assert "redis: True" in out and any("lowerflow-artifacts" in l for l in out if l.startswith("buckets:")), out
         assert len(pids) == 2 and all(_alive(p) for p in pids), pids
         kills = [l for l in stop if l.startswith("kill \"$(cat \"$TRIAL/")]

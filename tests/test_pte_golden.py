@@ -13,7 +13,9 @@ the file on purpose:
 The file also records the torch and transformers versions it was made with: the
 bytes of a program depend on how torch exports it (and transformers' model code),
 so under another torch the comparison is skipped, and under another transformers
-the ``examples.hf_models`` programs are left out of it, each with a message.
+the ``examples.hf_models`` programs are left out of it, each with a message.  The
+flatbuffers release does not change them: a second test packs programs with flatbuffers
+25.2.10 (tosa-tools' pin) in place of this environment's (lowering/pte/flatbuffer_builder.py).
 """
 
 from __future__ import annotations
@@ -101,3 +103,76 @@ def test_every_pte_byte_for_byte_as_pinned():
         print(f"transformers {now['transformers']} (golden: {made['transformers']}): hf models not compared")
     changed = sorted(k for k in compared if compared[k] != pinned["sha256"][k])
     assert not changed, f"{len(changed)} programs changed bytes: {changed}"
+
+
+
+#: The flatbuffers release tosa-tools (the ethos-u extra's dependency) pins; the golden
+#: bytes were made with a newer one (25.12.19), whose builder shares vtables differently.
+OTHER_FLATBUFFERS = "25.2.10"
+#: Programs the other release is checked on (every golden program differed before
+#: lowering/pte/flatbuffer_builder.py): plain, recurrent, attention, control flow; each
+#: target (xnnpack: its payload is a flatbuffer of its own).
+OTHER_RELEASE_MODELS = ("examples.models:mlp", "examples.models:lstm", "examples.models:transformer",
+                        "examples.models:cond_linear")
+#: ``python -c OTHER_RELEASE_SCRIPT SPECS_JSON``, flatbuffers OTHER_FLATBUFFERS first on sys.path:
+#: its version, each program's sha256, a .ptd's bytes (hex), and mlp's sha256 when the
+#: program is packed by that release's own ``flatbuffers.Builder``.
+OTHER_RELEASE_SCRIPT = """
+import hashlib, json, sys
+import flatbuffers, torch
+from lowering.pte import flat_tensor, format
+from lowering.pte.flat_tensor import serialize_ptd
+from tests.test_pte_golden import TARGETS, ptd_entries, pte_of
+
+def digest(spec, target):
+    with torch.random.fork_rng():
+        return hashlib.sha256(pte_of(spec, target)).hexdigest()
+
+out = {"version": flatbuffers.__version__, "file": flatbuffers.__file__,
+       "sha256": {f"{s}/{t}": digest(s, t) for s in json.loads(sys.argv[1]) for t in TARGETS},
+       "ptd": serialize_ptd(ptd_entries()).hex()}
+format.Builder = flat_tensor.Builder = flatbuffers.Builder
+out["plain_builder_mlp"] = digest("examples.models:mlp", "portable")
+print(json.dumps(out))
+"""
+
+
+def ptd_entries() -> dict:
+    """A .ptd's entries: two tensors and a blob (NamedData tables with and without a layout)."""
+    from lowering.pte.flat_tensor import PtdEntry, TensorLayout
+
+    return {"a.weight": PtdEntry(b"\1" * 24, TensorLayout(6, (2, 3), (0, 1))),
+            "b.bias": PtdEntry(b"\2" * 12, TensorLayout(6, (3,), (0,))), "blob": PtdEntry(b"xyz")}
+
+
+def test_the_bytes_do_not_depend_on_the_flatbuffers_release(tmp_path):
+    """With flatbuffers 25.2.10 first on ``sys.path`` (installed into a temporary
+    directory, never into this environment), the programs are the pinned bytes and a
+    .ptd is the same bytes as here; that release's own Builder does lay them out
+    differently (what lowering/pte/flatbuffer_builder.py undoes)."""
+    import subprocess
+    import sys
+
+    from lowering.pte.flat_tensor import serialize_ptd
+
+    pinned = json.loads(GOLDEN.read_text())
+    if pinned["versions"]["torch"] != torch.__version__:
+        pytest.skip(f"golden bytes were made with torch {pinned['versions']['torch']}, this is {torch.__version__}")
+    other = tmp_path / "flatbuffers"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
+                          "--target", str(other), f"flatbuffers=={OTHER_FLATBUFFERS}"],
+                         capture_output=True, text=True, timeout=300)
+    if pip.returncode != 0:
+        pytest.skip(f"pip cannot install flatbuffers=={OTHER_FLATBUFFERS} into a temporary directory "
+                    f"(no package index reachable?): {(pip.stderr.strip().splitlines() or [''])[-1]}")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(other), str(root)])}
+    run = subprocess.run([sys.executable, "-c", OTHER_RELEASE_SCRIPT, json.dumps(OTHER_RELEASE_MODELS)], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-5000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["version"] == OTHER_FLATBUFFERS and out["file"].startswith(str(other)), out["file"]
+    expected = {f"{s}/{t}": pinned["sha256"][f"{s}/{t}"] for s in OTHER_RELEASE_MODELS for t in TARGETS}
+    assert out["sha256"] == expected, sorted(k for k in expected if out["sha256"][k] != expected[k])
+    assert bytes.fromhex(out["ptd"]) == serialize_ptd(ptd_entries())
+    assert out["plain_builder_mlp"] != expected["examples.models:mlp/portable"]  # that release does differ

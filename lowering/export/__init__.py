@@ -47,6 +47,7 @@ The rooms of this package:
   and the slow path;
 - :mod:`~lowering.export.cleanups`: views to copies, no asserts, no unused constants;
 - :mod:`~lowering.export.folding`: constant folding of weight views;
+- :mod:`~lowering.export.kept`: ops a partitioner keeps whole (``ops_to_not_decompose``);
 - :mod:`~lowering.export.aliases`: lifted constants that are a buffer under another
   name (state held by a plain Python object too) merged into the buffer;
 - :mod:`~lowering.export.control_flow`: the cond / map case (what is supported).
@@ -76,10 +77,11 @@ from .cleanups import (
     replace_view_ops_with_copies,
 )
 from .control_flow import check_control_flow
-from .decompose import decompose_to_core
+from .decompose import decompose_kept, decompose_to_core
 from .fallback import Fallback, slow_core_aten
 from .fast_path import fast_core_aten
 from .folding import fold_constant_views
+from .kept import KEPT, KeepQuestion, kept_ops
 from .functionalize import functionalize_mutations, remove_buffer_copies, rewrite_tensor_constant_ops
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ def export(
     fast: bool | None = None,
     fold_constants: bool | None = None,
     strict: bool = False,
+    keep: KeepQuestion | None = None,
 ) -> ExportedProgram:
     """Export ``model`` on ``example_inputs`` and bring it to the edge form.
 
@@ -118,6 +121,7 @@ def export(
     ``strict``: torch.export's strict mode (TorchDynamo traces the Python code); the default,
     non-strict, has lifted constants that alias a buffer merged into it
     (:func:`~lowering.export.aliases.merge_aliased_constants`).
+    ``keep``: a partitioner's ``ops_to_not_decompose``; its ops stay whole (:mod:`~lowering.export.kept`).
     """
     label = name or type(model).__name__
     if not isinstance(model, torch.nn.Module):
@@ -143,7 +147,7 @@ def export(
         merged = merge_aliased_constants(exported)
         if merged:
             log.debug("model %r: lifted constants %s are buffers under another name: merged", label, merged)
-    return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants)
+    return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants, keep=keep)
 
 
 def _export_failure(model: torch.nn.Module, example_inputs: Sequence[Any], exc: Exception) -> str:
@@ -215,6 +219,7 @@ def to_edge(
     name: str = "<program>",
     fast: bool | None = None,
     fold_constants: bool | None = None,
+    keep: KeepQuestion | None = None,
 ) -> ExportedProgram:
     """Decompose to core ATen, rewrite view ops, drop asserts and unused constants.
 
@@ -233,14 +238,17 @@ def to_edge(
         %v = aten.view_copy.default(%addmm, [4, 8])
 
     With ``fold_constants`` the ``permute_copy`` of the parameter becomes a
-    lifted constant (see :func:`fold_constant_views`).
+    lifted constant (see :func:`fold_constant_views`).  ``keep`` (a partitioner's
+    ``ops_to_not_decompose``, asked on ``exported``): the nodes it keeps stay whole,
+    marked ``meta[KEPT]`` (:mod:`~lowering.export.kept`).
     """
+    kept = kept_ops(keep, exported)
     fast = FAST_PATH if fast is None else fast
     fold_constants = FOLD_CONSTANTS if fold_constants is None else fold_constants
     program, path = None, "slow: fast path disabled"
     if fast:
         try:
-            program, path = fast_core_aten(exported), "fast"
+            program, path = fast_core_aten(exported, kept), "fast"
         except Fallback as why:
             path = f"slow: {why}"
             log.debug("model %r: stage 1 falls back to run_decompositions(): %s", name, why)
@@ -248,7 +256,9 @@ def to_edge(
             path = f"slow: fast path failed: {type(exc).__name__}: {first_line(exc)}"
             log.warning("model %r: %s", name, path)
     if program is None:
-        program = slow_core_aten(exported, name)
+        program = slow_core_aten(exported, name, kept)
+        if kept is not None and kept.check is not None:
+            decompose_kept(program, kept)
     program = _finish_edge(program, fold_constants=fold_constants, name=name)
     check_control_flow(program, name)
     program.graph_module.meta[PATH_META] = path
@@ -281,6 +291,7 @@ def _finish_edge(program: ExportedProgram, *, fold_constants: bool, name: str) -
 __all__ = [
     "FAST_PATH",
     "FOLD_CONSTANTS",
+    "KEPT",
     "cancel_inverse_permutes",
     "PATH_META",
     "decompose_to_core",

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from ..quant_ops import QUANT_NAMESPACES
 from ..stock_ops.table import stock_decomposition, stock_decompositions
-from .cleanups import ASSERT_OPS
+from .cleanups import ASSERT_OPS, replace_view_ops_with_copies
 from .fallback import Fallback
+from .kept import KEPT
 
 
 @functools.cache
@@ -58,7 +60,8 @@ def _preserved_ops() -> frozenset:
     return frozenset(op for op, fn in overrides.items() if fn is _special_op_to_preserve_cia)
 
 
-def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping) -> int:
+def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping,
+                      kept: Callable[[torch.fx.Node], bool] | None = None) -> int:
     """Decompose, one node at a time, every op that is not core ATen; returns the count.
 
     A node is kept when its op is neither in ``table`` nor has a
@@ -66,7 +69,8 @@ def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping) -> 
     core ATen or an assert.  Otherwise the op alone is traced by ``make_fx`` on
     FakeTensors of its inputs (under no_grad, as ``run_decompositions`` does),
     with ``table`` applied recursively, and the small graph replaces the node.
-    Anything else raises ``Fallback``.
+    Anything else raises ``Fallback``.  A node ``kept`` accepts (a partitioner's
+    :class:`~lowering.export.kept.KeptOps`) stays whole, marked ``meta[KEPT]``.
 
     Before::
 
@@ -83,12 +87,48 @@ def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping) -> 
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         op = node.target
+        if kept is not None and kept(node):
+            node.meta[KEPT] = True
+            continue
         if _needs_decomposition(op, table, preserved) or stock_decomposition(op) is not None:
             _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table)
             count += 1
         elif not _keeps(op):
             raise Fallback(f"op {op} at {node.name!r} is neither core ATen nor decomposable")
     return count
+
+
+def decompose_nodes(graph: torch.fx.Graph, nodes: list[torch.fx.Node], fake_mode: Any, table: Mapping) -> None:
+    """Decompose each of ``nodes`` (whatever its op) as :func:`decompose_to_core` would."""
+    preserved = _preserved_ops()
+    for node in nodes:
+        _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table)
+
+
+def decompose_kept(program: ExportedProgram, still_kept: Callable[[torch.fx.Node], bool]) -> int:
+    """Decompose, in place, the kept nodes ``still_kept`` rejects (e.g. those no partition took).
+
+    Each is traced alone on its inputs' FakeTensors, as stage 1's fast path does, and its view
+    ops become copies; returns how many were decomposed.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.export._trace import _ignore_backend_decomps
+    from torch.export.exported_program import _override_composite_implicit_decomp
+
+    graph = program.graph_module.graph
+    nodes = [n for n in graph.nodes if n.meta.get(KEPT) and n.op == "call_function"
+             and n.target is not operator.getitem and not still_kept(n)]
+    if not nodes:
+        return 0
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+    overrides, table = decomposition_tables()
+    with _ignore_backend_decomps(), _override_composite_implicit_decomp(overrides):
+        decompose_nodes(graph, nodes, fake_mode, table)
+    replace_view_ops_with_copies(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    program.graph_module.recompile()
+    return len(nodes)
 
 
 def _needs_decomposition(op: torch._ops.OpOverload, table: Mapping, preserved: set) -> bool:
@@ -167,7 +207,7 @@ def _splice(
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
     env.update(zip(placeholders, inputs))
-    inherited = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    inherited = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta", KEPT)}
     result = None
     with graph.inserting_before(node):
         for sub in traced.graph.nodes:

@@ -22,6 +22,7 @@ from ..errors import ExportError, first_line
 from ..stock_ops.table import stock_decomposition, stock_decompositions
 from .cleanups import remove_asserts, replace_view_ops_with_copies
 from .control_flow import clean_control_flow_submodules
+from .kept import KeptOps, mark_kept
 
 
 #: What the decomposition failure's message suggests (one line).
@@ -36,13 +37,15 @@ class Fallback(Exception):
     """The fast path does not handle this program; the message says why."""
 
 
-def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
-    """``run_decompositions()`` (a full retrace), then views to copies and no asserts."""
+def slow_core_aten(exported: ExportedProgram, name: str, kept: KeptOps | None = None) -> ExportedProgram:
+    """``run_decompositions()`` (a full retrace), then views to copies and no asserts.
+    The ops of ``kept`` stay whole (all their nodes, marked ``meta[KEPT]``: the slow path
+    cannot ask ``kept.check`` per node; :func:`lowering.export.to_edge` does after)."""
     try:
-        decomposed = exported.run_decompositions()
+        decomposed = exported.run_decompositions(without(torch.export.default_decompositions(), kept))
         table = stock_decomposition_table(decomposed)
         if table is not None:  # ops the stock runtime lacks: once more, decomposing them too
-            decomposed = exported.run_decompositions(table)
+            decomposed = exported.run_decompositions(without(table, kept))
     except Exception as exc:
         raise ExportError(
             f"model {name!r}: decomposition to core ATen failed: {first_line(exc)}; {WHAT_TO_TRY}"
@@ -51,9 +54,19 @@ def slow_core_aten(exported: ExportedProgram, name: str) -> ExportedProgram:
     replace_view_ops_with_copies(graph)
     remove_asserts(graph)
     clean_control_flow_submodules(decomposed)
+    if kept is not None:
+        mark_kept(graph, kept)
     graph.lint()
     decomposed.graph_module.recompile()
     return decomposed
+
+
+def without(table, kept: KeptOps | None):
+    """``table`` (a decomposition table) without the ops ``kept`` keeps."""
+    for op in kept.ops if kept is not None else ():
+        if op in table:
+            del table[op]
+    return table
 
 
 def stock_decomposition_table(program: ExportedProgram) -> dict | None:

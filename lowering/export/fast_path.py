@@ -32,8 +32,9 @@ from .fallback import Fallback
 from .functionalize import functionalize_mutations, remove_buffer_copies, rewrite_tensor_constant_ops
 
 
-def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
-    """The core-ATen edge program of ``exported`` without a full retrace.
+def fast_core_aten(exported: ExportedProgram, kept: Any = None) -> ExportedProgram:
+    """The core-ATen edge program of ``exported`` without a full retrace (the nodes of
+    ``kept``, a :class:`~lowering.export.kept.KeptOps`, left whole).
 
     Raises ``Fallback`` (with the reason) when the program needs the slow path.
     ``exported`` is not modified: the graph is copied first (nodes only; meta
@@ -60,7 +61,7 @@ def fast_core_aten(exported: ExportedProgram) -> ExportedProgram:
     # As in run_decompositions: no mkldnn / nnpack / cudnn specific
     # decompositions (e.g. of lstm), the default table's CIA rules (9 ops, ~1 ms).
     with _ignore_backend_decomps(), _override_composite_implicit_decomp(overrides):
-        decompose_to_core(graph, fake_mode, table)
+        decompose_to_core(graph, fake_mode, table, kept)
     remove_buffer_copies(graph, output_specs)
     replace_view_ops_with_copies(graph)
     remove_asserts(graph)

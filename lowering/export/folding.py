@@ -144,3 +144,52 @@ def _fresh(name: str, taken: set[str]) -> str:
         candidate, i = f"{name}_{i}", i + 1
     taken.add(candidate)
     return candidate
+
+
+def folded_recipes(program: ExportedProgram) -> dict[str, list]:
+    """``{constant target: recipe}`` of every folded constant whose placeholder carries
+    :data:`FOLDED_FROM`, as JSON (a weight ``("weight", t)`` is ``{"weight": t}``): what a
+    stored program keeps beside it so a retrain's weights can be folded the same way
+    (:func:`restore_folded`).  A recipe with a value JSON cannot hold is left out (then
+    :func:`lowering.rebind.folded_views` refuses that program: lower again)."""
+    specs = {s.arg.name: s.target for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    recipes = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and FOLDED_FROM in node.meta and node.name in specs:
+            try:
+                recipes[specs[node.name]] = _to_json(node.meta[FOLDED_FROM])
+            except TypeError:
+                continue
+    return recipes
+
+
+def restore_folded(program: ExportedProgram, recipes: Mapping[str, list]) -> None:
+    """Put :func:`folded_recipes` back on the placeholders of ``program`` (read back from a
+    store, where ``node.meta`` does not keep them), in place."""
+    targets = {s.arg.name: s.target for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    for node in program.graph.nodes:
+        if node.op == "placeholder" and targets.get(node.name) in recipes:
+            op, args, kwargs = _from_json(recipes[targets[node.name]])
+            node.meta[FOLDED_FROM] = (op, tuple(args), kwargs)
+
+
+def _to_json(value):
+    if isinstance(value, tuple) and len(value) == 2 and value[0] == "weight":
+        return {"weight": value[1]}
+    if isinstance(value, (list, tuple)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {"kwargs": {str(k): _to_json(v) for k, v in value.items()}}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a folded recipe holds a {type(value).__name__}")
+
+
+def _from_json(value):
+    if isinstance(value, dict):
+        if "weight" in value:
+            return ("weight", value["weight"])
+        return {k: _from_json(v) for k, v in value["kwargs"].items()}
+    if isinstance(value, list):
+        return [_from_json(v) for v in value]
+    return value

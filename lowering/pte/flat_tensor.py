@@ -30,7 +30,8 @@ program but the key strings (and, for portable tensors, the layouts): the checks
 a loader cannot skip are in :func:`lowering.external.check_pair`.
 
 The code is lowerflow's own (the facts are ExecuTorch's ``serialize.py`` and
-``flat_tensor_header.h``); the flatbuffer is built with ``flatbuffers.Builder``.
+``flat_tensor_header.h``); the flatbuffer is built with
+:class:`lowering.pte.flatbuffer_builder.Builder` (the same bytes with every flatbuffers release).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ import hashlib
 from dataclasses import dataclass
 from typing import Mapping
 
-import flatbuffers
 from flatbuffers import number_types as N
 from flatbuffers.table import Table
 
 from ..errors import LoweringError
+from .flatbuffer_builder import Builder
 
 #: The flatbuffer file identifier of the FlatTensor schema.
 FILE_IDENTIFIER = b"FT01"
@@ -141,7 +142,7 @@ def serialize_ptd(entries: Mapping[str, PtdEntry]) -> bytes:
 
 
 def _flatbuffer(offsets: list[tuple[int, int]], table: list[tuple[str, int, TensorLayout | None]]) -> bytes:
-    builder = flatbuffers.Builder(1024)
+    builder = Builder(1024)
     named = []
     for key, index, layout in table:
         key_offset = builder.CreateString(key)
@@ -168,7 +169,7 @@ def _flatbuffer(offsets: list[tuple[int, int]], table: list[tuple[str, int, Tens
     return bytes(builder.Output())
 
 
-def _layout(builder: flatbuffers.Builder, layout: TensorLayout) -> int:
+def _layout(builder: Builder, layout: TensorLayout) -> int:
     builder.StartVector(4, len(layout.sizes), 4)
     for size in reversed(layout.sizes):
         builder.PrependInt32(int(size))
@@ -184,7 +185,7 @@ def _layout(builder: flatbuffers.Builder, layout: TensorLayout) -> int:
     return builder.EndObject()
 
 
-def _offset_vector(builder: flatbuffers.Builder, items: list[int]) -> int:
+def _offset_vector(builder: Builder, items: list[int]) -> int:
     builder.StartVector(4, len(items), 4)
     for item in reversed(items):
         builder.PrependUOffsetTRelative(item)

@@ -39,9 +39,9 @@ import hashlib
 import os
 from dataclasses import dataclass, field
 
-import flatbuffers
 
 from ..errors import LoweringError
+from .flatbuffer_builder import Builder
 from .generated import program_generated as fb
 
 #: The flatbuffer file identifier of the ExecuTorch program schema.
@@ -321,7 +321,7 @@ def segment_order(sizes: list[int]) -> list[int]:
 
 def _finish_flatbuffer(program: fb.ProgramT) -> bytes:
     """Pack the object tree into flatbuffer bytes with the ET12 identifier."""
-    builder = flatbuffers.Builder(1024)
+    builder = Builder(1024)
     root = program.Pack(builder)
     builder.Finish(root, file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())

@@ -18,9 +18,9 @@ Rooms:
 from ..errors import QuantizeError
 from ..quant_ops import register_quantized_ops
 from .recipes import RECIPE_NAMES, QuantRecipe, parse_recipe
-from .stage import quantize
+from .stage import quantize, quantize_module
 
-__all__ = ["QuantRecipe", "QuantizeError", "RECIPE_NAMES", "parse_recipe", "quantize"]
+__all__ = ["QuantRecipe", "QuantizeError", "RECIPE_NAMES", "parse_recipe", "quantize", "quantize_module"]
 
 # A quantized program's q/dq ops exist in torch.ops once this package is imported.
 register_quantized_ops("quantized_decomposed.")

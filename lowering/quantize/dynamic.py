@@ -55,7 +55,7 @@ import operator
 import torch
 from torch.export import ExportedProgram
 
-from .graph import add_constant, call, constant_value, kept_fp32, unfold_linear_weights
+from .graph import add_constant, call, constant_value, kept_fp32, target_of, unfold_linear_weights
 from .recipes import QuantRecipe
 from .weights import WeightScheme, quantize_weight
 
@@ -81,7 +81,9 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     skipped: list[str] = []
     in_mha: list[str] = []
     weights: dict[torch.fx.Node, torch.fx.Node] = {}  # a weight shared by several linears: once
-    for gemm in unfold_linear_weights(program):
+    # W as views of the folded weights: one fp32 copy of the model's linears, not two, while
+    # quantizing (each quantized W's view is dropped by remove_unused; the rest copied after)
+    for gemm in unfold_linear_weights(program, views=True):
         if kept_fp32(gemm, recipe.keep_fp32):
             continue
         if recipe.skips_mha and _inside(gemm, MHA_CLASS):
@@ -100,7 +102,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
             weights[source] = _dequantized_weight(program, gemm, source, scheme)
         permute.replace_input_with(source, weights[source])
         _quantize_activation(graph, gemm)
-    from .graph import remove_unused
+    from .graph import contiguous_constants, remove_unused
 
     if recipe.name == "int8-dynamic":
         _quantize_convs(program, recipe)
@@ -109,6 +111,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
 
         quantize_embeddings(program, recipe.qembedding, recipe.keep_fp32)
     remove_unused(program)
+    contiguous_constants(program)
     graph.lint()
     program.graph_module.recompile()
     return program, skipped, in_mha
@@ -184,9 +187,11 @@ def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: t
     """Lift qdata / scale / zero point of ``source`` and add their ``dequantize_affine``."""
     weight = constant_value(program, source)
     qdata, scale, zero_point = quantize_weight(weight, scheme)
-    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm)
-    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm)
-    zp = add_constant(program, f"_q_zero_point_{gemm.name}", zero_point, meta_from=gemm)
+    recipe = ["q", target_of(program, source), scheme.block, scheme.qmin, scheme.qmax]
+    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm, derived=([*recipe, 0], weight))
+    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm, derived=([*recipe, 1], weight))
+    zp = add_constant(program, f"_q_zero_point_{gemm.name}", zero_point, meta_from=gemm,
+                      derived=([*recipe, 2], weight))
     users = [u for u in source.users]
     with program.graph.inserting_before(min(users, key=_position)):
         return call(program.graph, torch.ops.torchao.dequantize_affine.default,
@@ -252,3 +257,43 @@ def bf16_group_scales(program: ExportedProgram) -> ExportedProgram:
     rounded._constants = {name: value.to(torch.bfloat16).to(torch.float32) if name in names else value
                           for name, value in program.constants.items()}
     return rounded
+
+
+#: How far :func:`nudged_activation_scales` moves every dynamic activation scale (relative):
+#: a quantized activation moves by at most 127 · 2**-16 ≈ 0.002 of an int8 step, so only the
+#: values that close to a rounding boundary flip by one step — the kind of 1-LSB difference a
+#: runtime's own qparams arithmetic (reciprocal multiplies, fused rounding) makes.
+NUDGE = 2.0 ** -16
+
+
+def nudged_activation_scales(module: torch.fx.GraphModule, relative: float = NUDGE) -> torch.fx.GraphModule:
+    """``module`` (a quantized program's ``.module()``, changed in place and returned) with the
+    scale of every dynamic activation quantization multiplied by ``1 + relative``: the
+    reference run the way a runtime that computes its qparams a rounding apart would run it.
+    How far its outputs move measures how much the model amplifies 1-LSB requantization
+    differences (:func:`lowering.accuracy.quantized_tolerance`).
+
+    Before::
+
+        %cq = torchao.choose_qparams_affine(%x, "ASYMMETRIC", [1, K], int8, -128, 127, None, None, int8)
+        %s = getitem(%cq, 0)
+        %xq = torchao.quantize_affine(%x, [1, K], %s, %zp, int8, -128, 127)
+
+    After::
+
+        %s = getitem(%cq, 0)
+        %s_nudged = aten.mul.Tensor(%s, 1 + relative)
+        %xq = torchao.quantize_affine(%x, [1, K], %s_nudged, %zp, int8, -128, 127)
+
+    (the same for ``quantized_decomposed.choose_qparams.tensor``, int8-dynamic's convs).
+    """
+    choosers = (torch.ops.torchao.choose_qparams_affine.default, torch.ops.quantized_decomposed.choose_qparams.tensor)
+    graph = module.graph
+    for node in list(graph.nodes):
+        if (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+                and isinstance(node.args[0], torch.fx.Node) and node.args[0].target in choosers):
+            with graph.inserting_after(node):
+                nudged = graph.call_function(torch.ops.aten.mul.Tensor, (node, 1.0 + relative))
+            node.replace_all_uses_with(nudged, delete_user_cb=lambda user: user is not nudged)
+    module.recompile()
+    return module

@@ -90,9 +90,21 @@ def fake_mode_of(program: ExportedProgram):
     return detect_fake_mode([n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"])
 
 
-def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_from: torch.fx.Node | None = None) -> torch.fx.Node:
+#: ``graph_module.meta`` key: how the pass computed each constant it lifted from a weight,
+#: ``{target: {"recipe": [kind, source target, *params], "source": digest, "value": digest}}``
+#: (:func:`derived_value`; the digests, :func:`value_digest`, of the source and of the constant as
+#: computed), so that a retrain's weights are quantized without the graph pass (:mod:`lowering.rebind`).
+DERIVED_META = "derived_constants"
+
+
+def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_from: torch.fx.Node | None = None,
+                 derived: tuple[list, torch.Tensor] | None = None, *, view: bool = False) -> torch.fx.Node:
     """Lift ``value`` as a new CONSTANT_TENSOR placeholder ``c_<name>`` (placed before the
-    first user input, as export orders them); returns the placeholder."""
+    first user input, as export orders them); returns the placeholder.  The constant is a
+    contiguous copy of ``value``, or with ``view`` ``value`` itself (sharing its memory: for
+    a constant the caller replaces or makes contiguous before the program is used).
+    ``derived``: how ``value`` was computed from a weight, ``(recipe, the weight's value)``
+    (recorded under :data:`DERIVED_META`)."""
     graph = program.graph
     specs = program.graph_signature.input_specs
     taken = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
@@ -105,13 +117,53 @@ def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_
         node = graph.placeholder(node_name)
     if meta_from is not None:
         node.meta.update({k: v for k, v in meta_from.meta.items() if k in ("nn_module_stack", "stack_trace")})
-    value = value.detach().contiguous().clone()
+    value = value.detach() if view else value.detach().contiguous().clone()
     mode = fake_mode_of(program)
     node.meta["val"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
     ordered = [n for n in graph.nodes if n.op == "placeholder"]
     specs.insert(ordered.index(node), InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target))
     program.constants[target] = value
+    if derived is not None:
+        recipe, source = derived
+        entry = {"recipe": recipe, "source": value_digest(source), "value": value_digest(value)}
+        program.graph_module.meta[DERIVED_META] = {**program.graph_module.meta.get(DERIVED_META, {}), target: entry}
     return node
+
+
+def value_digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (row-major)."""
+    import hashlib
+
+    data = tensor.detach().contiguous().reshape(-1)
+    digest = hashlib.sha256(f"{data.dtype}{list(tensor.shape)}".encode())
+    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def target_of(program: ExportedProgram, node: torch.fx.Node) -> str | None:
+    """The target (FQN or constant name) of a placeholder of ``program``."""
+    spec = spec_of(program).get(node)
+    return None if spec is None else spec.target
+
+
+def derived_value(recipe: list, source: torch.Tensor, memo: dict | None = None) -> torch.Tensor:
+    """The constant a :data:`DERIVED_META` recipe computes from its source's value:
+    ``["t", src]`` its transpose; ``["q", src, block, qmin, qmax, i]`` output ``i`` (qdata,
+    scale, zero point) of :func:`~lowering.quantize.weights.quantize_weight` (``memo``: the
+    three outputs of one weight computed once)."""
+    from .weights import WeightScheme, quantize_weight
+
+    kind = recipe[0]
+    if kind == "t":
+        return source.t().detach().contiguous().clone()
+    if kind == "q":
+        block, qmin, qmax, index = recipe[2:]
+        memo = {} if memo is None else memo
+        key = ("q", recipe[1], int(block), int(qmin), int(qmax))
+        if key not in memo:
+            memo[key] = quantize_weight(source, WeightScheme(int(block), int(qmin), int(qmax)))
+        return memo[key][int(index)].detach().contiguous()
+    raise ValueError(f"unknown derived constant recipe {kind!r}")
 
 
 def call(graph: torch.fx.Graph, target: Any, args: tuple, meta_from: torch.fx.Node | None = None) -> torch.fx.Node:
@@ -142,13 +194,15 @@ def gemm_weight(node: torch.fx.Node) -> torch.fx.Node:
     return node.args[2] if node.target is torch.ops.aten.addmm.default else node.args[1]
 
 
-def unfold_linear_weights(program: ExportedProgram) -> list[torch.fx.Node]:
+def unfold_linear_weights(program: ExportedProgram, views: bool = False) -> list[torch.fx.Node]:
     """Give every linear whose weight is a constant the form ``permute_copy(W[N, K])``.
 
     A weight already reached through ``permute_copy(<constant [N, K]>, [1, 0])`` stays;
     a folded constant ``[K, N]`` is replaced by a new constant ``W = folded.T`` and a
     ``permute_copy`` node.  Returns the gemm nodes whose weight is now
-    ``permute_copy(constant)``, in graph order.  The caller recompiles.
+    ``permute_copy(constant)``, in graph order.  The caller recompiles.  ``views``: each new
+    ``W`` is a view of its folded constant, no copy (:func:`add_constant`'s ``view``): the
+    caller replaces it, or :func:`contiguous_constants` copies what is left.
     """
     graph = program.graph
     done = []
@@ -169,13 +223,23 @@ def unfold_linear_weights(program: ExportedProgram) -> list[torch.fx.Node]:
             continue
         natural = natural_of.get(weight)
         if natural is None:
-            natural = natural_of[weight] = add_constant(program, f"_weight_{node.name}", value.t(), meta_from=node)
+            natural = natural_of[weight] = add_constant(program, f"_weight_{node.name}", value.t(), meta_from=node,
+                                                        derived=(["t", target_of(program, weight)], value),
+                                                        view=views)
         with graph.inserting_before(node):
             permute = call(graph, torch.ops.aten.permute_copy.default, (natural, [1, 0]), meta_from=node)
         node.replace_input_with(weight, permute)
         done.append(node)
     remove_unused(program)
     return done
+
+
+def contiguous_constants(program: ExportedProgram) -> None:
+    """Replace every lifted constant that is a non-contiguous view (:func:`add_constant`'s
+    ``view``) with a contiguous copy, as every other pass leaves constants."""
+    for name, value in list(program.constants.items()):
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            program.constants[name] = value.contiguous()
 
 
 def remove_unused(program: ExportedProgram) -> None:

@@ -62,6 +62,35 @@ def quantize(program: ExportedProgram, recipe: Any, calibration: Any = None, *, 
     return quantized
 
 
+def quantize_module(model: Any, example_inputs: Any, recipe: Any, calibration: Any, quantizer: Any, *,
+                    name: str | None = None, keep: Any = None) -> ExportedProgram:
+    """``int8`` with a backend's own PT2E ``quantizer`` (:meth:`lowering.partition.Partitioner.quantizer`:
+    Ethos-U's is Arm's ``EthosUQuantizer``) on ``model`` before decomposition, as ExecuTorch's flow for
+    that backend quantizes; then the edge form, the partitioner's kept ops (``keep``) whole.
+
+        module ─► torch.export ─► prepare_pt2e(quantizer) ─► calibration ─► convert_pt2e ─► edge program
+    """
+    import torch
+
+    from .static import quantize_with
+
+    recipe = parse_recipe(recipe)
+    label = f"model {name!r}" if name else "program"
+    if recipe.name != "int8" or recipe.keep_fp32:
+        raise QuantizeError(f"{label}: the backend's own quantizer does recipe 'int8' without keep_fp32, "
+                            f"not {recipe.to_dict()}")
+    try:
+        exported = torch.export.export(model, tuple(example_inputs))
+    except Exception as exc:
+        raise QuantizeError(f"{label}: torch.export failed before quantizing: {type(exc).__name__}: {exc}") from exc
+    batches = calibration_batches(exported, calibration, label)
+    if not batches:
+        raise QuantizeError(f"{label}: recipe 'int8' (static int8) needs calibration data: pass calibration= "
+                            "an iterable of input tuples")
+    # (no guard submodule: the backend quantizers' passes reject call_module nodes)
+    return quantize_with(exported.module(check_guards=False), quantizer, batches, label, keep)
+
+
 def _warn_unmatched(program: ExportedProgram, recipe, label: str) -> None:
     unmatched = unmatched_keep_fp32(program.graph, recipe.keep_fp32)
     if unmatched:

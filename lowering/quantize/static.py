@@ -48,8 +48,15 @@ def quantize_static(program: ExportedProgram, recipe: QuantRecipe, batches: list
     fold_batch_norms(program)
     program.graph.lint()
     program.graph_module.recompile()
-    converted = _calibrate_and_convert(program, recipe, batches, label)
+    converted = _calibrate_and_convert(program.module(), make_quantizer(recipe.keep_fp32), batches, label)
     return _re_export(converted, batches[0], label)
+
+
+def quantize_with(module: torch.nn.Module, quantizer, batches: list[tuple], label: str, keep=None) -> ExportedProgram:
+    """Static int8 of ``module`` (not yet decomposed: ``torch.export.export(...).module()``) with a
+    backend's own PT2E ``quantizer``, calibrated on ``batches``, re-exported to the edge form
+    (``keep``: the partitioner's ``ops_to_not_decompose``)."""
+    return _re_export(_calibrate_and_convert(module, quantizer, batches, label), batches[0], label, keep)
 
 
 def _refuse_dynamic_shapes(program: ExportedProgram, label: str) -> None:
@@ -65,12 +72,11 @@ def _refuse_dynamic_shapes(program: ExportedProgram, label: str) -> None:
             )
 
 
-def _calibrate_and_convert(program: ExportedProgram, recipe: QuantRecipe, batches: list[tuple], label: str):
+def _calibrate_and_convert(module: torch.nn.Module, quantizer, batches: list[tuple], label: str):
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    module = program.module()
     try:
-        prepared = prepare_pt2e(module, make_quantizer(recipe.keep_fp32))
+        prepared = prepare_pt2e(module, quantizer)
     except Exception as exc:
         raise QuantizeError(f"{label}: prepare_pt2e failed: {type(exc).__name__}: {first_line(exc)}") from exc
     with torch.no_grad():
@@ -88,7 +94,7 @@ def _calibrate_and_convert(program: ExportedProgram, recipe: QuantRecipe, batche
             raise QuantizeError(f"{label}: convert_pt2e failed: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
-def _re_export(converted: torch.fx.GraphModule, example: tuple, label: str) -> ExportedProgram:
+def _re_export(converted: torch.fx.GraphModule, example: tuple, label: str, keep=None) -> ExportedProgram:
     from ..export import to_edge
 
     try:
@@ -97,4 +103,4 @@ def _re_export(converted: torch.fx.GraphModule, example: tuple, label: str) -> E
         raise QuantizeError(
             f"{label}: re-exporting the int8 program failed: {type(exc).__name__}: {first_line(exc)}"
         ) from exc
-    return to_edge(exported, name=label)
+    return to_edge(exported, name=label, keep=keep)

@@ -32,6 +32,7 @@ from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 
 from ...delegation import TAG, CompileSpec, DelegationSpec, PreprocessResult
 from ...errors import BackendError
+from ...export import KEPT
 from ...partition import Partitioner, PartitionResult
 from ...program import copy_program
 
@@ -70,6 +71,48 @@ def retarget_to_edge(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def scalars_to_constants(program: ExportedProgram) -> int:
+    """Give every Python scalar that an op takes as a Tensor argument its own lifted constant, in
+    place, as ExecuTorch's ``to_edge`` does (``ScalarToTensorPass``): its partitioners read both
+    operands of ``add.Tensor`` as nodes (Vulkan asserts).  Only the partitioner's copy changes.
+
+    Before:: %add_2 = aten.add.Tensor(%arange_6, 0)
+    After::  %c_scalar_0 : placeholder (tensor(0))   %add_2 = aten.add.Tensor(%arange_6, %c_scalar_0)
+    """
+    from torch._guards import detect_fake_mode
+    from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
+
+    graph = program.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    user_inputs = set(program.graph_signature.user_inputs)
+    first_user = next((i for i, n in enumerate(placeholders) if n.name in user_inputs), len(placeholders))
+    count = 0
+    for node in list(graph.nodes):
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or fake_mode is None:
+            continue
+        args = list(node.args)
+        for i, (value, arg) in enumerate(zip(args, schema.arguments)):
+            if type(value) not in (int, float, bool) or not isinstance(arg.type, torch.TensorType):
+                continue
+            name = f"c_scalar_{count}"
+            with graph.inserting_before(placeholders[first_user] if first_user < len(placeholders) else
+                                        next(iter(n for n in graph.nodes if n.op != "placeholder"))):
+                constant = graph.placeholder(name)
+            tensor = torch.tensor(value)
+            constant.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
+            program.constants[name] = tensor
+            program.graph_signature.input_specs.insert(
+                first_user + count, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(name), target=name))
+            args[i] = constant
+            count += 1
+        node.args = tuple(args)
+    if count:
+        program.graph_module.recompile()
+    return count
+
+
 class EtPartitioner(Partitioner):
     """Tags what ExecuTorch's own partitioner ``et_partitioner`` of ``backend_id`` takes.
 
@@ -77,13 +120,29 @@ class EtPartitioner(Partitioner):
     a getitem follows its producer and a tag left without a computing node is dropped.
     """
 
-    def __init__(self, backend_id: str, et_partitioner) -> None:
+    def __init__(self, backend_id: str, et_partitioner, quantizer_for=None) -> None:
         self.backend_id = backend_id
         self.et_partitioner = et_partitioner
+        self.quantizer_for = quantizer_for
+
+    def quantizer(self, recipe):
+        """The backend's own PT2E quantizer for ``recipe`` (``quantizer_for(recipe)``), if it has one."""
+        return self.quantizer_for(recipe) if self.quantizer_for is not None else None
+
+    def ops_to_not_decompose(self, exported_program: ExportedProgram):
+        """ExecuTorch's partitioner's own answer, on the program before decomposition (as
+        ``to_edge_transform_and_lower`` asks it): Core ML keeps ``linear``, ``max_pool2d``, ..."""
+        try:
+            with quiet():
+                return self.et_partitioner.ops_to_not_decompose(exported_program)
+        except Exception as exc:
+            raise BackendError(f"ExecuTorch's {type(self.et_partitioner).__name__}.ops_to_not_decompose failed on "
+                               f"this program: {type(exc).__name__}: {exc}") from exc
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         edge = copy_program(exported_program)
         retarget_to_edge(edge.graph_module)
+        scalars_to_constants(edge)
         try:
             with quiet():
                 result = self.et_partitioner.partition(edge)
@@ -129,11 +188,35 @@ def anonymous_call_graph(program: ExportedProgram) -> ExportedProgram:
 
 
 def et_edge_program(program: ExportedProgram) -> ExportedProgram:
-    """The partition as ExecuTorch's edge program (``to_edge`` with its IR checks off)."""
+    """The partition as ExecuTorch's edge program (``to_edge`` with its IR checks off), the
+    ops stage 1 kept whole for the partitioner (``meta[KEPT]``) preserved, as
+    ``to_edge_transform_and_lower`` preserves them."""
     from executorch.exir import EdgeCompileConfig, to_edge
 
-    return to_edge(anonymous_call_graph(program),
-                   compile_config=EdgeCompileConfig(_check_ir_validity=False)).exported_program()
+    kept = list(dict.fromkeys(n.target for n in program.graph.nodes if n.op == "call_function" and n.meta.get(KEPT)))
+    config = EdgeCompileConfig(_check_ir_validity=False, preserve_ops=kept)
+    edge = to_edge(anonymous_call_graph(program), compile_config=config).exported_program()
+    return with_input_names(edge, program)
+
+
+def with_input_names(edge: ExportedProgram, program: ExportedProgram) -> ExportedProgram:
+    """``edge`` with its user inputs named as in ``program``, in place: the retrace of an
+    anonymous signature names them ``arg_0``, ..., and Core ML writes the names into the model.
+
+    Before:: %arg_0 : placeholder     After:: %x : placeholder
+    """
+    names = dict(zip(edge.graph_signature.user_inputs, program.graph_signature.user_inputs))
+    taken = {n.name for n in edge.graph.nodes} - set(names)
+    if any(new in taken for new in names.values()):
+        return edge  # (an input named like another node: left as the retrace named it)
+    for node in edge.graph.nodes:
+        if node.op == "placeholder" and node.name in names:
+            node.name = node.target = names[node.name]
+    for spec in edge.graph_signature.input_specs:
+        if getattr(spec.arg, "name", None) in names:
+            spec.arg.name = names[spec.arg.name]
+    edge.graph_module.recompile()
+    return edge
 
 
 def et_compile_specs(compile_specs) -> list:

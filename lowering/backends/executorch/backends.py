@@ -19,15 +19,14 @@ dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
 from __future__ import annotations
 
 import abc
-import hashlib
+import functools
 import importlib
-import re
-import uuid
 from typing import Any
 
 from ...delegation import BackendDetails, PreprocessResult
 from .adapter import EtPartitioner, et_preprocess
-from .options import check_options, make_et_partitioner
+from .coreml import deterministic_payload
+from .options import QUANTIZERS, check_options, make_et_partitioner
 from .targets import TARGETS, EtTarget, check_available, compiler_versions
 
 
@@ -47,7 +46,9 @@ class ExecutorchBackend(BackendDetails):
     def partitioner(cls, **options: Any) -> EtPartitioner:
         cls.check_available()
         full = check_options(cls.target, options)
-        return EtPartitioner(cls.target.backend_id, make_et_partitioner(cls.target, full))
+        quantizer = QUANTIZERS.get(cls.target.name)
+        return EtPartitioner(cls.target.backend_id, make_et_partitioner(cls.target, full),
+                             quantizer_for=None if quantizer is None else functools.partial(quantizer, full))
 
     @classmethod
     def compiler_versions(cls) -> dict[str, str]:
@@ -126,13 +127,14 @@ class VulkanBackend(ExecutorchBackend):
 
 
 class CoreMLBackend(ExecutorchBackend):
-    """ExecuTorch's Core ML preprocess, with a deterministic model identifier.
+    """ExecuTorch's Core ML preprocess, its payload made deterministic.
 
-    ExecuTorch names every Core ML model ``executorch_<uuid4>`` and coremltools gives the
-    mlpackage's manifest entries random uuids, so two lowerings of one model never give the
-    same bytes.  lowerflow replaces each with a uuid derived from the payload's own bytes
-    (:func:`deterministic_identifier`): same partition, same bytes; another partition,
-    another identifier (the device runtime caches compiled models by it).
+    ExecuTorch names every Core ML model ``executorch_<uuid4>``, coremltools gives the
+    mlpackage's manifest entries random uuids, writes protobuf maps in a per-process order
+    and the day's date: two lowerings of one model never give the same bytes.
+    :func:`.coreml.deterministic_payload` makes each canonical (uuids derived from the
+    payload's own bytes: another partition, another identifier, which the device runtime
+    caches compiled models by).
     """
 
     target = TARGETS["coreml"]
@@ -140,7 +142,7 @@ class CoreMLBackend(ExecutorchBackend):
     @classmethod
     def preprocess(cls, edge_program, compile_specs) -> PreprocessResult:
         result = super().preprocess(edge_program, compile_specs)
-        return PreprocessResult(deterministic_identifier(result.processed_bytes), result.debug_handle_map,
+        return PreprocessResult(deterministic_payload(result.processed_bytes), result.debug_handle_map,
                                 result.named_data)
 
     @classmethod
@@ -154,21 +156,3 @@ class EthosUBackend(ExecutorchBackend):
 
 class QnnBackend(ExecutorchBackend):
     target = TARGETS["qnn"]
-
-
-#: A uuid as text: ExecuTorch's Core ML identifier (``executorch_<uuid4>``) and the mlpackage
-#: manifest's item ids are random uuid4s.
-UUID_TEXT = re.compile(rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-
-
-def deterministic_identifier(payload: bytes) -> bytes:
-    """``payload`` with every random uuid replaced by one derived from the payload's bytes (the
-    uuids blanked) and its order of appearance; same length, so the flattened directory's
-    offsets hold.  Same partition, same bytes; the model's identifier changes with its content."""
-    found = list(dict.fromkeys(UUID_TEXT.findall(payload)))
-    if not found:
-        return payload
-    digest = hashlib.sha256(UUID_TEXT.sub(b"0" * 36, payload)).digest()
-    stable = {old: str(uuid.UUID(bytes=hashlib.sha256(digest + bytes([i % 256])).digest()[:16], version=4)).encode()
-              for i, old in enumerate(found)}
-    return UUID_TEXT.sub(lambda m: stable[m.group(0)], payload)

@@ -139,11 +139,33 @@ def _coreml(options):
 
 
 def _ethos_u(options):
-    from executorch.backends.arm.ethosu import EthosUCompileSpec, EthosUPartitioner
+    from executorch.backends.arm.ethosu import EthosUPartitioner
 
-    spec = EthosUCompileSpec(options["accelerator"], system_config=options.get("system_config"),
+    return EthosUPartitioner(ethos_u_spec(options))
+
+
+def ethos_u_spec(options):
+    """The ``EthosUCompileSpec`` of checked ``ethos-u`` options (its partitioner's and its quantizer's)."""
+    from executorch.backends.arm.ethosu import EthosUCompileSpec
+
+    return EthosUCompileSpec(options["accelerator"], system_config=options.get("system_config"),
                              memory_mode=options.get("memory_mode"), extra_flags=options.get("extra_flags"))
-    return EthosUPartitioner(spec)
+
+
+def ethos_u_quantizer(options, recipe):
+    """Arm's ``EthosUQuantizer`` with its symmetric int8 config for recipe ``int8`` (what ExecuTorch's
+    Ethos-U flow quantizes with, and what its partitioner takes); None for another recipe."""
+    if recipe.name != "int8":
+        return None
+    from executorch.backends.arm.quantizer import EthosUQuantizer, get_symmetric_quantization_config
+
+    quantizer = EthosUQuantizer(ethos_u_spec(options))
+    quantizer.set_global(get_symmetric_quantization_config())
+    return quantizer
+
+
+#: target -> (options, recipe) -> the backend's own PT2E quantizer (None: lowerflow's recipe applies).
+QUANTIZERS: dict[str, Callable[[Mapping[str, Any], Any], Any]] = {"ethos-u": ethos_u_quantizer}
 
 
 def _qnn(options):

@@ -23,9 +23,9 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import flatbuffers
 
 from ...errors import BackendError
+from ...pte.flatbuffer_builder import Builder
 from .generated import xnngraph_generated as fbx
 
 HEADER_MAGIC = b"XH00"
@@ -81,7 +81,7 @@ def _pad(n: int) -> int:
 
 def graph_to_bytes(graph: fbx.XNNGraphT) -> bytes:
     """The flatbuffer of ``graph`` (identifier XN01); deterministic for equal graphs."""
-    builder = flatbuffers.Builder(4096)
+    builder = Builder(4096)
     builder.Finish(graph.Pack(builder), file_identifier=GRAPH_IDENTIFIER)
     return bytes(builder.Output())
 

@@ -1,0 +1,220 @@
+"""Issue 29's weights-only path through the flow (flows/weights_only.py): with external weights,
+a retrain (same code, new weights) hits every graph stage, keyed on the model's structure, and
+runs only ``bind_weights`` (keyed on the weights' bytes), verify and publish.  The published
+``.pte`` is last night's, byte for byte; the ``.ptd`` is a cold lowering's of the new weights,
+byte for byte; verify ran the new pair on both runtimes.  ``int8`` static and a program the
+weights cannot be bound to (control flow) are lowered fully and say why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.lower_fleet import lower_fleet
+from flows.weights_only import STATIC_INT8
+from lowering import lower
+from lowering.targets import partitioner_for
+from tests._lowering import executions_during
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("fresh_stages")
+
+#: A factory whose weights come from seed.txt beside it (the retrain), its inputs from seed 0.
+FACTORIES = '''
+import pathlib
+import torch
+from examples import models
+
+
+def _weights(cls, *args):
+    torch.manual_seed(int((pathlib.Path(__file__).parent / "seed.txt").read_text()))
+    m = cls(*args).eval()
+    for name, b in m.named_buffers():
+        if name.endswith("running_var"):
+            b.uniform_(0.5, 1.5)
+        elif name.endswith("running_mean"):
+            b.uniform_(-0.5, 0.5)
+    torch.manual_seed(0)
+    return m
+
+
+def mlp():
+    return _weights(models.MLP), (torch.randn(4, 64),)
+
+
+def cnn():
+    return _weights(models.CNN), (torch.randn(1, 3, 32, 32),)
+
+
+def cond():
+    return _weights(models.CondLinear), (torch.rand(4, 16) + 0.1,)
+'''
+
+
+def retrain_fleet(tmp_path: Path, factory: str, targets, **entry) -> dict:
+    (tmp_path / "retrained.py").write_text(FACTORIES)
+    (tmp_path / "seed.txt").write_text("1")
+    return {"store": str(tmp_path / "store"), "defaults": {"targets": list(targets)},
+            "models": [{"name": "m", "model": f"{tmp_path / 'retrained.py'}:{factory}", "external_weights": True,
+                        **entry}]}
+
+
+def cold(tmp_path: Path, factory: str, target: str, quantize=None):
+    """The library's cold lowering of tonight's weights."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("retrained_now", tmp_path / "retrained.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, inputs = getattr(module, factory)()
+    return lower(model, inputs, partitioner=partitioner_for(target), quantize=quantize, external_weights=True)
+
+
+def published(ref: dict) -> bytes:
+    return Path(ref["uri"].removeprefix("file://")).read_bytes()
+
+
+def two_nights(tmp_path: Path, manifest: dict):
+    first = lower_fleet(manifest)["models"]["m"]
+    (tmp_path / "seed.txt").write_text("2")
+    summary, ran = executions_during(lower_fleet, manifest)
+    return first, summary["models"]["m"], ran
+
+
+@pytest.mark.parametrize("factory, targets, recipe", [
+    ("cnn", ("portable", "xnnpack"), None),  # conv + BatchNorm, fp32
+    ("mlp", ("xnnpack",), "8da4w"),
+])
+def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
+    manifest = retrain_fleet(tmp_path, factory, targets, **({"quantize": recipe} if recipe else {}))
+    first, second, ran = two_nights(tmp_path, manifest)
+    # the graph stages all hit (keyed on the structure); the weights are bound, verified, published
+    assert dict(ran) == {"bind_weights": len(targets), "verify": len(targets)}, dict(ran)
+    assert second["changed"] == ["weights"]
+    for target in targets:
+        entry, before = second["targets"][target], first["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert before["weights_only"] == {"bind_weights": "as exported"}
+        # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        assert entry["pte"]["sha256"] == before["pte"]["sha256"]  # last night's program, byte for byte
+        library = cold(tmp_path, factory, target, recipe)
+        assert published(entry["pte"]) == library.pte
+        assert published(entry["ptd"]) == library.ptd  # a cold lowering's .ptd of tonight's weights
+        assert entry["ptd"]["sha256"] != before["ptd"]["sha256"]
+        assert entry["update"]["program"] == "unchanged"
+        runtimes = {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]}
+        assert runtimes == {"lowerflow", "executorch"}, entry["verify"]
+
+
+def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
+    manifest = retrain_fleet(tmp_path, "cnn", ("xnnpack",), quantize="int8",
+                             calibration="examples/models.py:cnn_calibration")
+    first, second, ran = two_nights(tmp_path, manifest)
+    entry = second["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert entry["weights_only"] == first["targets"]["xnnpack"]["weights_only"] == {"bytes": STATIC_INT8}
+    assert ran["export"] == ran["quantize"] == ran["preprocess"] == ran["emit"] == 1 and not ran["bind_weights"]
+    assert entry["pte"]["sha256"] != first["targets"]["xnnpack"]["pte"]["sha256"]  # recalibrated: a new program
+    from flows.reports import target_section
+
+    assert "lowered fully: recipe int8 (static)" in target_section("xnnpack", entry)
+
+
+def test_a_program_the_weights_cannot_be_bound_to_is_lowered_again(tmp_path):
+    """Control flow: bind_weights says why, the target is lowered from the bytes-keyed export,
+    and what it publishes is a cold lowering's pair."""
+    manifest = retrain_fleet(tmp_path, "cond", ("portable",))
+    first, second, ran = two_nights(tmp_path, manifest)
+    entry = second["targets"]["portable"]
+    assert entry["ok"], entry["error"]
+    assert "control flow" in entry["weights_only"]["fallback"], entry["weights_only"]
+    assert ran["bind_weights"] == 1 and ran["export"] == 1 and ran["emit"] == 1, dict(ran)
+    library = cold(tmp_path, "cond", "portable")
+    assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
+
+
+def test_the_structure_digest_leaves_out_the_weights_bytes_only(tmp_path):
+    from tasks.model_spec import ModelSpec, load_model
+
+    (tmp_path / "retrained.py").write_text(FACTORIES)
+    digests = []
+    for seed in ("1", "2"):
+        (tmp_path / "seed.txt").write_text(seed)
+        digests.append(load_model(ModelSpec.parse(f"{tmp_path / 'retrained.py'}:mlp"), {}).fingerprint)
+    one, two = digests
+    assert one.digest != two.digest and one.structure_digest == two.structure_digest
+    assert one.structure_digest not in (one.digest, None)
+    assert "layout" not in one.to_json()  # the manifest's fingerprint document is as it was
+    other = load_model(ModelSpec.parse(f"{tmp_path / 'retrained.py'}:cnn"), {}).fingerprint
+    assert other.structure_digest != one.structure_digest
+
+
+@pytest.mark.parametrize("stage, inputs, expected", [
+    ("export", {"model": "m.py:f", "fingerprint": "f" * 64, "options": {"version": None}},
+     {"fingerprint": "f" * 64, "options": {"version": None}}),
+    ("emit", {"program": "P", "plan": "Q"}, {"program": "P", "plan": "Q"}),
+])
+def test_without_external_weights_the_keys_are_as_they_were(tmp_path, stage, inputs, expected):
+    """The key documents' inputs without the option: no new field (the option is in
+    STAGE_OPTIONAL; a key moves only when it is on)."""
+    from tasks.cache import CacheConfig
+    from tasks.stages import STAGE_IGNORES, STAGE_OPTIONAL, STAGE_VERSIONS, stage_inputs
+
+    policy = CacheConfig.for_store(str(tmp_path)).policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage],
+                                                          STAGE_OPTIONAL.get(stage, ()))
+    assert policy.key_document(stage_inputs(stage, inputs))["inputs"] == expected
+    on = policy.key_document(stage_inputs(stage, {**inputs, "external_weights": True}))["inputs"]
+    assert on == {**expected, "external_weights": True}
+
+
+def test_a_recipe_quantizes_only_the_weights_and_checks_its_recipes():
+    """rebind_weights quantizes a retrain's weights by the recipes the quantize pass recorded
+    (no graph pass), giving a cold lowering's bytes; a recipe whose digests do not match what
+    the program holds is never used (the pass runs again)."""
+    import dataclasses
+
+    from examples.models import MLP
+    from lowering.quantize.graph import DERIVED_META
+    from lowering.rebind import rebind_weights
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return MLP().eval()
+
+    x = (torch.randn(4, 64),)
+    night1 = lower(model(1), x, partitioner=partitioner_for("xnnpack"), quantize="8da4w", external_weights=True)
+    cold2 = lower(model(2), x, partitioner=partitioner_for("xnnpack"), quantize="8da4w", external_weights=True)
+    update = rebind_weights(night1, model(2), quantize="8da4w")
+    assert "quantize_weights" in update.timings and "quantize_pass" not in update.timings
+    assert (update.pte, update.ptd) == (night1.pte, cold2.ptd)
+    for name, tensor in cold2.quantized_program.constants.items():  # verify's reference: tonight's
+        assert torch.equal(update.quantized_program.constants[name], tensor), name
+    tampered = dataclasses.replace(night1, quantized_program=copy_with_meta(night1.quantized_program))
+    recipes = tampered.quantized_program.graph_module.meta[DERIVED_META]
+    first = sorted(recipes)[0]
+    recipes[first] = {**recipes[first], "value": "0" * 64}
+    again = rebind_weights(tampered, model(2), quantize="8da4w")
+    assert "quantize_pass" in again.timings and again.ptd == cold2.ptd
+
+
+def copy_with_meta(program):
+    from lowering.program import copy_program
+    from lowering.quantize.graph import DERIVED_META
+
+    copied = copy_program(program)
+    copied.graph_module.meta[DERIVED_META] = dict(program.graph_module.meta[DERIVED_META])
+    return copied
+
+
+def test_a_plan_lists_bind_weights(tmp_path):
+    from flows.lower_model import plan_model
+
+    (tmp_path / "retrained.py").write_text(FACTORIES)
+    (tmp_path / "seed.txt").write_text("1")
+    plan = plan_model(f"{tmp_path / 'retrained.py'}:mlp", ["portable"], str(tmp_path / "store"), external_weights=True)
+    assert [r["stage"] for r in plan["targets"]["portable"]["stages"]] == [
+        "export", "memory_plan", "emit", "bind_weights", "verify"]
