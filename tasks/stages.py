@@ -45,7 +45,7 @@ from lowering.export import export as export_module, load as load_pt2
 from lowering.export.folding import folded_recipes
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
-from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
+from lowering.benchmark import READ_LIMIT, BenchmarkSettings, benchmark_pte, round_calls
 from lowering.delegate import executorch_call_delegate
 from lowering.emit.method import build_pte
 from lowering.external import program_files
@@ -632,7 +632,8 @@ def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprin
     ``ptd`` / ``previous_ptd``: their external weights, loaded with them (in the key only when given).
     ``host`` (this machine's CPU and threads) is in the key: figures are the host's."""
     _begin("benchmark")
-    release_live()
+    if pte.size > READ_LIMIT:  # a big program (an LLM): its memory first; else verify, just before, let go
+        release_live()  # (its gc.collect is ~1.3 s of a loaded machine: the whole stage of a small program)
     loaded, bench = live_model(model, fingerprint, options), BenchmarkSettings(**settings)
     if loaded.pt2 is not None or loaded.module is None:
         return {"skipped": "a .pt2 model has no eager module to take inputs from"}
