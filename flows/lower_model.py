@@ -46,7 +46,7 @@ from prefect.exceptions import MissingContextError
 
 from lowering.benchmark import combined, not_runnable
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE, backend_versions, chain_of, verify_tolerance
+from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -397,8 +397,11 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
 
     ``quantized`` (:func:`quantize_step`): the quantize stage runs first, and verify
     compares with the quantized program and reports the error against fp32 eager.
-    ``external_weights``: the program's weights go to a ``.ptd`` (emit stores both files, verify
-    runs the pair, both are published).  ``weights``: :meth:`flows.weights_only.Exports.weights`."""
+    A target whose partitioner keeps ops whole (:func:`lowering.targets.keep_for`) gets its own
+    export stage first (cached on its own, keyed on the whole fingerprint: with external weights it
+    is lowered fully, :data:`flows.weights_only.KEPT_OPS`).  ``external_weights``: the program's
+    weights go to a ``.ptd`` (emit stores both files, verify runs the pair, both are published).
+    ``weights``: :meth:`flows.weights_only.Exports.weights`."""
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
     bind = (weights or {}).get("bind")
     result: dict[str, Any] = {
@@ -409,6 +412,12 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
     }
     reference = derived = None
     try:
+        kept = keep_for(target, options) if target != PORTABLE else None
+        if kept is not None:  # its own export: the partitioner keeps ops whole (lowering.export.kept)
+            program = run("export", records, model=model, fingerprint=fingerprint, options=load_options,
+                          keep_for=kept)["program"]
+            if bind is not None:  # keyed on the whole fingerprint: no structure program to bind weights to
+                bind, result["weights_only"] = None, {"bytes": weights_only.KEPT_OPS}
         if quantized is not None:
             calibration = quantized["calibration"] or {}
             done = run("quantize", records, program=program, recipe=quantized["recipe"],

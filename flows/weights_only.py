@@ -37,6 +37,8 @@ STATIC_INT8 = ("recipe int8 (static) calibrates activations on the model: its ac
                "parameters are in the program, so new weights need a new program (lowered fully)")
 NO_LAYOUT = "the model's weights have no layout known without reading them (a .pt2 or an hf: directory)"
 METHODS = "a model of several methods is lowered fully (weights-only binding of methods is not in the flow yet)"
+KEPT_OPS = ("the target's partitioner keeps ops whole: its own export, keyed on the weights' bytes "
+            "(weights-only binding of such targets is not in the flow yet)")
 
 
 def bytes_reason(loaded, quantized: dict | None) -> str | None:

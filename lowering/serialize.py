@@ -64,7 +64,6 @@ from enum import Enum
 from typing import Any, Callable, Mapping
 
 import torch
-from torch._export.serde import serialize as _serde
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
@@ -73,6 +72,19 @@ from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .errors import LoweringError
 from .quant_ops import register_quantized_ops
 from .untrusted import check_program_bytes
+
+class _Serde:
+    """torch's JSON serde (``torch._export.serde.serialize``), imported on first use: it
+    imports ``torch._dynamo`` (~1.8 CPU-s), which a cached rerun that reads no program
+    (only manifests, :func:`manifest_blobs`) never needs."""
+
+    def __getattr__(self, name: str) -> Any:
+        from torch._export.serde import serialize
+
+        return getattr(serialize, name)
+
+
+_serde = _Serde()
 
 #: What a stored program refused for running code says.
 STORE_RULE = "lowerflow reads the store without running code"

@@ -128,3 +128,21 @@ def partitioner_for(target: str, options: Mapping[str, Any] | None = None) -> Pa
         return make(**dict(options or {}))
     except TypeError as exc:
         raise BackendError(f"target {target!r}: bad options {dict(options or {})}: {exc}") from exc
+
+
+def keep_for(target: str, options: Mapping[str, Any] | None = None) -> dict | None:
+    """What stage 1 needs to export ``target``'s own program, whose partitioner keeps ops whole
+    (``ops_to_not_decompose``, :mod:`lowering.export.kept`): ``{"target", "options", "versions"}``
+    (the versions of its backends' compilers: a new ExecuTorch may keep other ops); None for a
+    target whose partitioners keep none (it shares the model's one export)."""
+    partitioner = partitioner_for(target, options)
+    steps = partitioner.partitioners if isinstance(partitioner, ChainPartitioner) else (partitioner,)
+    keeping = [p for p in steps if p is not None
+               and type(p).ops_to_not_decompose is not Partitioner.ops_to_not_decompose]
+    if not keeping:
+        return None
+    chain = chain_of(target, options)
+    backends = [b for b, _ in chain] if chain is not None else [target]
+    return {"target": target, "options": dict(options or {}),
+            "versions": {b: backend_versions(b) for b in backends}}
+

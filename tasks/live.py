@@ -78,6 +78,12 @@ class LiveObjects:
         """Bytes of the distinct storages the kept objects hold."""
         return self._bytes
 
+    def drop(self, ref: ArtifactRef) -> None:
+        """Stop keeping the object of ``ref`` (a later get reads it back from the store)."""
+        with self._lock:
+            if ref.sha256 in self._items:
+                self._forget(self._items.pop(ref.sha256)[1])
+
     def clear(self) -> None:
         with self._lock:
             self._items.clear()

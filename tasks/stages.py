@@ -45,7 +45,7 @@ from lowering.export import export as export_module, load as load_pt2
 from lowering.export.folding import folded_recipes
 from lowering.adjust import adjust_original_program, insert_lowered_module
 from lowering.backend_ops import fused_ops_digest, fused_ops_of
-from lowering.benchmark import BenchmarkSettings, benchmark_pte, round_calls
+from lowering.benchmark import READ_LIMIT, BenchmarkSettings, benchmark_pte, round_calls
 from lowering.delegate import executorch_call_delegate
 from lowering.emit.method import build_pte
 from lowering.external import program_files
@@ -128,21 +128,24 @@ def _begin(stage: str) -> None:
 
 
 def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict,
-               external_weights: bool | None = None) -> dict:
+               external_weights: bool | None = None, keep_for: dict | None = None) -> dict:
     """Stage 1.  Keyed on the model's ``fingerprint`` (weights, code, inputs, options;
     see :mod:`tasks.fingerprint`), never on where its file lives.  ``external_weights``
     (in the key only when given): ``fingerprint`` is the model's structure digest (its
     weights by name and layout, not bytes: :mod:`flows.weights_only`), and the result also
     holds ``weights``, the digest of the weights this program holds, and ``folded``, how
-    export folded views of them (what :func:`run_bind_weights` binds new weights with)."""
+    export folded views of them (what :func:`run_bind_weights` binds new weights with).
+    ``keep_for`` (:func:`lowering.targets.keep_for`; in the key only when given): one
+    target's own export, the ops its partitioner keeps left whole."""
     _begin("export")
+    keep = partitioner_for(keep_for["target"], keep_for["options"]).ops_to_not_decompose if keep_for else None
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
-        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle)
+        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle, keep=keep)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
-                                strict=loaded.strict)
+                                strict=loaded.strict, keep=keep)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
@@ -226,11 +229,15 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
     quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    weights = {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}
     # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
     derived = quantized.graph_module.meta.get(DERIVED_META, {})
+    # The stages after this one read the quantized program: the fp32 one's folded weights need
+    # not stay live through them (SmolLM2-135M 8da4w: 0.5 GB); another target reads it back.
+    del fp32
+    LIVE.drop(program)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
-            "weight_bytes": {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)},
-            "derived": put_doc(store, derived, "derived_constants")}
+            "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -625,7 +632,8 @@ def run_benchmark(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprin
     ``ptd`` / ``previous_ptd``: their external weights, loaded with them (in the key only when given).
     ``host`` (this machine's CPU and threads) is in the key: figures are the host's."""
     _begin("benchmark")
-    release_live()
+    if pte.size > READ_LIMIT:  # a big program (an LLM): its memory first; else verify, just before, let go
+        release_live()  # (its gc.collect is ~1.3 s of a loaded machine: the whole stage of a small program)
     loaded, bench = live_model(model, fingerprint, options), BenchmarkSettings(**settings)
     if loaded.pt2 is not None or loaded.module is None:
         return {"skipped": "a .pt2 model has no eager module to take inputs from"}
@@ -694,7 +702,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
 #: Inputs a stage's key leaves out while they are None (their default): added after the
 #: stage's keys were in use, so a run that does not set them keeps those keys.
 STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
-    "export": ("external_weights",),
+    "export": ("external_weights", "keep_for"),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
     "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),

@@ -457,6 +457,8 @@ def test_single_host_trial_runs_from_a_fresh_clone():
            if not k.startswith(("PREFECT_", "LOWERFLOW_", "AWS_", "REDIS", "PIP_", "PYTHON", "VIRTUAL_ENV"))}
     env.update({name: str(port) for name, port in ports.items()}, HOME=str(base), TMPDIR=str(base / "tmp"),
                PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", **{TRIAL_MARK: mark},
+               # No index: nothing is downloaded.  PIP_NO_BUILD_ISOLATION=0 is pip's "build isolation
+               # off" (it sets build_isolation=0): the build backend comes from the layer.
                PIP_NO_INDEX="1", PIP_NO_BUILD_ISOLATION="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
     (base / "tmp").mkdir()
     trial = base / ".lowerflow" / "trial"

@@ -162,3 +162,39 @@ def test_a_fleet_of_four_device_families_lowers_then_recompiles_nothing(tmp_path
     summary, ran = executions_during(lower_fleet, fleet)
     assert summary["failed"] == [] and not ran, dict(ran)
     assert all(r["cached"] for r in plan_fleet(fleet))
+
+
+def test_export_key_holds_keep_for_only_when_given():
+    inputs = {"model": "/m.py:mlp", "fingerprint": "ab" * 32, "options": {}}
+    policy = CacheConfig(results="/tmp").policy("export", stages.STAGE_VERSIONS["export"], stages.STAGE_IGNORES["export"],
+                                                stages.STAGE_OPTIONAL["export"])
+    before = StageCachePolicy(stage="export", version=stages.STAGE_VERSIONS["export"],
+                              ignore=stages.STAGE_IGNORES["export"])  # the key before keep_for
+    plain = policy.key_for(stages.stage_inputs("export", inputs))
+    assert plain == before.key_for(inputs)
+    keep = {"target": "coreml", "options": {}, "versions": {"coreml": {"executorch": "1.5.1", "coremltools": "9.0"}}}
+    keyed = [policy.key_for(stages.stage_inputs("export", {**inputs, "keep_for": k}))
+             for k in (keep, {**keep, "versions": {"coreml": {"executorch": "1.5.1", "coremltools": "9.1"}}})]
+    assert len({plain, *keyed}) == 3
+
+
+def test_the_flow_exports_coreml_its_own_program_with_the_ops_it_keeps(tmp_path, cli):
+    """Core ML's partitioner keeps linear whole (ops_to_not_decompose): the flow gives the coreml target its
+    own export (cached apart) and writes the bytes lowering.lower writes; xnnpack shares the model's export."""
+    import lowering
+    from examples.models import mlp
+    from lowering.targets import keep_for
+
+    assert keep_for("xnnpack") is None and keep_for("coreml")["target"] == "coreml"
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    code, _, errors = cli("lower", f"{ROOT / 'examples' / 'models.py'}:mlp", "-t", "coreml", "-t", "xnnpack",
+                          "--store", store, "-o", f"{out}/", "--verify", "off")
+    assert (code, errors) == (0, [])
+    targets = manifest_of(store, "mlp")["targets"]
+    assert [r["stage"] for r in targets["coreml"]["stages"]].count("export") == 2
+    assert [r["stage"] for r in targets["xnnpack"]["stages"]].count("export") == 1
+    model, inputs = mlp()
+    library = lowering.lower(model, inputs, partitioner=partitioner_for("coreml")).pte
+    assert (out / "mlp.coreml.pte").read_bytes() == library
+    assert b"aten_linear_default" in library

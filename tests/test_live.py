@@ -48,6 +48,24 @@ def test_programs_sharing_weights_count_them_once_and_are_let_go_when_cleared():
     assert kept() is None and live.held_bytes == 0
 
 
+def test_a_dropped_program_is_let_go_and_read_back_on_the_next_get():
+    """The quantize stage drops the fp32 program it read (tasks.stages.run_quantize): its
+    weights are freed once nothing else holds them, and a later get loads it again."""
+    model, inputs = MODELS["mlp"]()
+    program = export(model, inputs)
+    live = LiveObjects()
+    live.put(_ref(1), program)
+    live.put(_ref(2), copy_program(program))
+    alive = weakref.ref(program)
+    live.drop(_ref(1))
+    live.drop(_ref(9))  # not kept: nothing happens
+    del program
+    gc.collect()
+    assert alive() is None
+    assert live.held_bytes == _weight_bytes(live.get(_ref(2), lambda: pytest.fail("evicted")))
+    assert live.get(_ref(1), lambda: "read back") == "read back"
+
+
 def test_verify_copies_of_the_eager_model_share_its_weights_not_its_state():
     model = torch.nn.Linear(4, 4)
     model.register_buffer("cache", torch.zeros(4))

@@ -321,3 +321,25 @@ def test_shared_with_top_level_survives_the_store():
     marked = [n.name for n in back.graph.find_nodes(op="placeholder") if n.meta.get(SHARED_WITH_TOP_LEVEL)]
     assert marked == [weight.name]
     assert serialize_program(back, keep_stack_traces=False).manifest == flagged.manifest
+
+
+def test_the_cli_and_flow_modules_leave_torchs_serde_to_the_first_program_read(tmp_path):
+    """A cached rerun reads manifests only (manifest_blobs): importing the CLI, the flow and
+    this module imports no ``torch._export.serde`` (which imports ``torch._dynamo``, ~1.8
+    CPU-s); serializing a program imports it then."""
+    code = textwrap.dedent("""
+        import sys
+        import flows.cli, flows.lower_model
+        from lowering.serialize import manifest_blobs, serialize_program
+        assert manifest_blobs(b'{"format": "x", "blobs": ["ab"]}') == ["ab"]
+        print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._export.serde"))))
+        import torch
+        from examples.models import MODELS
+        from lowering.export import export
+        model, inputs = MODELS["mlp"]()
+        serialize_program(export(model, inputs))
+        print("torch._export.serde.serialize" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent).stdout.splitlines()
+    assert out == ["[]", "True"]

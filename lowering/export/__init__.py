@@ -183,8 +183,10 @@ def load(
     fast: bool | None = None,
     fold_constants: bool | None = None,
     trust_pickle: bool = False,
+    keep: KeepQuestion | None = None,
 ) -> ExportedProgram:
-    """Load a ``.pt2`` saved by ``torch.export.save`` and bring it to the edge form.
+    """Load a ``.pt2`` saved by ``torch.export.save`` and bring it to the edge form
+    (``keep``: as in :func:`export`).
 
     Loading runs none of the archive's code: whatever would (a pickled weight or
     constant, compiled code, a symbolic size that is not plain sympy) is an
@@ -200,7 +202,7 @@ def load(
         raise
     except Exception as exc:
         raise ExportError(f"model {label!r}: cannot load .pt2: {first_line(exc)}") from exc
-    return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants)
+    return to_edge(exported, name=label, fast=fast, fold_constants=fold_constants, keep=keep)
 
 
 def _read_bytes(source: str | os.PathLike | bytes | io.IOBase) -> bytes:

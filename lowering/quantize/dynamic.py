@@ -81,7 +81,9 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     skipped: list[str] = []
     in_mha: list[str] = []
     weights: dict[torch.fx.Node, torch.fx.Node] = {}  # a weight shared by several linears: once
-    for gemm in unfold_linear_weights(program):
+    # W as views of the folded weights: one fp32 copy of the model's linears, not two, while
+    # quantizing (each quantized W's view is dropped by remove_unused; the rest copied after)
+    for gemm in unfold_linear_weights(program, views=True):
         if kept_fp32(gemm, recipe.keep_fp32):
             continue
         if recipe.skips_mha and _inside(gemm, MHA_CLASS):
@@ -100,7 +102,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
             weights[source] = _dequantized_weight(program, gemm, source, scheme)
         permute.replace_input_with(source, weights[source])
         _quantize_activation(graph, gemm)
-    from .graph import remove_unused
+    from .graph import contiguous_constants, remove_unused
 
     if recipe.name == "int8-dynamic":
         _quantize_convs(program, recipe)
@@ -109,6 +111,7 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
 
         quantize_embeddings(program, recipe.qembedding, recipe.keep_fp32)
     remove_unused(program)
+    contiguous_constants(program)
     graph.lint()
     program.graph_module.recompile()
     return program, skipped, in_mha

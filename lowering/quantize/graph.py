@@ -98,11 +98,13 @@ DERIVED_META = "derived_constants"
 
 
 def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_from: torch.fx.Node | None = None,
-                 derived: tuple[list, torch.Tensor] | None = None) -> torch.fx.Node:
+                 derived: tuple[list, torch.Tensor] | None = None, *, view: bool = False) -> torch.fx.Node:
     """Lift ``value`` as a new CONSTANT_TENSOR placeholder ``c_<name>`` (placed before the
-    first user input, as export orders them); returns the placeholder.  ``derived``: how
-    ``value`` was computed from a weight, ``(recipe, the weight's value)`` (recorded under
-    :data:`DERIVED_META`)."""
+    first user input, as export orders them); returns the placeholder.  The constant is a
+    contiguous copy of ``value``, or with ``view`` ``value`` itself (sharing its memory: for
+    a constant the caller replaces or makes contiguous before the program is used).
+    ``derived``: how ``value`` was computed from a weight, ``(recipe, the weight's value)``
+    (recorded under :data:`DERIVED_META`)."""
     graph = program.graph
     specs = program.graph_signature.input_specs
     taken = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
@@ -115,7 +117,7 @@ def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_
         node = graph.placeholder(node_name)
     if meta_from is not None:
         node.meta.update({k: v for k, v in meta_from.meta.items() if k in ("nn_module_stack", "stack_trace")})
-    value = value.detach().contiguous().clone()
+    value = value.detach() if view else value.detach().contiguous().clone()
     mode = fake_mode_of(program)
     node.meta["val"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
     ordered = [n for n in graph.nodes if n.op == "placeholder"]
@@ -192,13 +194,15 @@ def gemm_weight(node: torch.fx.Node) -> torch.fx.Node:
     return node.args[2] if node.target is torch.ops.aten.addmm.default else node.args[1]
 
 
-def unfold_linear_weights(program: ExportedProgram) -> list[torch.fx.Node]:
+def unfold_linear_weights(program: ExportedProgram, views: bool = False) -> list[torch.fx.Node]:
     """Give every linear whose weight is a constant the form ``permute_copy(W[N, K])``.
 
     A weight already reached through ``permute_copy(<constant [N, K]>, [1, 0])`` stays;
     a folded constant ``[K, N]`` is replaced by a new constant ``W = folded.T`` and a
     ``permute_copy`` node.  Returns the gemm nodes whose weight is now
-    ``permute_copy(constant)``, in graph order.  The caller recompiles.
+    ``permute_copy(constant)``, in graph order.  The caller recompiles.  ``views``: each new
+    ``W`` is a view of its folded constant, no copy (:func:`add_constant`'s ``view``): the
+    caller replaces it, or :func:`contiguous_constants` copies what is left.
     """
     graph = program.graph
     done = []
@@ -220,13 +224,22 @@ def unfold_linear_weights(program: ExportedProgram) -> list[torch.fx.Node]:
         natural = natural_of.get(weight)
         if natural is None:
             natural = natural_of[weight] = add_constant(program, f"_weight_{node.name}", value.t(), meta_from=node,
-                                                        derived=(["t", target_of(program, weight)], value))
+                                                        derived=(["t", target_of(program, weight)], value),
+                                                        view=views)
         with graph.inserting_before(node):
             permute = call(graph, torch.ops.aten.permute_copy.default, (natural, [1, 0]), meta_from=node)
         node.replace_input_with(weight, permute)
         done.append(node)
     remove_unused(program)
     return done
+
+
+def contiguous_constants(program: ExportedProgram) -> None:
+    """Replace every lifted constant that is a non-contiguous view (:func:`add_constant`'s
+    ``view``) with a contiguous copy, as every other pass leaves constants."""
+    for name, value in list(program.constants.items()):
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            program.constants[name] = value.contiguous()
 
 
 def remove_unused(program: ExportedProgram) -> None:

@@ -27,6 +27,7 @@ def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.T
     from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
 
     block = tuple(scheme.block_size(weight.shape[1]))
+    weight = weight.float().contiguous()  # a transposed view (unfold_linear_weights' views): one weight copied at a time
     with torch.no_grad():
         scale, zero_point = choose_qparams_affine(
             weight.float(), MappingType.SYMMETRIC, block, target_dtype=torch.int8,
