@@ -887,9 +887,11 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
     # `lowerflow nights`: the night, its state, cause and the whole retry command.
     status, out, err = cli([sys.executable, "-m", "flows.cli", "nights", "--limit", "3"], deployment.env)
     assert status == 0, out + err
-    night = out.splitlines()[:2]
-    assert "Failed" in night[0] and cause in night[0] and "(nightly-fleet)" in night[0], out
-    assert night[1].strip() == f"next: prefect flow-run retry {fleet_id}", out
+    # (this night's lines, found by its retry command: a run crossing 02:00 UTC has a newer scheduled night)
+    lines = out.splitlines()
+    at = next((i for i, line in enumerate(lines) if line.strip() == f"next: prefect flow-run retry {fleet_id}"), None)
+    assert at, out
+    assert "Failed" in lines[at - 1] and cause in lines[at - 1] and "(nightly-fleet)" in lines[at - 1], out
 
     # The sensor is back; retry the fleet run (the same flow run, scheduled again).
     flag.unlink()
@@ -929,13 +931,15 @@ def test_failed_fleet_retried_resumes_the_failed_model_at_verify(deployment, sto
 def test_bad_manifest_is_one_line_on_the_fleet_worker(deployment):
     """The nightly's own manifest, its store still the placeholder: the fleet fails at once,
     its state says why, and the fleet worker's console has that one line, no traceback."""
+    # (what the console prints from now on: a run crossing 02:00 UTC has the scheduled nightly's lines before)
+    before = len(deployment.worker_output("fleet"))
     status, out, err = cli(prefect("deployment", "run", "lower-fleet/nightly-fleet", "--watch"), deployment.env,
                            timeout=FLEET_TIMEOUT)
     fleet_id = re.search(r"UUID: ([0-9a-f-]{36})", out).group(1)
     run = read_run(deployment, fleet_id)
     assert status != 0 and run.state.is_failed(), run.state
     assert "still has the placeholder <your-bucket>" in run.state.message, run.state.message
-    console = deployment.worker_output("fleet")
+    console = deployment.worker_output("fleet")[before:]
     told = [line for line in console.splitlines() if "placeholder <your-bucket>" in line]
     assert len(told) == 1 and "Traceback" not in console, console[-5000:]
     for noise in CONSOLE_NOISE:
