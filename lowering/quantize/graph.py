@@ -134,9 +134,11 @@ def value_digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes (row-major)."""
     import hashlib
 
-    data = tensor.detach().contiguous().reshape(-1)
+    from ..serialize import tensor_memory
+
+    data = tensor.detach().contiguous()
     digest = hashlib.sha256(f"{data.dtype}{list(tensor.shape)}".encode())
-    digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    digest.update(tensor_memory(data))  # the tensor's memory, not a copy of it
     return digest.hexdigest()
 
 
