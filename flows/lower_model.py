@@ -355,7 +355,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant, external,
                                      dry_benchmark=dry_benchmark)
     exports = weights_only.Exports(run, loaded, model, export_options(version, dynamic_shapes, extras), export_records,
-                                   targets, external, lambda t: quantize_step(quant, t, calibration))
+                                   targets, external, lambda t: quantize_step(quant, t, calibration),
+                                   kept=lambda t: keeps_ops(t, options.get(t, {})))
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()) if publish is None else None
         try:
@@ -377,6 +378,15 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     external_weights=bool((external or {}).get(target)), weights=exports.weights(target),
                 )
     return manifest
+
+
+def keeps_ops(target: str, options: dict) -> bool:
+    """Whether ``target``'s partitioner keeps ops whole (its own export: :func:`lowering.targets.keep_for`);
+    False where that cannot be told (a target that cannot be built fails in its own stages)."""
+    try:
+        return target != PORTABLE and keep_for(target, options) is not None
+    except Exception:
+        return False
 
 
 def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -> dict | None:
@@ -415,9 +425,7 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         kept = keep_for(target, options) if target != PORTABLE else None
         if kept is not None:  # its own export: the partitioner keeps ops whole (lowering.export.kept)
             program = run("export", records, model=model, fingerprint=fingerprint, options=load_options,
-                          keep_for=kept)["program"]
-            if bind is not None:  # keyed on the whole fingerprint: no structure program to bind weights to
-                bind, result["weights_only"] = None, {"bytes": weights_only.KEPT_OPS}
+                          keep_for=kept)["program"]  # (with external weights: weights_only.KEPT_OPS)
         if quantized is not None:
             calibration = quantized["calibration"] or {}
             done = run("quantize", records, program=program, recipe=quantized["recipe"],

@@ -41,11 +41,14 @@ KEPT_OPS = ("the target's partitioner keeps ops whole: its own export, keyed on 
             "(weights-only binding of such targets is not in the flow yet)")
 
 
-def bytes_reason(loaded, quantized: dict | None) -> str | None:
+def bytes_reason(loaded, quantized: dict | None, kept: bool = False) -> str | None:
     """Why ``loaded`` (with ``quantized``, :func:`flows.lower_model.quantize_step`) is keyed on
-    its weights' bytes even with external weights; None: the structure shape."""
+    its weights' bytes even with external weights; None: the structure shape.  ``kept``: the
+    target's partitioner keeps ops whole (:func:`lowering.targets.keep_for`: its own export)."""
     if loaded.methods:
         return METHODS
+    if kept:
+        return KEPT_OPS
     if loaded.fingerprint.structure_digest is None:
         return NO_LAYOUT
     if quantized is not None and quantized["recipe"].get("recipe") == "int8":
@@ -63,12 +66,14 @@ class Exports:
     """Stage export of one model in the key shapes its targets need: keyed on the whole
     fingerprint (``False``) or on the structure (``True``: a target with external weights and
     no :func:`bytes_reason`), each run once (``run``: the flow's stage runner); ``records[shape]``
-    the export's stage record.  ``quantized``: ``target -> quantize step or None``."""
+    the export's stage record.  ``quantized``: ``target -> quantize step or None``; ``kept``:
+    ``target -> bool``, whether its partitioner keeps ops whole (its own export, bytes-keyed).
+    What a dry run lists (:meth:`bound`) is what runs: both read :attr:`structured`."""
 
     def __init__(self, run, loaded, model: str, options: dict, records: list[dict], targets, external: dict | None,
-                 quantized) -> None:
+                 quantized, kept=lambda target: False) -> None:
         self.run, self.loaded, self.model, self.options = run, loaded, model, options
-        self.reasons = {t: bytes_reason(loaded, quantized(t)) for t in targets if (external or {}).get(t)}
+        self.reasons = {t: bytes_reason(loaded, quantized(t), kept(t)) for t in targets if (external or {}).get(t)}
         self.structured = {t: self.reasons.get(t, "") is None for t in targets}
         self.records: dict[bool, list[dict]] = {False: records, True: []}
         self.done: dict[bool, dict] = {}

@@ -231,3 +231,26 @@ def test_a_plan_lists_bind_weights(tmp_path):
     plan = plan_model(f"{tmp_path / 'retrained.py'}:mlp", ["portable"], str(tmp_path / "store"), external_weights=True)
     assert [r["stage"] for r in plan["targets"]["portable"]["stages"]] == [
         "export", "memory_plan", "emit", "bind_weights", "verify"]
+
+
+def test_a_plan_lists_bind_weights_only_where_it_runs(tmp_path):
+    """A target whose partitioner keeps ops whole (vulkan: its own export, keyed on the weights'
+    bytes) does not bind weights: the plan says so before the run, and the run agrees."""
+    from flows.lower_model import lower_model, plan_model
+    from flows.weights_only import KEPT_OPS
+
+    options = dict(external_weights=True, verify=False)
+    store = str(tmp_path / "store")
+    plan = plan_model("examples/models.py:mlp", ["portable", "vulkan"], store, **options)
+    ran = lower_model("examples/models.py:mlp", ["portable", "vulkan"], store, **options)
+    for target in ("portable", "vulkan"):
+        entry = ran["targets"][target]
+        assert entry["ok"], entry["error"]
+        planned = [r["stage"] for r in plan["targets"][target]["stages"]]
+        assert list(dict.fromkeys(r["stage"] for r in entry["stages"])) == planned, (target, planned)
+    assert "bind_weights" in planned_stages(plan, "portable") and "bind_weights" not in planned_stages(plan, "vulkan")
+    assert ran["targets"]["vulkan"]["weights_only"] == {"bytes": KEPT_OPS}
+
+
+def planned_stages(plan: dict, target: str) -> list[str]:
+    return [r["stage"] for r in plan["targets"][target]["stages"]]
