@@ -215,7 +215,7 @@ def run_model(
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                          load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
-                         external_by_target(external_weights, targets))
+                         external_by_target(external_weights, targets), store=stages.store)
     if cached_only and not all(t["ok"] for t in manifest["targets"].values()):
         return None  # a stage would run (or a target failed): the flow runs the model
     manifest["store"] = stages.store.url
@@ -296,13 +296,13 @@ def plan_model(
     bench = Publisher(lookup.store, gated, benchmark=benchmark_by_target(benchmark, targets, gated=gated))
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                      load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
-                     external_by_target(external_weights, targets), dry_benchmark=bench)
+                     external_by_target(external_weights, targets), dry_benchmark=bench, store=lookup.store)
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
               quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None,
               runtime_ops: dict | None = None, external: dict | None = None,
-              dry_benchmark: "Publisher | None" = None) -> dict:
+              dry_benchmark: "Publisher | None" = None, store=None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages
     (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`;
     ``external``: ``{target: True}`` of the targets with external weights, :func:`external_by_target`).
@@ -312,7 +312,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     stage's key, so a model whose checkpoint or helper module changed is always
     re-exported.  The loaded model is handed to the export and verify stages.
     A dry run (``publish`` None) lists the benchmark stage where ``dry_benchmark`` (the
-    plan's :class:`~flows.gates.Publisher`) says it runs.
+    plan's :class:`~flows.gates.Publisher`) says it runs.  ``store``: the artifact store,
+    which remembers an hf: model's description (:func:`tasks.hf_spec.describe`).
 
     The stages get the spec as :attr:`ModelSpec.key_text` (a file's resolved path):
     it is in their keys, which must not depend on how the user spelled the path.
@@ -326,7 +327,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
-        loaded = load_model(spec, export_options(version, dynamic_shapes, extras))
+        loaded = load_model(spec, export_options(version, dynamic_shapes, extras), memo=store)
     except Exception as exc:
         export_records.append({"stage": "load", "state": "Failed", "cached": False,
                                "seconds": round(time.perf_counter() - start, 4), "bytes": None})

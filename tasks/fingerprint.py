@@ -173,16 +173,7 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
     with ``method``, of that method of its program (one more part, the method's name).
     ``digests``: the files' digests already taken by this caller (path -> digest; filled
     in here), so fingerprinting a model and each of its methods reads each file once."""
-    digests = {} if digests is None else digests
-    root = Path(directory)
-    files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        relative = path.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts):
-            continue  # .cache/, .git/: the hub client's bookkeeping, not the model
-        if path not in digests:
-            digests[path] = _file_digest(path)
-        files[_hf_role(relative.name)][relative.as_posix()] = digests[path]
+    files = hf_files(directory, digests)
     code = {"transformers": transformers_version, "files": files["code"]}
     parts = {
         "weights": _sha256_json(files["weights"]),
@@ -195,6 +186,23 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
         parts["method"] = _sha256_json(method)
     return Fingerprint("hf", parts, {"files": {role: sorted(names) for role, names in files.items()},
                                      "transformers": transformers_version})
+
+
+def hf_files(directory: str | Path, digests: dict[Path, str] | None = None) -> dict[str, dict[str, str]]:
+    """An ``hf:`` model directory's files by role (``weights``, ``tokenizer``, ``config``,
+    ``code``): ``{role: {relative path: blake3 of its bytes}}``.  ``digests``: as
+    :func:`fingerprint_hf`'s (each file is read once per caller)."""
+    digests = {} if digests is None else digests
+    root = Path(directory)
+    files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts):
+            continue  # .cache/, .git/: the hub client's bookkeeping, not the model
+        if path not in digests:
+            digests[path] = _file_digest(path)
+        files[_hf_role(relative.name)][relative.as_posix()] = digests[path]
+    return files
 
 
 def is_hf_weights(name: str) -> bool:

@@ -406,6 +406,35 @@ class ArtifactStore:
         """The parsed named JSON output ``name``."""
         return json.loads(self.get_named(name))
 
+    # ------------------------------------------------------------------ memos
+
+    def memo_path(self, key: str) -> str:
+        """Path of the memo ``key``: ``memo/<key>.json``."""
+        return f"{self.root}/memo/{_check_name(key)}.json"
+
+    def put_memo(self, key: str, value: Any) -> None:
+        """Remember ``value`` (JSON) under ``key``, a digest of everything that decides it
+        (e.g. :func:`tasks.hf_spec.describe`'s description of an hf: model's config), with
+        the sha256 of its canonical JSON, which :meth:`get_memo` checks."""
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
+        document = {"sha256": sha256_hex(text.encode("utf-8")), "value": value}
+        self._write_atomic(self.memo_path(key), json.dumps(document, sort_keys=True).encode("utf-8"))
+
+    def get_memo(self, key: str) -> Any | None:
+        """The value remembered under ``key``, or None (absent, unreadable, or not the value
+        its digest names).  A hit refreshes a local memo's time (``lowerflow gc`` removes
+        memos unused for ``--keep-days``)."""
+        path = self.memo_path(key)
+        try:
+            document = json.loads(self.fs.cat_file(path))
+            value = document["value"]
+            if document["sha256"] != sha256_hex(json.dumps(value, sort_keys=True, allow_nan=False).encode("utf-8")):
+                return None
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        self._touch(path)
+        return value
+
     # ------------------------------------------------------------------ programs
 
     def put_program(self, ep: "ExportedProgram", *, keep_stack_traces: bool = True) -> ArtifactRef:
