@@ -46,7 +46,7 @@ from prefect.exceptions import MissingContextError
 
 from lowering.benchmark import combined, not_runnable
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, verify_tolerance
+from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, quantizer_for, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -429,10 +429,14 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
                           keep_for=kept)["program"]  # (with external weights: weights_only.KEPT_OPS)
         if quantized is not None:
             calibration = quantized["calibration"] or {}
+            own = quantizer_for(target, options, quantized["recipe"])  # its backend's quantizer (Ethos-U: Arm's)
+            if own is not None and external_weights:
+                raise ValueError(f"target {target!r} quantizes with its backend's own quantizer, which takes no "
+                                 "external weights")
             done = run("quantize", records, program=program, recipe=quantized["recipe"],
                        calibration=calibration.get("digest"), versions=quantize_versions(),
                        source=calibration.get("source"), model=model, fingerprint=fingerprint,
-                       options=load_options)
+                       options=load_options, **({"backend": own} if own is not None else {}))
             program = reference = done["program"]
             derived = done.get("derived")  # how it quantized the weights (bind_weights quantizes a retrain's so)
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),

@@ -211,14 +211,18 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
 
 def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
                  versions: dict, source: str | None = None, model: str | None = None,
-                 fingerprint: str | None = None, options: dict | None = None) -> dict:
+                 fingerprint: str | None = None, options: dict | None = None,
+                 backend: dict | None = None) -> dict:
     """Quantize the exported ``program`` with ``recipe`` (its mapping form).
 
     Keyed on the program's digest, the recipe, ``calibration`` (the digest of the
     calibration batches, None for a recipe that needs none) and ``versions`` (of the
     libraries that decide the result: :func:`quantize_versions`).  ``source``, ``model``
     and ``fingerprint`` only find the batches again in another process
-    (:func:`tasks.calibration.calibration_batches`): not in the key.
+    (:func:`tasks.calibration.calibration_batches`): not in the key.  ``backend``
+    (:func:`lowering.targets.quantizer_for`; in the key only when given): the target's
+    backend quantizes with its own PT2E quantizer (Ethos-U: Arm's), on the live model
+    before decomposition, as :func:`lowering.lower` does; ``program`` then keys the model.
     """
     from lowering.quantize import parse_recipe, quantize
     from lowering.quantize.graph import DERIVED_META
@@ -228,7 +232,10 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     _begin("quantize")
     batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
-    quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    if backend is not None:
+        quantized = quantize_live_model(backend, recipe, batches, model, fingerprint, options)
+    else:
+        quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
     weights = {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}
     # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
     derived = quantized.graph_module.meta.get(DERIVED_META, {})
@@ -238,6 +245,20 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     LIVE.drop(program)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
             "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
+
+
+def quantize_live_model(backend: dict, recipe: dict, batches, model: str, fingerprint: str, options: dict | None):
+    """The live model quantized by ``backend["target"]``'s own quantizer (:func:`run_quantize`)."""
+    from lowering.quantize import parse_recipe, quantize_module
+
+    partitioner = partitioner_for(backend["target"], backend["options"])
+    loaded = live_model(model, fingerprint, options)
+    if loaded.module is None or loaded.dynamic_shapes is not None:
+        raise ValueError(f"model {model!r}: target {backend['target']!r} quantizes with its backend's own quantizer, "
+                         "which takes a module with static shapes (not a .pt2 program, not dynamic_shapes)")
+    recipe = parse_recipe(recipe)
+    return quantize_module(loaded.module, loaded.inputs, recipe, batches, partitioner.quantizer(recipe),
+                           name=model, keep=partitioner.ops_to_not_decompose)
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -705,7 +726,7 @@ STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "export": ("external_weights", "keep_for"),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
-    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",), "quantize": ("backend",),
     "verify_sequence": ("references", "ptd"),
     "benchmark": ("previous", "ptd", "previous_ptd"),
 }

@@ -198,3 +198,23 @@ def test_the_flow_exports_coreml_its_own_program_with_the_ops_it_keeps(tmp_path,
     library = lowering.lower(model, inputs, partitioner=partitioner_for("coreml")).pte
     assert (out / "mlp.coreml.pte").read_bytes() == library
     assert b"aten_linear_default" in library
+
+
+def test_quantize_key_holds_the_backend_quantizer_only_when_given():
+    program = ArtifactRef("file:///p", "ab" * 32, 1, "program")
+    inputs = {"program": program, "recipe": {"recipe": "int8"}, "calibration": "cd" * 32,
+              "versions": {"torchao": "0.15"}, "source": "x.py:batches", "model": "/m.py:mlp", "fingerprint": "ef"}
+    policy = CacheConfig(results="/tmp").policy("quantize", stages.STAGE_VERSIONS["quantize"],
+                                                 stages.STAGE_IGNORES["quantize"], stages.STAGE_OPTIONAL["quantize"])
+    before = StageCachePolicy(stage="quantize", version=stages.STAGE_VERSIONS["quantize"],
+                              ignore=stages.STAGE_IGNORES["quantize"])  # the key before backend quantizers
+    plain = policy.key_for(stages.stage_inputs("quantize", inputs))
+    assert plain == before.key_for(inputs)
+    arm = {"target": "ethos-u", "options": {}, "quantizer": "executorch.backends.arm.quantizer.EthosUQuantizer",
+           "versions": {"ethos-u": {"executorch": "1.5.1", "ethos-u-vela": "5.1.0", "tosa-tools": "2026.5.0"}}}
+    newer = {**arm, "versions": {"ethos-u": {**arm["versions"]["ethos-u"], "executorch": "1.6.0"}}}
+    keyed = [policy.key_for(stages.stage_inputs("quantize", {**inputs, "backend": b})) for b in (arm, newer)]
+    assert len({plain, *keyed}) == 3
+    from lowering.targets import quantizer_for
+
+    assert quantizer_for("xnnpack", None, "int8") is None and quantizer_for("portable", None, "int8") is None

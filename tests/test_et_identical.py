@@ -175,3 +175,46 @@ def test_ethos_u_int8_payloads_are_executorchs(factory):
     assert sorted(outside) == sorted(["quantized_decomposed.quantize_per_tensor.default", "executorch_call_delegate",
                                       "<built-in function getitem>", "quantized_decomposed.dequantize_per_tensor.default"])
     assert Runtime.get().load_program(result.pte).method_names == {"forward"}
+
+
+ETHOS_MODELS = '''
+from examples.models import cnn
+
+
+def calibrated_cnn():
+    model, inputs = cnn()
+    return {"module": model, "inputs": inputs, "calibration": [inputs]}
+'''
+
+
+def test_ethos_u_int8_through_the_flow_is_the_librarys_and_executorchs(tmp_path, cli, fresh_stages):
+    """``lowerflow lower -t ethos-u --quantize int8`` quantizes with Arm's EthosUQuantizer in its quantize stage
+    (keyed on the quantizer and the compilers' versions): the .pte is the one ``lowering.lower`` writes, whose
+    Vela payload is ExecuTorch's (the test above); a warm rerun runs nothing."""
+    reason = ethos_u_ready()
+    if reason:
+        pytest.skip(reason)
+    from lowering.targets import quantizer_for
+    from tests._lowering import executions_during
+
+    assert quantizer_for("ethos-u", None, "int8")["quantizer"].endswith(".EthosUQuantizer")
+    assert quantizer_for("ethos-u", None, "int8-dynamic") is None  # Arm's quantizer does static int8 only
+    (tmp_path / "ethos_models.py").write_text(ETHOS_MODELS)
+    spec = f"{tmp_path / 'ethos_models.py'}:calibrated_cnn"
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    args = ("lower", spec, "-t", "ethos-u", "-t", "xnnpack", "--quantize", "int8", "--store", store, "-o", f"{out}/")
+    (code, _, errors), ran = executions_during(cli, *args)
+    assert (code, errors) == (0, [])
+    assert ran["quantize"] == 2  # Arm's quantizer for ethos-u, lowerflow's recipe for xnnpack
+    model, inputs = cnn()
+    library = lowering.lower(model, inputs, partitioner=partitioner_for("ethos-u"), quantize="int8",
+                             calibration=[inputs])
+    flow = (out / "calibrated_cnn.ethos-u.pte").read_bytes()
+    assert flow == library.pte
+    (backend, payload, _), = payloads(library.exported_program)
+    assert backend == "EthosUBackend" and payload in flow
+    # lowerflow's own int8 for XNNPACK is another program (Arm's partitioner takes none of its graph).
+    assert payload not in (out / "calibrated_cnn.xnnpack.pte").read_bytes()
+    (code, _, errors), ran = executions_during(cli, *args)
+    assert (code, errors) == (0, []) and not ran, dict(ran)
