@@ -30,8 +30,6 @@ from torch.export import ExportedProgram
 
 from .errors import LoweringError
 
-#: The prefix export's folding gives a view of a weight it computed ahead of time.
-FOLDED_PREFIX = "_folded_"
 
 
 class NotWeightsOnly(LoweringError):
@@ -213,7 +211,7 @@ def folded_views(program: ExportedProgram) -> dict[str, tuple]:
         if node.op == "placeholder" and FOLDED_FROM in node.meta and node.name in specs:
             recorded[specs[node.name].target] = node.meta[FOLDED_FROM]
     for name in program.constants:
-        if name.startswith(FOLDED_PREFIX) and name not in recorded:
+        if "#" in name and name not in recorded:  # export's folded view (lowering.export.folding.folded_name)
             raise NotWeightsOnly(f"the folded constant {name!r} does not say which weight it is a view of "
                                  "(a program read back from a store): lower again")
     return recorded
