@@ -495,16 +495,16 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     :func:`lower_dag` refuses static int8 here); constant methods pass through."""
     load_options = load_options or {"version": version}
     model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
-    records: list[dict] = []
-    exported, mutated = {}, {}
+    # each method's export in the key shapes its targets need (flows/weights_only.py)
+    exports = weights_only.MethodExports(run, for_method, loaded, model, load_options, targets, external,
+                                         lambda t: quantize_step(quant, t, None))
     try:
-        for method, sub in loaded.methods.items():
-            done = for_method(run, method)("export", records, model=model, fingerprint=sub.fingerprint.digest,
-                                            options=load_options)
-            exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
+        exports.needed()
     except Exception as exc:
-        return _all_failed(manifest, targets, records, exc, methods=True,
-                           dry=DryRun.of(quant, targets, verify, dry_benchmark))
+        return _all_failed(manifest, targets, exports.records[False] + exports.records[True], exc, methods=True,
+                           dry=DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()))
+    mutated = {m: done.get("mutated_buffers", []) for m, done in next(iter(exports.done.values())).items()}
+    records = exports.records[False] + exports.records[True]
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
@@ -519,13 +519,15 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     for target in targets:
         with labelled(target=target):
             manifest["targets"][target] = lower_target_methods(
-                run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
+                run, publish, name, model, fingerprints, exports.programs(target), target, options.get(target, {}),
+                list(exports.records[exports.structured[target]]),
                 verify[target], shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
                 version=version, load_options=load_options, constants=loaded.constants,
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
                 quantized=quantize_step(quant, target, None),
                 external_weights=bool((external or {}).get(target)), dry_benchmark=dry_benchmark,
+                weights=exports.weights(target),
             )
     return manifest
 
@@ -536,7 +538,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                          runtime_ops: list[str] | None = None,
                          written_elsewhere: dict[str, list[str]] | None = None,
                          quantized: dict | None = None, external_weights: bool = False,
-                         dry_benchmark: "Publisher | None" = None) -> dict:
+                         dry_benchmark: "Publisher | None" = None, weights: dict | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -554,23 +556,27 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     ``verify_sequence``, runs in both).  ``external_weights``: as :func:`lower_target`'s
     (one ``.ptd`` for every method).  The benchmark stage times each method on its own (each
     method's record has its report; the target's, :func:`lowering.benchmark.combined`).
-    ``dry_benchmark``: a dry run's :class:`~flows.gates.Publisher` (where the stage would run)."""
+    ``dry_benchmark``: a dry run's :class:`~flows.gates.Publisher` (where the stage would run).
+    ``weights``: :meth:`flows.weights_only.MethodExports.weights` (stage ``bind_weights_methods``
+    after emit_methods binds tonight's weights to the structure-keyed programs)."""
     load_options = load_options or {"version": version}
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
+    bind = (weights or {}).get("bind")
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
-        **({"weights_only": {"bytes": weights_only.METHODS}} if external_weights else {}),  # why: lowered fully
+        **({"weights_only": weights} if weights and bind is None else {}),  # {"bytes" or "fallback": why}
     }
     references: dict[str, Any] = {}
+    derived: dict[str, Any] = {}
     try:
         planned, delegated = {}, {}
         if quantized is not None:
             programs = {method: references.setdefault(method, quantize_method(
                 for_method(run, method), records, program, quantized, model, fingerprints[method], load_options,
-                methods[method])) for method, program in programs.items()}
+                methods[method], derived, method)) for method, program in programs.items()}
             result["quantize"] = total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
@@ -591,6 +597,18 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["delegation"] = total_delegation([m["delegation"] for m in methods.values()])
         emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
                       runtime_ops=runtime_ops, **external)
+        if bind is not None:  # tonight's weights bound to the structure's programs (flows/weights_only.py)
+            bound = weights_only.bind_methods(run, records, bind, planned, emitted, quantized, references, derived,
+                                              verify, runtime_ops, constants, model=model, fingerprints=fingerprints,
+                                              options=load_options)
+            if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
+                again, again_records = weights["fallback"]()
+                return lower_target_methods(
+                    run, publish, name, model, fingerprints, again, target, options, [*records, *again_records],
+                    verify, shared, stateful, version, load_options, constants, runtime_ops, written_elsewhere,
+                    quantized, external_weights, dry_benchmark, weights={"fallback": bound["fallback"]})
+            emitted, references = {**emitted, "ptd": bound["ptd"]}, bound["references"] or references
+            result["weights_only"] = weights_only.record(bound)
         data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             for method in programs:
@@ -624,18 +642,21 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()),
-                     benchmark=dry_benchmark)
+                     benchmark=dry_benchmark, bound=frozenset({target} if bind is not None else ()))
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
 
 
 def quantize_method(run: Run, records: list[dict], program, quantized: dict, model: str, fingerprint: str,
-                    load_options: dict, entry: dict):
+                    load_options: dict, entry: dict, derived: dict | None = None, method: str = "forward"):
     """Stage ``quantize`` of one method (a dynamic recipe: no calibration); its record goes in
-    the method's ``entry``; returns the quantized program's ref."""
+    the method's ``entry``, how it derived its constants in ``derived[method]`` (bind_weights_methods
+    quantizes a retrain's weights so); returns the quantized program's ref."""
     done = run("quantize", records, program=program, recipe=quantized["recipe"], calibration=None,
                versions=quantize_versions(), source=None, model=model, fingerprint=fingerprint, options=load_options)
     entry["quantize"] = {"quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
+    if derived is not None:
+        derived[method] = done.get("derived")
     return done["program"]
 
 

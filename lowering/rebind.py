@@ -79,17 +79,22 @@ def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) 
 
     if previous.ptd is None or not previous.source_programs:
         raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
-    sources, programs = {}, {}
+    sources, programs, quantized, timings = {}, {}, {}, {}
+    before = previous.quantized_programs or {}
     for name, source in previous.source_programs.items():
+        start = time.perf_counter()
         state = _state_of(model[name] if isinstance(model, Mapping) and name in model else model)
-        sources[name], bindings, _, _ = _bindings(source, state, quantize)
+        sources[name], bindings, quantized[name], how = _bindings(source, state, quantize, before.get(name))
         programs[name] = rebound_program(previous.exported_programs[name], bindings)
+        timings[name] = {how or "bind": time.perf_counter() - start}
     built = build_methods_pte({name: (programs[name], previous.memory_plans[name]) for name in programs},
                               previous.constant_methods, runtime_ops=runtime_ops, external_weights=True)
     pte, ptd = program_files(built, True)
     _check_same(pte, previous.pte)
     return MethodsLowerResult(pte=pte, memory_plans=previous.memory_plans, exported_programs=programs, ptd=ptd,
-                              source_programs=sources, constant_methods=previous.constant_methods)
+                              timings=timings, source_programs=sources, constant_methods=previous.constant_methods,
+                              quantized_programs=quantized if quantize is not None else None)
+
 
 
 def _state_of(model: Any) -> dict[str, torch.Tensor]:

@@ -92,6 +92,7 @@ STAGE_VERSIONS = {
     "emit": "1",
     "emit_methods": "1",
     "bind_weights": "1",
+    "bind_weights_methods": "1",
     "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
     "verify_sequence": "3",  # 3: as verify 4
     "benchmark": "3",  # 3: the ratio by the thread's CPU time, files read per load, tiny rounds repeated, alone min_rounds
@@ -205,6 +206,52 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
               **({"quantized": "weights" if "quantize_weights" in bound.timings else "pass"} if recipe else {})}
     if bound.quantized_program is not None and references:  # verify's (stored only when verify runs)
         result["reference"] = put_program(store, bound.quantized_program)
+    result["seconds"] = round(time.perf_counter() - start, 4)
+    return result
+
+
+def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict, emitted: dict, weights: dict,
+                             model: str, fingerprints: dict, options: dict | None = None,
+                             constants: dict | None = None, recipe: dict | None = None,
+                             quantized: dict | None = None, derived: dict | None = None,
+                             runtime_ops: list[str] | None = None, references: bool = True) -> dict:
+    """:func:`run_bind_weights` of a model of several methods (one ``.pte``, one ``.ptd``):
+    ``exported``, ``methods`` (``{"program", "plan"}``), ``weights``, ``quantized`` (the
+    quantize stage's programs) and ``derived``: per method; ``constants``: the constant
+    methods emit_methods wrote.  Returns ``{"ptd", "references": {method: ref} or None,
+    "rebound"}`` or ``{"fallback": why}``.  ``model``, ``fingerprints`` (each method's),
+    ``options``: only find the methods again, not in the key."""
+    from lowering.export.folding import restore_folded
+    from lowering.lower import MethodsLowerResult
+    from lowering.quantize.graph import DERIVED_META
+    from lowering.rebind import NotWeightsOnly, rebind_weights
+
+    _begin("bind_weights_methods")
+    if all(weights[m] == exported[m].get("weights") for m in exported):
+        return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
+    start = time.perf_counter()
+    sources, before = {}, {}
+    for method, done in exported.items():
+        sources[method] = get_program(store, done["program"])
+        restore_folded(sources[method], get_doc(store, done["folded"]))
+        if quantized and derived and derived.get(method) is not None:
+            before[method] = get_program(store, quantized[method])
+            before[method].graph_module.meta[DERIVED_META] = get_doc(store, derived[method])
+    previous = MethodsLowerResult(
+        pte=store.get_bytes(emitted["pte"]), ptd=b"", source_programs=sources, constant_methods=dict(constants or {}),
+        memory_plans={m: get_memory_plan(store, e["plan"]) for m, e in methods.items()},
+        exported_programs={m: get_program(store, e["program"]) for m, e in methods.items()},
+        quantized_programs=before or None)
+    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
+    try:
+        bound = rebind_weights(previous, modules, quantize=recipe, runtime_ops=runtime_ops)
+    except NotWeightsOnly as exc:
+        return {"fallback": str(exc)}
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "references": None, "rebound": True,
+              **({"quantized": "weights" if all("quantize_weights" in t for t in bound.timings.values())
+                  else "pass"} if recipe else {})}
+    if bound.quantized_programs and references:  # verify's (stored only when verify runs)
+        result["references"] = {m: put_program(store, p) for m, p in bound.quantized_programs.items()}
     result["seconds"] = round(time.perf_counter() - start, 4)
     return result
 
@@ -717,6 +764,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "bind_weights": ("model", "fingerprint", "options"),
+    "bind_weights_methods": ("model", "fingerprints", "options"),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
     "benchmark": ("model", "options"),
 }
