@@ -186,7 +186,7 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
         parts["method"] = _sha256_json(method)
     return Fingerprint("hf", parts, {"files": {role: sorted(names) for role, names in files.items()},
                                      "transformers": transformers_version},
-                       safetensors_layout(root / name for name in files["weights"]))
+                       safetensors_layout(Path(directory) / name for name in files["weights"]))
 
 
 def safetensors_layout(paths: Iterable[Path]) -> str | None:
