@@ -26,7 +26,8 @@ eager model (lowerflow: its quantize stage's program run in PyTorch; optimum: it
 decorrelates the logits and the tools' scale algorithms differ, so their 8da4w tokens
 differ; at fp32 both programs' tokens must be equal.
 
-Ratios are lowerflow / optimum; the issue's targets: lower s <= 0.5, peak RSS <= 1 (tree),
+Ratios are lowerflow / optimum (``cpu s``: the cold lowering's user + system seconds, less
+load-sensitive than wall seconds); the issue's targets: lower s <= 0.5, peak RSS <= 1 (tree),
 bytes <= 1, decode >= 0.95.  The JSON (``--json``) keeps every figure;
 ``--reuse-optimum JSON`` takes optimum's figures from an earlier run of the same model
 config, recipe, max_seq_len and optimum-executorch version instead of exporting again (its
@@ -105,18 +106,22 @@ def tree_rss(root: int) -> int:
 
 
 def run_measured(cmd: list[str], env: dict, log: Path, cwd: Path | None = None) -> dict:
-    """Run ``cmd`` under ``/usr/bin/time -v``: seconds, rc, peak RSS (largest process) and the
-    process tree's peak summed RSS (sampled every 0.5 s); stdout and stderr go to ``log``."""
+    """Run ``cmd`` under ``/usr/bin/time -v``: seconds, CPU seconds (user + system, of the
+    command and its children: less noisy than wall seconds on a loaded machine), rc, peak RSS
+    (largest process) and the process tree's peak summed RSS (sampled every 0.5 s; the
+    timeline, seconds and GB, goes to ``log`` with suffix ``.rss.tsv``); stdout and stderr go to ``log``."""
     timing = log.with_suffix(".time")
     peak, done = [0], threading.Event()
-    with open(log, "w") as out:
+    with open(log, "w") as out, open(log.with_suffix(".rss.tsv"), "w") as timeline:
         start = time.perf_counter()
         proc = subprocess.Popen(["/usr/bin/time", "-v", "-o", str(timing), *cmd], env=env, cwd=cwd,
                                 stdout=out, stderr=subprocess.STDOUT)
 
         def sample() -> None:
             while not done.wait(0.5):
-                peak[0] = max(peak[0], tree_rss(proc.pid))
+                now = tree_rss(proc.pid)
+                peak[0] = max(peak[0], now)
+                timeline.write(f"{time.perf_counter() - start:.1f}\t{now / GB:.3f}\n")
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -124,9 +129,12 @@ def run_measured(cmd: list[str], env: dict, log: Path, cwd: Path | None = None) 
         seconds = time.perf_counter() - start
         done.set()
         sampler.join()
-    found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", timing.read_text())
-    return {"seconds": round(seconds, 1), "rc": rc, "rss": int(found.group(1)) * 1024 if found else None,
-            "tree_rss": peak[0], "log": str(log)}
+    text = timing.read_text()
+    found = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    cpu = [float(v) for v in re.findall(r"(?:User|System) time \(seconds\): ([\d.]+)", text)]
+    return {"seconds": round(seconds, 1), "cpu_seconds": round(sum(cpu), 1) if len(cpu) == 2 else None, "rc": rc,
+            "rss": int(found.group(1)) * 1024 if found else None, "tree_rss": peak[0], "log": str(log),
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 @contextlib.contextmanager
@@ -462,6 +470,7 @@ def ratios(row: dict) -> dict:
         return round(a / b, 3) if a is not None and b else None
 
     return {"lower_s": div(lf.get("cold", {}).get("seconds"), op.get("cold", {}).get("seconds")),
+            "lower_cpu_s": div(lf.get("cold", {}).get("cpu_seconds"), op.get("cold", {}).get("cpu_seconds")),
             "tree_rss": div(lf.get("cold", {}).get("tree_rss"), op.get("cold", {}).get("tree_rss")),
             "rss": div(lf.get("cold", {}).get("rss"), op.get("cold", {}).get("rss")),
             "bytes": div(lf.get("pte_bytes"), op.get("pte_bytes")),
@@ -491,21 +500,21 @@ def print_row(row: dict) -> None:
                        side.get("warm", {}).get("seconds"), _gb(cold.get("rss")), _gb(cold.get("tree_rss")),
                        _mb(side.get("pte_bytes")), _gb(side.get("store_bytes")), rt.get("prefill_tok_s"),
                        rt.get("decode_tok_s") if not rt.get("earlier_run") else f"{rt.get('decode_tok_s')}*",
-                       token_check(row, tool), side.get("error", "")))
+                       token_check(row, tool), side.get("error", ""), cold.get("cpu_seconds")))
     for f in fields:
-        print(f"{row['model']:>8} {row['recipe']:>6} {f[0]:>18} {_s(f[1]):>7} {_s(f[2]):>6} {_s(f[3]):>6} "
+        print(f"{row['model']:>8} {row['recipe']:>6} {f[0]:>18} {_s(f[1]):>7} {_s(f[11]):>7} {_s(f[2]):>6} {_s(f[3]):>6} "
               f"{_s(f[4]):>6} {_s(f[5]):>8} {_s(f[6]):>6} {_s(f[7]):>8} {_s(f[8]):>8} {f[9]:>7}  {f[10]}")
     r = ratios(row)
     rt = row.get("runtime", {})
     same = (rt.get("optimum", {}).get("tokens") == rt.get("lowerflow", {}).get("tokens")
             if "optimum" in rt and "lowerflow" in rt else None)
-    print(f"{'':>8} {'':>6} {'lowerflow/optimum':>18} {_s(r['lower_s']):>7} {'':>6} {_s(r['rss']):>6} "
+    print(f"{'':>8} {'':>6} {'lowerflow/optimum':>18} {_s(r['lower_s']):>7} {_s(r['lower_cpu_s']):>7} {'':>6} {_s(r['rss']):>6} "
           f"{_s(r['tree_rss']):>6} {_s(r['bytes']):>8} {'':>6} {_s(r['prefill']):>8} {_s(r['decode']):>8}"
           + (f"  fp32 tokens equal: {same}" if row["recipe"] == "fp32" and same is not None else ""))
     sys.stdout.flush()
 
 
-HEADER = (f"{'model':>8} {'recipe':>6} {'tool':>18} {'lower s':>7} {'warm s':>6} {'RSS GB':>6} {'tree':>6} "
+HEADER = (f"{'model':>8} {'recipe':>6} {'tool':>18} {'lower s':>7} {'cpu s':>7} {'warm s':>6} {'RSS GB':>6} {'tree':>6} "
           f"{'.pte MB':>8} {'store':>6} {'pre t/s':>8} {'dec t/s':>8} {'tokens':>7}")
 
 
