@@ -6,16 +6,19 @@ Lowering time (export included in both): lowerflow's
 partitioner]).to_executorch().buffer``, each warmed up once first (first-in-process imports
 and pattern builds left out), same machine, same run.  For ``openvino``: latency on the stock
 runtime of lowerflow's program vs ExecuTorch's OpenVINO program vs lowerflow's XNNPACK program,
-interleaved call by call (median of ``--calls`` after 20 warm-up calls), and max |error| vs eager.
+interleaved call by call (median of ``--calls`` after 20 warm-up calls), and max |error| vs eager;
+lowerflow's ``precision: f32`` OpenVINO program is timed with them.  ``ethos-u`` is lowered int8
+on both sides, each quantizing with Arm's EthosUQuantizer on the one calibration batch.
 
 Targets whose compiler or runtime is missing here are left out with the reason.
 
-    python bench/bench_backends.py [--calls N] [--targets openvino,vulkan,coreml] [model ...]
+    python bench/bench_backends.py [--calls N] [--targets openvino,vulkan,coreml,ethos-u] [model ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -31,14 +34,33 @@ from lowering.lower import lower  # noqa: E402
 from lowering.targets import check_target, partitioner_for  # noqa: E402
 
 
+#: Targets lowered int8 (as the backend requires), with its own quantizer on both sides.
+INT8 = {"ethos-u"}
+
+
+def lowerflow_lower(model, inputs, target: str, options: dict | None = None) -> bytes:
+    quantize = {"quantize": "int8", "calibration": [inputs]} if target in INT8 else {}
+    return lower(model, inputs, partitioner=partitioner_for(target, options), **quantize).pte
+
+
 def executorch_lower(model, inputs, target: str) -> bytes:
+    """ExecuTorch's own lowering; ``ethos-u``: Arm's quantizer first (prepare, calibrate, convert)."""
     from executorch.exir import to_edge_transform_and_lower
 
-    from lowering.backends.executorch.options import check_options, make_et_partitioner
+    from lowering.backends.executorch.options import QUANTIZERS, check_options, make_et_partitioner
     from lowering.backends.executorch.targets import TARGETS
+    from lowering.quantize import parse_recipe
 
-    et = make_et_partitioner(TARGETS[target], check_options(TARGETS[target], {}))
-    program = to_edge_transform_and_lower(torch.export.export(model, inputs), partitioner=[et])
+    options = check_options(TARGETS[target], {})
+    exported = torch.export.export(model, inputs)
+    if target in INT8:
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+        prepared = prepare_pt2e(exported.module(check_guards=False), QUANTIZERS[target](options, parse_recipe("int8")))
+        prepared(*inputs)
+        exported = torch.export.export(convert_pt2e(prepared), inputs)
+    et = make_et_partitioner(TARGETS[target], options)
+    program = to_edge_transform_and_lower(exported, partitioner=[et])
     return program.to_executorch().buffer
 
 
@@ -65,7 +87,7 @@ def interleaved(methods: dict, inputs, calls: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--targets", default="openvino,vulkan,coreml")
+    parser.add_argument("--targets", default="openvino,vulkan,coreml,ethos-u")
     parser.add_argument("models", nargs="*", default=["mlp", "cnn"])
     args = parser.parse_args()
     targets = []
@@ -75,14 +97,15 @@ def main() -> None:
             targets.append(target)
         except BackendError as exc:
             print(f"# {target}: left out: {exc}")
+    print(f"# load average {os.getloadavg()[0]:.1f} (1 min) at start")
     print("model   target    lowerflow s  executorch s  ratio   lowerflow B  executorch B")
     for name in args.models:
         model, inputs = MODELS[name]()
         programs = {}
         for target in targets:
-            lower(model, inputs, partitioner=partitioner_for(target))  # warm-up
+            lowerflow_lower(model, inputs, target)  # warm-up
             executorch_lower(model, inputs, target)
-            ours_s, ours = timed(lambda: lower(model, inputs, partitioner=partitioner_for(target)).pte)
+            ours_s, ours = timed(lowerflow_lower, model, inputs, target)
             theirs_s, theirs = timed(executorch_lower, model, inputs, target)
             programs[target] = (ours, theirs)
             print(f"{name:7s} {target:9s} {ours_s:11.2f}  {theirs_s:12.2f}  {ours_s / theirs_s:5.2f}  "
@@ -91,18 +114,19 @@ def main() -> None:
             from executorch.runtime import Runtime
 
             runtime = Runtime.get()
-            xnnpack = lower(model, inputs, partitioner=partitioner_for("xnnpack")).pte
+            xnnpack = lowerflow_lower(model, inputs, "xnnpack")
+            f32 = lowerflow_lower(model, inputs, "openvino", {"precision": "f32"})
             loaded = {label: runtime.load_program(pte) for label, pte in (
                 ("lowerflow openvino", programs["openvino"][0]), ("executorch openvino", programs["openvino"][1]),
-                ("lowerflow xnnpack", xnnpack))}
+                ("lowerflow openvino f32", f32), ("lowerflow xnnpack", xnnpack))}
             # Keep each Program referenced: a Method does not keep its Program alive (a segfault otherwise).
             methods = {label: program.load_method("forward") for label, program in loaded.items()}
             eager = model(*inputs)
             for label, method in methods.items():
                 error = (method.execute(list(inputs))[0] - eager).abs().max().item()
-                print(f"{name:7s} {label:20s} max |error| vs eager {error:.2e}")
+                print(f"{name:7s} {label:22s} max |error| vs eager {error:.2e}")
             for label, micros in interleaved(methods, inputs, args.calls).items():
-                print(f"{name:7s} {label:20s} median {micros:8.1f} us")
+                print(f"{name:7s} {label:22s} median {micros:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -557,29 +557,26 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def check_program_data(pte: str, data: str | None) -> bytes | None:
-    """The ``.ptd`` bytes of ``--data`` (None without it), after checking the pair key by key
+def check_program_data(pte: str, data: str | None) -> str | None:
+    """``--data`` (the .ptd's path; None without it), after checking the pair key by key
     (:func:`lowering.external.check_pair`): a program that needs a .ptd it was not given, or a
-    .ptd of another program, is one line and exit 2, before any runtime loads it."""
-    from lowering.external import ExternalDataError, check_pair
+    .ptd of another program, is one line and exit 2, before any runtime loads it.  Both files
+    are memory-mapped: what is read is the program's table, its delegates' payloads and the
+    .ptd's table, never the weights (the runtimes then read the files themselves)."""
+    from lowering.external import ExternalDataError, check_pair, map_file
 
     try:
-        program = Path(pte).read_bytes()
+        program = map_file(pte)
+        blob = map_file(data) if data is not None else None
     except OSError as exc:
-        raise CLIError(f"cannot read {pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
-    blob = None
-    if data is not None:
-        try:
-            blob = Path(data).read_bytes()
-        except OSError as exc:
-            raise CLIError(f"cannot read {data!r}: {exc.strerror or exc}", EXIT_USAGE) from None
+        raise CLIError(f"cannot read {exc.filename or pte!r}: {exc.strerror or exc}", EXIT_USAGE) from None
     try:
         check_pair(program, blob, pte_name=pte, ptd_name=data or "data")
     except ExternalDataError as exc:
         raise CLIError(str(exc), EXIT_USAGE) from None
     except Exception as exc:  # not a .pte at all
         raise CLIError(f"cannot verify {pte!r}: {type(exc).__name__}: {first_line(str(exc))}") from None
-    return blob
+    return data
 
 
 # --------------------------------------------------------------------------- gc

@@ -48,9 +48,10 @@ class DryRun:
             stages = (*stages, "benchmark")
         if target in self.quantized:
             stages = ("quantize", *stages)
-        if target in self.bound and "emit" in stages:
-            at = stages.index("emit") + 1
-            stages = (*stages[:at], "bind_weights", *stages[at:])
+        for emit in ("emit", "emit_methods"):
+            if target in self.bound and emit in stages:
+                at = stages.index(emit) + 1
+                stages = (*stages[:at], "bind_weights" + emit.removeprefix("emit"), *stages[at:])
         if "adjust" in stages and self.control_flow is not None and self.control_flow():
             at = stages.index("adjust") + 1
             stages = (*stages[:at], "lower_control_flow", *stages[at:])

@@ -46,7 +46,7 @@ from prefect.exceptions import MissingContextError
 
 from lowering.benchmark import combined, not_runnable
 from lowering.methods import check_no_shared_state, check_shared_state_names, state_written_elsewhere
-from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, verify_tolerance
+from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, quantizer_for, verify_tolerance
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
@@ -215,7 +215,7 @@ def run_model(
     quant = QuantSettings.of(quantize, calibration, min_sqnr, max_error, targets)
     manifest = lower_dag(run, publish, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                          load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
-                         external_by_target(external_weights, targets))
+                         external_by_target(external_weights, targets), store=stages.store)
     if cached_only and not all(t["ok"] for t in manifest["targets"].values()):
         return None  # a stage would run (or a target failed): the flow runs the model
     manifest["store"] = stages.store.url
@@ -296,13 +296,13 @@ def plan_model(
     bench = Publisher(lookup.store, gated, benchmark=benchmark_by_target(benchmark, targets, gated=gated))
     return lower_dag(lookup, None, model, targets, options or {}, name, version, verify, dynamic_shapes, quant,
                      load_extras(strict, hf, trust_pickle), profiles_by_target(runtime_ops, targets),
-                     external_by_target(external_weights, targets), dry_benchmark=bench)
+                     external_by_target(external_weights, targets), dry_benchmark=bench, store=lookup.store)
 
 
 def lower_dag(run: Run, publish, model, targets, options, name, version, verify, dynamic_shapes=None,
               quant: QuantSettings = NO_QUANTIZATION, extras: dict | None = None,
               runtime_ops: dict | None = None, external: dict | None = None,
-              dry_benchmark: "Publisher | None" = None) -> dict:
+              dry_benchmark: "Publisher | None" = None, store=None) -> dict:
     """Load and fingerprint the model, export it, then each target's stages
     (``runtime_ops``: ``{target: profile or None}``, emit's, :func:`profiles_by_target`;
     ``external``: ``{target: True}`` of the targets with external weights, :func:`external_by_target`).
@@ -312,7 +312,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     stage's key, so a model whose checkpoint or helper module changed is always
     re-exported.  The loaded model is handed to the export and verify stages.
     A dry run (``publish`` None) lists the benchmark stage where ``dry_benchmark`` (the
-    plan's :class:`~flows.gates.Publisher`) says it runs.
+    plan's :class:`~flows.gates.Publisher`) says it runs.  ``store``: the artifact store,
+    which remembers an hf: model's description (:func:`tasks.hf_spec.describe`).
 
     The stages get the spec as :attr:`ModelSpec.key_text` (a file's resolved path):
     it is in their keys, which must not depend on how the user spelled the path.
@@ -326,7 +327,7 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
     export_records: list[dict] = []
     start = time.perf_counter()
     try:
-        loaded = load_model(spec, export_options(version, dynamic_shapes, extras))
+        loaded = load_model(spec, export_options(version, dynamic_shapes, extras), memo=store)
     except Exception as exc:
         export_records.append({"stage": "load", "state": "Failed", "cached": False,
                                "seconds": round(time.perf_counter() - start, 4), "bytes": None})
@@ -355,7 +356,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                                      export_options(version, None, extras), runtime_ops or {}, quant, external,
                                      dry_benchmark=dry_benchmark)
     exports = weights_only.Exports(run, loaded, model, export_options(version, dynamic_shapes, extras), export_records,
-                                   targets, external, lambda t: quantize_step(quant, t, calibration))
+                                   targets, external, lambda t: quantize_step(quant, t, calibration),
+                                   kept=lambda t: keeps_ops(t, options.get(t, {})))
     with holding(loaded), labelled(model=name):
         dry = DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()) if publish is None else None
         try:
@@ -377,6 +379,15 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                     external_weights=bool((external or {}).get(target)), weights=exports.weights(target),
                 )
     return manifest
+
+
+def keeps_ops(target: str, options: dict) -> bool:
+    """Whether ``target``'s partitioner keeps ops whole (its own export: :func:`lowering.targets.keep_for`);
+    False where that cannot be told (a target that cannot be built fails in its own stages)."""
+    try:
+        return target != PORTABLE and keep_for(target, options) is not None
+    except Exception:
+        return False
 
 
 def quantize_step(quant: QuantSettings, target: str, calibration: dict | None) -> dict | None:
@@ -415,15 +426,17 @@ def lower_target(run, publish, name, model, fingerprint, program, target, option
         kept = keep_for(target, options) if target != PORTABLE else None
         if kept is not None:  # its own export: the partitioner keeps ops whole (lowering.export.kept)
             program = run("export", records, model=model, fingerprint=fingerprint, options=load_options,
-                          keep_for=kept)["program"]
-            if bind is not None:  # keyed on the whole fingerprint: no structure program to bind weights to
-                bind, result["weights_only"] = None, {"bytes": weights_only.KEPT_OPS}
+                          keep_for=kept)["program"]  # (with external weights: weights_only.KEPT_OPS)
         if quantized is not None:
             calibration = quantized["calibration"] or {}
+            own = quantizer_for(target, options, quantized["recipe"])  # its backend's quantizer (Ethos-U: Arm's)
+            if own is not None and external_weights:
+                raise ValueError(f"target {target!r} quantizes with its backend's own quantizer, which takes no "
+                                 "external weights")
             done = run("quantize", records, program=program, recipe=quantized["recipe"],
                        calibration=calibration.get("digest"), versions=quantize_versions(),
                        source=calibration.get("source"), model=model, fingerprint=fingerprint,
-                       options=load_options)
+                       options=load_options, **({"backend": own} if own is not None else {}))
             program = reference = done["program"]
             derived = done.get("derived")  # how it quantized the weights (bind_weights quantizes a retrain's so)
             result["quantize"] = {"recipe": quantized["recipe"], "calibration": calibration.get("digest"),
@@ -482,16 +495,16 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     :func:`lower_dag` refuses static int8 here); constant methods pass through."""
     load_options = load_options or {"version": version}
     model, name = ModelSpec.parse(manifest["model"]).key_text, manifest["name"]
-    records: list[dict] = []
-    exported, mutated = {}, {}
+    # each method's export in the key shapes its targets need (flows/weights_only.py)
+    exports = weights_only.MethodExports(run, for_method, loaded, model, load_options, targets, external,
+                                         lambda t: quantize_step(quant, t, None))
     try:
-        for method, sub in loaded.methods.items():
-            done = for_method(run, method)("export", records, model=model, fingerprint=sub.fingerprint.digest,
-                                            options=load_options)
-            exported[method], mutated[method] = done["program"], done.get("mutated_buffers", [])
+        exports.needed()
     except Exception as exc:
-        return _all_failed(manifest, targets, records, exc, methods=True,
-                           dry=DryRun.of(quant, targets, verify, dry_benchmark))
+        return _all_failed(manifest, targets, exports.records[False] + exports.records[True], exc, methods=True,
+                           dry=DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()))
+    mutated = {m: done.get("mutated_buffers", []) for m, done in next(iter(exports.done.values())).items()}
+    records = exports.records[False] + exports.records[True]
     share = loaded.share_mutable_buffers
     if share:
         manifest["share_mutable_buffers"] = True
@@ -506,13 +519,15 @@ def lower_methods_dag(run: Run, publish, manifest: dict, loaded, targets, option
     for target in targets:
         with labelled(target=target):
             manifest["targets"][target] = lower_target_methods(
-                run, publish, name, model, fingerprints, exported, target, options.get(target, {}), list(records),
+                run, publish, name, model, fingerprints, exports.programs(target), target, options.get(target, {}),
+                list(exports.records[exports.structured[target]]),
                 verify[target], shared=loaded.fingerprint.digest if share else None, stateful=any(mutated.values()),
                 version=version, load_options=load_options, constants=loaded.constants,
                 runtime_ops=(runtime_ops or {}).get(target),
                 written_elsewhere={m: state_written_elsewhere(mutated, m) for m in mutated} if share else None,
                 quantized=quantize_step(quant, target, None),
                 external_weights=bool((external or {}).get(target)), dry_benchmark=dry_benchmark,
+                weights=exports.weights(target),
             )
     return manifest
 
@@ -523,7 +538,7 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
                          runtime_ops: list[str] | None = None,
                          written_elsewhere: dict[str, list[str]] | None = None,
                          quantized: dict | None = None, external_weights: bool = False,
-                         dry_benchmark: "Publisher | None" = None) -> dict:
+                         dry_benchmark: "Publisher | None" = None, weights: dict | None = None) -> dict:
     """The stages after export of every method for one target, one emit, verify per method.
 
     ``shared`` (the model's fingerprint) when the methods share their mutable buffers:
@@ -541,23 +556,27 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
     ``verify_sequence``, runs in both).  ``external_weights``: as :func:`lower_target`'s
     (one ``.ptd`` for every method).  The benchmark stage times each method on its own (each
     method's record has its report; the target's, :func:`lowering.benchmark.combined`).
-    ``dry_benchmark``: a dry run's :class:`~flows.gates.Publisher` (where the stage would run)."""
+    ``dry_benchmark``: a dry run's :class:`~flows.gates.Publisher` (where the stage would run).
+    ``weights``: :meth:`flows.weights_only.MethodExports.weights` (stage ``bind_weights_methods``
+    after emit_methods binds tonight's weights to the structure-keyed programs)."""
     load_options = load_options or {"version": version}
     external = {"external_weights": True} if external_weights else {}  # in the keys only when on
+    bind = (weights or {}).get("bind")
     methods: dict[str, dict] = {m: {"memory_plan": None, "delegation": None, "verify": None} for m in programs}
     result: dict[str, Any] = {
         "ok": False, "pte": None, "error": None, "stages": records,
         "memory_plan": None, "delegation": None, "verify": None, "methods": methods,
         **({"runtime_ops": runtime_ops} if runtime_ops else {}), **external,
-        **({"weights_only": {"bytes": weights_only.METHODS}} if external_weights else {}),  # why: lowered fully
+        **({"weights_only": weights} if weights and bind is None else {}),  # {"bytes" or "fallback": why}
     }
     references: dict[str, Any] = {}
+    derived: dict[str, Any] = {}
     try:
         planned, delegated = {}, {}
         if quantized is not None:
             programs = {method: references.setdefault(method, quantize_method(
                 for_method(run, method), records, program, quantized, model, fingerprints[method], load_options,
-                methods[method])) for method, program in programs.items()}
+                methods[method], derived, method)) for method, program in programs.items()}
             result["quantize"] = total_quantize(quantized["recipe"], [methods[m]["quantize"] for m in methods])
         for method, program in programs.items():
             if target != PORTABLE:
@@ -578,6 +597,18 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
             result["delegation"] = total_delegation([m["delegation"] for m in methods.values()])
         emitted = run("emit_methods", records, methods=planned, **({"constants": constants} if constants else {}),
                       runtime_ops=runtime_ops, **external)
+        if bind is not None:  # tonight's weights bound to the structure's programs (flows/weights_only.py)
+            bound = weights_only.bind_methods(run, records, bind, planned, emitted, quantized, references, derived,
+                                              verify, runtime_ops, constants, model=model, fingerprints=fingerprints,
+                                              options=load_options)
+            if "fallback" in bound:  # not weights-only: lowered again, keyed on the weights' bytes
+                again, again_records = weights["fallback"]()
+                return lower_target_methods(
+                    run, publish, name, model, fingerprints, again, target, options, [*records, *again_records],
+                    verify, shared, stateful, version, load_options, constants, runtime_ops, written_elsewhere,
+                    quantized, external_weights, dry_benchmark, weights={"fallback": bound["fallback"]})
+            emitted, references = {**emitted, "ptd": bound["ptd"]}, bound["references"] or references
+            result["weights_only"] = weights_only.record(bound)
         data = {"ptd": emitted["ptd"]} if external_weights else {}
         if verify != "off":
             for method in programs:
@@ -611,18 +642,21 @@ def lower_target_methods(run, publish, name, model, fingerprints, programs, targ
         result.update(ok=False, error=f"regressed: {exc}")
     except Exception as exc:
         dry = DryRun(frozenset({target} if quantized is not None else ()), frozenset({target} if verify == "off" else ()),
-                     benchmark=dry_benchmark)
+                     benchmark=dry_benchmark, bound=frozenset({target} if bind is not None else ()))
         result.update(_failed(records, exc, target, methods=True, dry=dry), pte=result["pte"], methods=methods)
     return result
 
 
 def quantize_method(run: Run, records: list[dict], program, quantized: dict, model: str, fingerprint: str,
-                    load_options: dict, entry: dict):
+                    load_options: dict, entry: dict, derived: dict | None = None, method: str = "forward"):
     """Stage ``quantize`` of one method (a dynamic recipe: no calibration); its record goes in
-    the method's ``entry``; returns the quantized program's ref."""
+    the method's ``entry``, how it derived its constants in ``derived[method]`` (bind_weights_methods
+    quantizes a retrain's weights so); returns the quantized program's ref."""
     done = run("quantize", records, program=program, recipe=quantized["recipe"], calibration=None,
                versions=quantize_versions(), source=None, model=model, fingerprint=fingerprint, options=load_options)
     entry["quantize"] = {"quantized_nodes": done["quantized_nodes"], "weight_bytes": done["weight_bytes"]}
+    if derived is not None:
+        derived[method] = done.get("derived")
     return done["program"]
 
 

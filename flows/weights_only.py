@@ -24,8 +24,12 @@ target is lowered again with the bytes-keyed shape (export keyed on the whole fi
 as without external weights) and its record says why (``weights_only.fallback``).  Some
 targets never take the structure shape, and say why (``weights_only.bytes``): ``int8``
 static (its activation parameters are calibrated on the model: in the program), a ``.pt2``
-or an ``hf:`` directory (no layout of its weights known without reading them), a model of
-several methods (not yet).  Without external weights nothing here runs: every key is as it was.
+or an ``hf:`` directory of pickle checkpoints (no layout of its weights known without reading
+them; an ``hf:`` directory's safetensors headers give it), a target whose partitioner keeps ops
+whole (its own export).  A model of several methods (an ``hf:`` decoder: its traced methods and
+constant methods) takes the same shapes per method (:class:`MethodExports`), and stage
+``bind_weights_methods`` binds tonight's weights to every method of the one program.
+Without external weights nothing here runs: every key is as it was.
 """
 
 from __future__ import annotations
@@ -35,18 +39,19 @@ from typing import Any
 #: Why a target with external weights is keyed on its weights' bytes from export on.
 STATIC_INT8 = ("recipe int8 (static) calibrates activations on the model: its activation quantization "
                "parameters are in the program, so new weights need a new program (lowered fully)")
-NO_LAYOUT = "the model's weights have no layout known without reading them (a .pt2 or an hf: directory)"
-METHODS = "a model of several methods is lowered fully (weights-only binding of methods is not in the flow yet)"
+NO_LAYOUT = ("the model's weights have no layout known without reading them (a .pt2, or an hf: directory "
+             "whose weights are not safetensors)")
 KEPT_OPS = ("the target's partitioner keeps ops whole: its own export, keyed on the weights' bytes "
             "(weights-only binding of such targets is not in the flow yet)")
 
 
-def bytes_reason(loaded, quantized: dict | None) -> str | None:
+def bytes_reason(loaded, quantized: dict | None, kept: bool = False) -> str | None:
     """Why ``loaded`` (with ``quantized``, :func:`flows.lower_model.quantize_step`) is keyed on
-    its weights' bytes even with external weights; None: the structure shape."""
-    if loaded.methods:
-        return METHODS
-    if loaded.fingerprint.structure_digest is None:
+    its weights' bytes even with external weights; None: the structure shape.  ``kept``: the
+    target's partitioner keeps ops whole (:func:`lowering.targets.keep_for`: its own export)."""
+    if kept:
+        return KEPT_OPS
+    if any(part.fingerprint.structure_digest is None for part in [loaded, *(loaded.methods or {}).values()]):
         return NO_LAYOUT
     if quantized is not None and quantized["recipe"].get("recipe") == "int8":
         return STATIC_INT8
@@ -63,12 +68,14 @@ class Exports:
     """Stage export of one model in the key shapes its targets need: keyed on the whole
     fingerprint (``False``) or on the structure (``True``: a target with external weights and
     no :func:`bytes_reason`), each run once (``run``: the flow's stage runner); ``records[shape]``
-    the export's stage record.  ``quantized``: ``target -> quantize step or None``."""
+    the export's stage record.  ``quantized``: ``target -> quantize step or None``; ``kept``:
+    ``target -> bool``, whether its partitioner keeps ops whole (its own export, bytes-keyed).
+    What a dry run lists (:meth:`bound`) is what runs: both read :attr:`structured`."""
 
     def __init__(self, run, loaded, model: str, options: dict, records: list[dict], targets, external: dict | None,
-                 quantized) -> None:
+                 quantized, kept=lambda target: False) -> None:
         self.run, self.loaded, self.model, self.options = run, loaded, model, options
-        self.reasons = {t: bytes_reason(loaded, quantized(t)) for t in targets if (external or {}).get(t)}
+        self.reasons = {t: bytes_reason(loaded, quantized(t), kept(t)) for t in targets if (external or {}).get(t)}
         self.structured = {t: self.reasons.get(t, "") is None for t in targets}
         self.records: dict[bool, list[dict]] = {False: records, True: []}
         self.done: dict[bool, dict] = {}
@@ -111,6 +118,48 @@ class Exports:
         return {"bytes": self.reasons[target]} if target in self.reasons else None
 
 
+class MethodExports(Exports):
+    """:class:`Exports` of a model of several methods: each method's export in the key shapes
+    its targets need (``run``: the flow's stage runner; ``run_method(run, method)``: its
+    records say which method, :func:`flows.lower_model.for_method`)."""
+
+    def __init__(self, run, run_method, loaded, model: str, options: dict, targets, external: dict | None,
+                 quantized) -> None:
+        self.run, self.run_method, self.loaded, self.model, self.options = run, run_method, loaded, model, options
+        self.reasons = {t: bytes_reason(loaded, quantized(t)) for t in targets if (external or {}).get(t)}
+        self.structured = {t: self.reasons.get(t, "") is None for t in targets}
+        self.records: dict[bool, list[dict]] = {False: [], True: []}
+        self.done: dict[bool, dict[str, dict]] = {}
+
+    def __call__(self, structure: bool) -> dict[str, dict]:
+        """``{method: export result}`` in the key shape ``structure``."""
+        if structure not in self.done:
+            done = {}
+            for method, sub in self.loaded.methods.items():
+                fingerprint = sub.fingerprint
+                done[method] = self.run_method(self.run, method)(
+                    "export", self.records[structure], model=self.model, options=self.options,
+                    fingerprint=fingerprint.structure_digest if structure else fingerprint.digest,
+                    **({"external_weights": True} if structure else {}))
+            self.done[structure] = done
+        return self.done[structure]
+
+    def programs(self, target: str) -> dict:
+        """``{method: exported program}`` ``target``'s stages start from (its key shape's)."""
+        return self.programs_of(self.structured[target])
+
+    def weights(self, target: str) -> dict | None:
+        """As :meth:`Exports.weights`, ``bind``: :func:`bind_methods_inputs`."""
+        if self.structured[target]:
+            return {"bind": {"exported": self(True),
+                             "weights": {m: sub.fingerprint.parts["weights"] for m, sub in self.loaded.methods.items()}},
+                    "fallback": lambda: (self.programs_of(False), list(self.records[False]))}
+        return {"bytes": self.reasons[target]} if target in self.reasons else None
+
+    def programs_of(self, structure: bool) -> dict:
+        return {m: done["program"] for m, done in self(structure).items()}
+
+
 def bind(run, records: list[dict], inputs: dict, program, plan, emitted: dict, quantized: dict | None,
          reference, derived, verify: str, runtime_ops, **model: Any) -> dict:
     """Stage ``bind_weights`` after emit (``inputs``: :func:`bind_inputs`; ``model``: the
@@ -119,6 +168,18 @@ def bind(run, records: list[dict], inputs: dict, program, plan, emitted: dict, q
     return run("bind_weights", records, **inputs, program=program, plan=plan, emitted=emitted, **model,
                recipe=recipe, reference=reference, derived=derived if recipe is not None else None,
                runtime_ops=runtime_ops, references=verify != "off")
+
+
+def bind_methods(run, records: list[dict], inputs: dict, planned: dict, emitted: dict, quantized: dict | None,
+                 references: dict, derived: dict, verify: str, runtime_ops, constants, **model: Any) -> dict:
+    """Stage ``bind_weights_methods`` after emit_methods (``inputs``: :meth:`MethodExports.weights`'
+    ``bind``; ``planned``: ``{method: {"program", "plan"}}``; ``model``: ``model``,
+    ``fingerprints`` (each method's) and ``options``, to find the methods again)."""
+    recipe = quantized["recipe"] if quantized is not None else None
+    return run("bind_weights_methods", records, **inputs, methods=planned, emitted=emitted, **model,
+               constants=constants or None, recipe=recipe, quantized=references or None,
+               derived=derived if recipe is not None else None, runtime_ops=runtime_ops,
+               references=verify != "off")
 
 
 def record(bound: dict) -> dict:

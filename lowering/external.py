@@ -26,7 +26,7 @@ from typing import Union
 from .errors import LoweringError
 from .pte import PteData, serialize
 from .pte.flat_tensor import PtdEntry, PtdFormatError, TensorLayout, deserialize_ptd, serialize_ptd
-from .pte.format import decode_string, program_table
+from .pte.format import decode_string, delegate_payload, program_table
 from .pte.generated import program_generated as fb
 
 #: Bytes, or a file's path.
@@ -62,8 +62,6 @@ def required_data(pte: Data) -> dict[str, Need]:
     (``BackendDetails.external_keys(processed) -> {key: size}``); a delegate's key the
     program's own named data holds is not external.
     """
-    from .pte import deserialize
-
     data = _read(pte)
     needs: dict[str, Need] = {}
     table = program_table(data)
@@ -79,13 +77,13 @@ def required_data(pte: Data) -> dict[str, Need]:
             layout = TensorLayout(int(value.val.scalarType), _ints(value.val.sizes), _ints(value.val.dimOrder))
             needs.setdefault(key, Need(key, f"method {method!r}", layout=layout))
     if any(plan.delegates for plan in table.executionPlan or []):
-        program = deserialize(data)
-        for plan in program.program.executionPlan or []:
+        named = {decode_string(entry.key) for entry in table.namedData or []}
+        for plan in table.executionPlan or []:
             for delegate in plan.delegates or []:
                 backend_id = decode_string(delegate.id)
-                payload = program.delegate_data[delegate.processed.index]
+                payload = delegate_payload(data, table, delegate)
                 for key, size in _delegate_keys(backend_id, payload).items():
-                    if key not in program.named_data:
+                    if key not in named:
                         needs.setdefault(key, Need(key, f"delegate {backend_id}", size=size))
     return needs
 
@@ -151,8 +149,20 @@ def _ints(vector) -> tuple[int, ...]:
     return tuple(int(v) for v in vector) if vector is not None else ()
 
 
-def _read(data: Data) -> bytes:
-    if isinstance(data, (bytes, bytearray, memoryview)):
+def _read(data: Data) -> bytes | memoryview:
+    if isinstance(data, (bytes, memoryview)):
+        return data
+    if isinstance(data, bytearray):
         return bytes(data)
-    with open(data, "rb") as f:
-        return f.read()
+    return map_file(data)
+
+
+def map_file(path: str | os.PathLike) -> memoryview:
+    """The bytes of the file at ``path``, memory-mapped read-only: what is read of a big
+    ``.pte`` or ``.ptd`` is only what is looked at (its table, a delegate's payload)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:  # an empty file cannot be mapped
+            return memoryview(b"")
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))

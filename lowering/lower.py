@@ -197,6 +197,9 @@ class MethodsLowerResult:
     #: the constant methods (:func:`lowering.rebind.rebind_weights`).
     source_programs: dict[str, ExportedProgram] | None = None
     constant_methods: dict[str, Any] = field(default_factory=dict)
+    #: With ``external_weights`` and a recipe: each method's quantized program (how its pass
+    #: derived each constant: a retrain's weights are quantized without the pass).
+    quantized_programs: dict[str, ExportedProgram] | None = None
 
     @property
     def method_names(self) -> list[str]:
@@ -259,6 +262,7 @@ def lower_methods(
     plans: dict[str, MemoryPlan] = {}
     timings: dict[str, dict[str, float]] = {}
     sources: dict[str, ExportedProgram] = {}
+    quantized: dict[str, ExportedProgram] = {}
     for name, (model, inputs, dynamic_shapes) in entries.items():
         timings[name] = dict.fromkeys(STAGES, 0.0)
         with _timed(timings[name], "export"):
@@ -274,6 +278,8 @@ def lower_methods(
         if quantize is not None and partitioner is None:
             _parse_recipe(quantize).check_portable(f"lower_methods: method {name!r}")
         programs[name] = _quantize(program, quantize, calibration_of, timings[name], name)
+        if external_weights and quantize is not None:
+            quantized[name] = programs[name]
         del program  # a quantized method's fp32 program: nothing reads it again (its weights go)
     modules = {name: entry[0] for name, entry in entries.items() if isinstance(entry[0], torch.nn.Module)}
     mutated = {name: mutated_buffers(program) for name, program in programs.items()}
@@ -294,7 +300,8 @@ def lower_methods(
     for name in entries:
         timings[name]["emit"] = emit_seconds["emit"]
     return MethodsLowerResult(pte=pte, memory_plans=plans, exported_programs=programs, timings=timings, ptd=ptd,
-                              source_programs=sources or None, constant_methods=dict(constants))
+                              source_programs=sources or None, constant_methods=dict(constants),
+                              quantized_programs=quantized or None)
 
 
 def _as_partitioner(partitioner: Any) -> Partitioner | None:

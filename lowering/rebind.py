@@ -30,8 +30,6 @@ from torch.export import ExportedProgram
 
 from .errors import LoweringError
 
-#: The prefix export's folding gives a view of a weight it computed ahead of time.
-FOLDED_PREFIX = "_folded_"
 
 
 class NotWeightsOnly(LoweringError):
@@ -81,17 +79,22 @@ def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) 
 
     if previous.ptd is None or not previous.source_programs:
         raise NotWeightsOnly("the previous program was not lowered with external_weights=True")
-    sources, programs = {}, {}
+    sources, programs, quantized, timings = {}, {}, {}, {}
+    before = previous.quantized_programs or {}
     for name, source in previous.source_programs.items():
+        start = time.perf_counter()
         state = _state_of(model[name] if isinstance(model, Mapping) and name in model else model)
-        sources[name], bindings, _, _ = _bindings(source, state, quantize)
+        sources[name], bindings, quantized[name], how = _bindings(source, state, quantize, before.get(name))
         programs[name] = rebound_program(previous.exported_programs[name], bindings)
+        timings[name] = {how or "bind": time.perf_counter() - start}
     built = build_methods_pte({name: (programs[name], previous.memory_plans[name]) for name in programs},
                               previous.constant_methods, runtime_ops=runtime_ops, external_weights=True)
     pte, ptd = program_files(built, True)
     _check_same(pte, previous.pte)
     return MethodsLowerResult(pte=pte, memory_plans=previous.memory_plans, exported_programs=programs, ptd=ptd,
-                              source_programs=sources, constant_methods=previous.constant_methods)
+                              timings=timings, source_programs=sources, constant_methods=previous.constant_methods,
+                              quantized_programs=quantized if quantize is not None else None)
+
 
 
 def _state_of(model: Any) -> dict[str, torch.Tensor]:
@@ -213,7 +216,7 @@ def folded_views(program: ExportedProgram) -> dict[str, tuple]:
         if node.op == "placeholder" and FOLDED_FROM in node.meta and node.name in specs:
             recorded[specs[node.name].target] = node.meta[FOLDED_FROM]
     for name in program.constants:
-        if name.startswith(FOLDED_PREFIX) and name not in recorded:
+        if "#" in name and name not in recorded:  # export's folded view (lowering.export.folding.folded_name)
             raise NotWeightsOnly(f"the folded constant {name!r} does not say which weight it is a view of "
                                  "(a program read back from a store): lower again")
     return recorded

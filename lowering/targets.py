@@ -141,8 +141,30 @@ def keep_for(target: str, options: Mapping[str, Any] | None = None) -> dict | No
                and type(p).ops_to_not_decompose is not Partitioner.ops_to_not_decompose]
     if not keeping:
         return None
-    chain = chain_of(target, options)
-    backends = [b for b, _ in chain] if chain is not None else [target]
-    return {"target": target, "options": dict(options or {}),
-            "versions": {b: backend_versions(b) for b in backends}}
+    return {"target": target, "options": dict(options or {}), "versions": compilers_of(target, options)}
 
+
+def compilers_of(target: str, options: Mapping[str, Any] | None) -> dict[str, dict | None]:
+    """``{backend: its compiler versions}`` (:func:`backend_versions`) of ``target``'s backends
+    (a chain's, in order)."""
+    chain = chain_of(target, options)
+    return {b: backend_versions(b) for b in ([b for b, _ in chain] if chain is not None else [target])}
+
+
+def quantizer_for(target: str, options: Mapping[str, Any] | None, recipe: Any) -> dict | None:
+    """What the quantize stage needs to quantize ``target``'s program with its backend's own PT2E
+    quantizer (:meth:`~lowering.partition.Partitioner.quantizer`: Ethos-U's is Arm's
+    ``EthosUQuantizer``, for ``int8``): ``{"target", "options", "quantizer", "versions"}`` (its class
+    and the versions of its backends' compilers: a new ExecuTorch may annotate otherwise); None when the
+    target quantizes with lowerflow's recipe (every target but those, ``portable`` included)."""
+    if target == PORTABLE or recipe is None:
+        return None
+    from .quantize import parse_recipe
+
+    partitioner = partitioner_for(target, options)
+    quantizer = partitioner.quantizer(parse_recipe(recipe)) if partitioner is not None else None
+    if quantizer is None:
+        return None
+    return {"target": target, "options": dict(options or {}),
+            "quantizer": f"{type(quantizer).__module__}.{type(quantizer).__qualname__}",
+            "versions": compilers_of(target, options)}

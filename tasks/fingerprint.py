@@ -173,16 +173,7 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
     with ``method``, of that method of its program (one more part, the method's name).
     ``digests``: the files' digests already taken by this caller (path -> digest; filled
     in here), so fingerprinting a model and each of its methods reads each file once."""
-    digests = {} if digests is None else digests
-    root = Path(directory)
-    files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        relative = path.relative_to(root)
-        if any(part.startswith(".") for part in relative.parts):
-            continue  # .cache/, .git/: the hub client's bookkeeping, not the model
-        if path not in digests:
-            digests[path] = _file_digest(path)
-        files[_hf_role(relative.name)][relative.as_posix()] = digests[path]
+    files = hf_files(directory, digests)
     code = {"transformers": transformers_version, "files": files["code"]}
     parts = {
         "weights": _sha256_json(files["weights"]),
@@ -194,7 +185,55 @@ def fingerprint_hf(directory: str | Path, options: Mapping[str, Any] | None, tra
     if method is not None:
         parts["method"] = _sha256_json(method)
     return Fingerprint("hf", parts, {"files": {role: sorted(names) for role, names in files.items()},
-                                     "transformers": transformers_version})
+                                     "transformers": transformers_version},
+                       safetensors_layout(Path(directory) / name for name in files["weights"]))
+
+
+def safetensors_layout(paths: Iterable[Path]) -> str | None:
+    """The layout digest (:attr:`Fingerprint.layout`) of an hf: model's weight files: every
+    tensor's name, dtype and shape from the safetensors headers (no weight byte read; the
+    shards it is split into do not count).  None where a weights file is not safetensors
+    (a pickle checkpoint: its layout is not known without reading it)::
+
+        model.safetensors header {"lm_head.weight": {"dtype": "F32", "shape": [128, 32], ...}, ...}
+            ─► blake3([["lm_head.weight", "F32", [128, 32], null], ...])
+    """
+    import blake3
+
+    entries = []
+    for path in paths:
+        if path.name.endswith(".index.json"):
+            continue  # which shard holds which tensor: the headers name every tensor
+        if not path.name.endswith(".safetensors"):
+            return None
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size <= 100_000_000 else None
+        except (OSError, ValueError):
+            return None
+        if not isinstance(header, dict):
+            return None
+        entries += [[name, info.get("dtype"), info.get("shape"), None] for name, info in header.items()
+                    if name != "__metadata__" and isinstance(info, dict)]
+    return blake3.blake3(_canonical(sorted(entries, key=lambda e: e[0]))).hexdigest()
+
+
+def hf_files(directory: str | Path, digests: dict[Path, str] | None = None) -> dict[str, dict[str, str]]:
+    """An ``hf:`` model directory's files by role (``weights``, ``tokenizer``, ``config``,
+    ``code``): ``{role: {relative path: blake3 of its bytes}}``.  ``digests``: as
+    :func:`fingerprint_hf`'s (each file is read once per caller)."""
+    digests = {} if digests is None else digests
+    root = Path(directory)
+    files: dict[str, dict[str, str]] = {"weights": {}, "tokenizer": {}, "config": {}, "code": {}}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root)
+        if any(part.startswith(".") for part in relative.parts):
+            continue  # .cache/, .git/: the hub client's bookkeeping, not the model
+        if path not in digests:
+            digests[path] = _file_digest(path)
+        files[_hf_role(relative.name)][relative.as_posix()] = digests[path]
+    return files
 
 
 def is_hf_weights(name: str) -> bool:

@@ -22,7 +22,8 @@ The rule (what ``lowerflow gc STORE [--keep-days N] [--dry-run]`` removes):
   a weight blob inside an emitted ``.pte``) counts as an object, and keeps that bigger
   object while it is in use.  Records go before objects, so no record is ever
   left naming a removed object.  The record of a check of an object now gone
-  (``checked/``: :mod:`tasks.store`, "Checked objects") goes too.
+  (``checked/``: :mod:`tasks.store`, "Checked objects") goes too, and a memo (``memo/``:
+  an hf: model's remembered description) unused for ``keep_days`` (a hit refreshes it).
 
 Lock files are never touched (they belong to running stages, and a dead holder's
 lock is cleared by the lock manager).  To release a model that is no longer
@@ -118,6 +119,12 @@ def collect(store: ArtifactStore, *, keep_days: float = KEEP_DAYS, dry_run: bool
     if not dry_run:  # the record of a check of an object now gone (tasks/store.py, "Checked objects")
         for path in _files(store.fs, f"{store.root}/checked"):
             if not store.has("".join(path.rsplit("/", 2)[-2:])):
+                store.fs.rm_file(path)
+
+    for path in _files(store.fs, f"{store.root}/memo"):  # remembered descriptions (tasks/store.py): remade on a miss
+        if _modified(store.fs, path) < cutoff:
+            report.removed_records.append(f"memo/{posixpath.basename(path)}")
+            if not dry_run:
                 store.fs.rm_file(path)
 
     for path in _files(store.fs, f"{store.root}/quarantine"):

@@ -241,8 +241,10 @@ class LoadedModel:
         return total
 
 
-def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None) -> LoadedModel:
+def load_model(spec: ModelSpec, options: dict | None = None, storage_options: dict | None = None,
+               memo: Any = None) -> LoadedModel:
     """Load ``spec`` (run its factory, or read its .pt2) and fingerprint it.
+    ``memo``: the artifact store that remembers an hf: model's description (:func:`tasks.hf_spec.describe`).
 
     ``options`` (export options and the manifest's ``version``) are part of the
     fingerprint.  ``options["dynamic_shapes"]`` (the JSON form of
@@ -251,7 +253,7 @@ def load_model(spec: ModelSpec, options: dict | None = None, storage_options: di
     """
     override = (options or {}).get("dynamic_shapes")
     if spec.kind == "hf":
-        return _load_hf(spec, options, override)
+        return _load_hf(spec, options, override, memo)
     if spec.kind == "pt2":
         if override is not None:
             raise ModelSpecError(f"model spec {spec.text!r}: a .pt2 program carries its own dynamic shapes; "
@@ -282,7 +284,7 @@ def _hf_error(spec: ModelSpec, exc: Exception) -> ModelSpecError:
     return ModelSpecError(f"model spec {spec.text!r}: {str(exc).removeprefix(f'hf:{spec.location}: ')}")
 
 
-def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedModel:
+def _load_hf(spec: ModelSpec, options: dict | None, override: Any, memo: Any = None) -> LoadedModel:
     """An hf: model: always a model of methods (``forward`` alone for most tasks), with its
     constant methods; errors name the spec.  Only its files are hashed and its config read
     here (:func:`tasks.hf_spec.describe`): the weights load when a stage first uses a
@@ -297,7 +299,7 @@ def _load_hf(spec: ModelSpec, options: dict | None, override: Any) -> LoadedMode
                              "'dynamic_shapes' is only for a factory")
     try:
         with TORCH_LOCK:
-            described, fingerprints, fingerprint = describe(spec.location, options)
+            described, fingerprints, fingerprint = describe(spec.location, options, memo)
     except LoweringError as exc:
         raise _hf_error(spec, exc) from exc
     strict = bool((options or {}).get("strict"))

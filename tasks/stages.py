@@ -92,6 +92,7 @@ STAGE_VERSIONS = {
     "emit": "1",
     "emit_methods": "1",
     "bind_weights": "1",
+    "bind_weights_methods": "1",
     "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
     "verify_sequence": "3",  # 3: as verify 4
     "benchmark": "3",  # 3: the ratio by the thread's CPU time, files read per load, tiny rounds repeated, alone min_rounds
@@ -209,16 +210,66 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     return result
 
 
+def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict, emitted: dict, weights: dict,
+                             model: str, fingerprints: dict, options: dict | None = None,
+                             constants: dict | None = None, recipe: dict | None = None,
+                             quantized: dict | None = None, derived: dict | None = None,
+                             runtime_ops: list[str] | None = None, references: bool = True) -> dict:
+    """:func:`run_bind_weights` of a model of several methods (one ``.pte``, one ``.ptd``):
+    ``exported``, ``methods`` (``{"program", "plan"}``), ``weights``, ``quantized`` (the
+    quantize stage's programs) and ``derived``: per method; ``constants``: the constant
+    methods emit_methods wrote.  Returns ``{"ptd", "references": {method: ref} or None,
+    "rebound"}`` or ``{"fallback": why}``.  ``model``, ``fingerprints`` (each method's),
+    ``options``: only find the methods again, not in the key."""
+    from lowering.export.folding import restore_folded
+    from lowering.lower import MethodsLowerResult
+    from lowering.quantize.graph import DERIVED_META
+    from lowering.rebind import NotWeightsOnly, rebind_weights
+
+    _begin("bind_weights_methods")
+    if all(weights[m] == exported[m].get("weights") for m in exported):
+        return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
+    start = time.perf_counter()
+    sources, before = {}, {}
+    for method, done in exported.items():
+        sources[method] = get_program(store, done["program"])
+        restore_folded(sources[method], get_doc(store, done["folded"]))
+        if quantized and derived and derived.get(method) is not None:
+            before[method] = get_program(store, quantized[method])
+            before[method].graph_module.meta[DERIVED_META] = get_doc(store, derived[method])
+    previous = MethodsLowerResult(
+        pte=store.get_bytes(emitted["pte"]), ptd=b"", source_programs=sources, constant_methods=dict(constants or {}),
+        memory_plans={m: get_memory_plan(store, e["plan"]) for m, e in methods.items()},
+        exported_programs={m: get_program(store, e["program"]) for m, e in methods.items()},
+        quantized_programs=before or None)
+    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
+    try:
+        bound = rebind_weights(previous, modules, quantize=recipe, runtime_ops=runtime_ops)
+    except NotWeightsOnly as exc:
+        return {"fallback": str(exc)}
+    result = {"ptd": store.put_bytes(bound.ptd, "ptd"), "references": None, "rebound": True,
+              **({"quantized": "weights" if all("quantize_weights" in t for t in bound.timings.values())
+                  else "pass"} if recipe else {})}
+    if bound.quantized_programs and references:  # verify's (stored only when verify runs)
+        result["references"] = {m: put_program(store, p) for m, p in bound.quantized_programs.items()}
+    result["seconds"] = round(time.perf_counter() - start, 4)
+    return result
+
+
 def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calibration: str | None,
                  versions: dict, source: str | None = None, model: str | None = None,
-                 fingerprint: str | None = None, options: dict | None = None) -> dict:
+                 fingerprint: str | None = None, options: dict | None = None,
+                 backend: dict | None = None) -> dict:
     """Quantize the exported ``program`` with ``recipe`` (its mapping form).
 
     Keyed on the program's digest, the recipe, ``calibration`` (the digest of the
     calibration batches, None for a recipe that needs none) and ``versions`` (of the
     libraries that decide the result: :func:`quantize_versions`).  ``source``, ``model``
     and ``fingerprint`` only find the batches again in another process
-    (:func:`tasks.calibration.calibration_batches`): not in the key.
+    (:func:`tasks.calibration.calibration_batches`): not in the key.  ``backend``
+    (:func:`lowering.targets.quantizer_for`; in the key only when given): the target's
+    backend quantizes with its own PT2E quantizer (Ethos-U: Arm's), on the live model
+    before decomposition, as :func:`lowering.lower` does; ``program`` then keys the model.
     """
     from lowering.quantize import parse_recipe, quantize
     from lowering.quantize.graph import DERIVED_META
@@ -228,7 +279,10 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     _begin("quantize")
     batches = calibration_batches(calibration, source, model, fingerprint, options) if calibration else None
     fp32 = get_program(store, program)
-    quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
+    if backend is not None:
+        quantized = quantize_live_model(backend, recipe, batches, model, fingerprint, options)
+    else:
+        quantized = quantize(fp32, parse_recipe(recipe), calibration=batches)
     weights = {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}
     # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
     derived = quantized.graph_module.meta.get(DERIVED_META, {})
@@ -238,6 +292,20 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     LIVE.drop(program)
     return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
             "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
+
+
+def quantize_live_model(backend: dict, recipe: dict, batches, model: str, fingerprint: str, options: dict | None):
+    """The live model quantized by ``backend["target"]``'s own quantizer (:func:`run_quantize`)."""
+    from lowering.quantize import parse_recipe, quantize_module
+
+    partitioner = partitioner_for(backend["target"], backend["options"])
+    loaded = live_model(model, fingerprint, options)
+    if loaded.module is None or loaded.dynamic_shapes is not None:
+        raise ValueError(f"model {model!r}: target {backend['target']!r} quantizes with its backend's own quantizer, "
+                         "which takes a module with static shapes (not a .pt2 program, not dynamic_shapes)")
+    recipe = parse_recipe(recipe)
+    return quantize_module(loaded.module, loaded.inputs, recipe, batches, partitioner.quantizer(recipe),
+                           name=model, keep=partitioner.ops_to_not_decompose)
 
 
 def weight_bytes(program: torch.export.ExportedProgram) -> int:
@@ -696,6 +764,7 @@ STAGE_IGNORES: dict[str, tuple[str, ...]] = {
     "create_submodule": (), "build_programs": (), "preprocess": ("label",), "adjust": (),
     "lower_control_flow": (), "memory_plan": (), "emit": (), "emit_methods": (),
     "bind_weights": ("model", "fingerprint", "options"),
+    "bind_weights_methods": ("model", "fingerprints", "options"),
     "verify": ("model", "options"), "verify_sequence": ("model", "options"),
     "benchmark": ("model", "options"),
 }
@@ -705,7 +774,7 @@ STAGE_OPTIONAL: dict[str, tuple[str, ...]] = {
     "export": ("external_weights", "keep_for"),
     "emit": ("runtime_ops", "external_weights"), "emit_methods": ("runtime_ops", "external_weights"),
     "partition": ("shared_state", "external_weights"), "lower_control_flow": ("external_weights",),
-    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",),
+    "verify": ("mode", "ptd", "tolerance"), "preprocess": ("versions",), "quantize": ("backend",),
     "verify_sequence": ("references", "ptd"),
     "benchmark": ("previous", "ptd", "previous_ptd"),
 }

@@ -352,7 +352,11 @@ class ArtifactStore:
         """Write the bytes of ``ref`` (an object, or a named output of one) to the local file
         ``path`` (atomically), digest-checked; returns their size.  From a local store the
         object's file is copied file to file (the kernel copies it), its digest checked unless
-        checked before and unchanged since (:meth:`_check_object`)."""
+        checked before and unchanged since (:meth:`_check_object`).  A file at ``path`` that
+        already holds those bytes (a rerun writing the same output: hashing it costs a third
+        of copying it) is left as it is."""
+        if os.path.isfile(path) and os.path.getsize(path) == ref.size and _file_digest(path) == ref.sha256:
+            return ref.size
         source = self.object_path(ref.sha256)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
@@ -405,6 +409,35 @@ class ArtifactStore:
     def get_json(self, name: str) -> Any:
         """The parsed named JSON output ``name``."""
         return json.loads(self.get_named(name))
+
+    # ------------------------------------------------------------------ memos
+
+    def memo_path(self, key: str) -> str:
+        """Path of the memo ``key``: ``memo/<key>.json``."""
+        return f"{self.root}/memo/{_check_name(key)}.json"
+
+    def put_memo(self, key: str, value: Any) -> None:
+        """Remember ``value`` (JSON) under ``key``, a digest of everything that decides it
+        (e.g. :func:`tasks.hf_spec.describe`'s description of an hf: model's config), with
+        the sha256 of its canonical JSON, which :meth:`get_memo` checks."""
+        text = json.dumps(value, sort_keys=True, allow_nan=False)
+        document = {"sha256": sha256_hex(text.encode("utf-8")), "value": value}
+        self._write_atomic(self.memo_path(key), json.dumps(document, sort_keys=True).encode("utf-8"))
+
+    def get_memo(self, key: str) -> Any | None:
+        """The value remembered under ``key``, or None (absent, unreadable, or not the value
+        its digest names).  A hit refreshes a local memo's time (``lowerflow gc`` removes
+        memos unused for ``--keep-days``)."""
+        path = self.memo_path(key)
+        try:
+            document = json.loads(self.fs.cat_file(path))
+            value = document["value"]
+            if document["sha256"] != sha256_hex(json.dumps(value, sort_keys=True, allow_nan=False).encode("utf-8")):
+                return None
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return None
+        self._touch(path)
+        return value
 
     # ------------------------------------------------------------------ programs
 

@@ -118,6 +118,30 @@ def test_options_are_checked_before_any_work():
         partitioner_for("coreml", {"compute_units": "gpu"})
     with pytest.raises(BackendError, match="option 'buffer_limit' must be int"):
         partitioner_for("vulkan", {"buffer_limit": "big"})
+    with pytest.raises(BackendError, match=r"option precision: 'f16' is not one of \['f32', 'default'\]"):
+        partitioner_for("openvino", {"precision": "f16"})
+    with pytest.raises(BackendError, match="precision f32 is for device CPU"):
+        partitioner_for("openvino", {"precision": "f32", "device": "GPU"})
+
+
+def test_openvino_precision_f32_runs_fp32_on_the_stock_runtime(tmp_path):
+    """The stock runtime imports an OpenVINO payload with the device's default precision (bf16 on
+    CPUs with AMX); ``precision: f32`` compiles without snippets and marks every layer of the payload
+    precise, which the CPU plugin keeps at fp32 at import: verify on ExecuTorch's runtime at fp32's
+    tolerance, for the MLP (one snippets Subgraph unless they are off) and the CNN."""
+    from lowering.backends.executorch.openvino import precise_payload
+
+    store = tmp_path / "store"
+    for name in ("mlp", "cnn"):
+        manifest = lower_model(model=f"{ROOT / 'examples' / 'models.py'}:{name}", targets=["openvino"],
+                               options={"openvino": {"precision": "f32"}}, store=str(store))
+        target = manifest["targets"]["openvino"]
+        assert target["ok"], target["error"]
+        check = {c["runtime"]: c for c in target["verify"]["checks"]}["executorch"]
+        assert check["ok"] is True and check["max_abs_diff"] < 1e-5, check
+    assert verify_tolerance("openvino", {"precision": "f32"}) is None
+    with pytest.raises(BackendError, match="not the CPU plugin's compiled-model export layout"):
+        precise_payload(bytes(64))
 
 
 def test_qnn_without_its_sdk_is_one_line_before_any_model_runs(tmp_path, cli, monkeypatch):
@@ -198,3 +222,63 @@ def test_the_flow_exports_coreml_its_own_program_with_the_ops_it_keeps(tmp_path,
     library = lowering.lower(model, inputs, partitioner=partitioner_for("coreml")).pte
     assert (out / "mlp.coreml.pte").read_bytes() == library
     assert b"aten_linear_default" in library
+
+
+def test_quantize_key_holds_the_backend_quantizer_only_when_given():
+    program = ArtifactRef("file:///p", "ab" * 32, 1, "program")
+    inputs = {"program": program, "recipe": {"recipe": "int8"}, "calibration": "cd" * 32,
+              "versions": {"torchao": "0.15"}, "source": "x.py:batches", "model": "/m.py:mlp", "fingerprint": "ef"}
+    policy = CacheConfig(results="/tmp").policy("quantize", stages.STAGE_VERSIONS["quantize"],
+                                                 stages.STAGE_IGNORES["quantize"], stages.STAGE_OPTIONAL["quantize"])
+    before = StageCachePolicy(stage="quantize", version=stages.STAGE_VERSIONS["quantize"],
+                              ignore=stages.STAGE_IGNORES["quantize"])  # the key before backend quantizers
+    plain = policy.key_for(stages.stage_inputs("quantize", inputs))
+    assert plain == before.key_for(inputs)
+    arm = {"target": "ethos-u", "options": {}, "quantizer": "executorch.backends.arm.quantizer.EthosUQuantizer",
+           "versions": {"ethos-u": {"executorch": "1.5.1", "ethos-u-vela": "5.1.0", "tosa-tools": "2026.5.0"}}}
+    newer = {**arm, "versions": {"ethos-u": {**arm["versions"]["ethos-u"], "executorch": "1.6.0"}}}
+    keyed = [policy.key_for(stages.stage_inputs("quantize", {**inputs, "backend": b})) for b in (arm, newer)]
+    assert len({plain, *keyed}) == 3
+    from lowering.targets import quantizer_for
+
+    assert quantizer_for("xnnpack", None, "int8") is None and quantizer_for("portable", None, "int8") is None
+
+
+TWO_PARTITIONS = '''
+import torch
+from torch import nn
+
+SECOND = {second}
+
+class Floor(nn.Module):
+    def forward(self, x):
+        return torch.floor(x)
+
+def net():
+    torch.manual_seed(0)
+    first = nn.Linear(8, 16)
+    torch.manual_seed(SECOND)
+    return nn.Sequential(first, Floor(), nn.Linear(16, 4)).eval(), (torch.randn(2, 8),)
+'''
+
+
+def test_a_changed_partition_recompiles_only_itself_and_a_new_compiler_recompiles(tmp_path, monkeypatch):
+    """Vulkan takes the two linears around the floor (which it has no kernel for) as two partitions:
+    new weights in the second recompile the second only; a new compiler version (the key holds
+    ExecuTorch's and the vendor compiler's versions: a new vulkan serializer here) recompiles both."""
+    from lowering.backends.executorch import VulkanBackend
+
+    path, store = tmp_path / "two.py", str(tmp_path / "store")
+    options = {"vulkan": {"force_fp16": False}}
+    path.write_text(TWO_PARTITIONS.format(second=1))
+    first, ran = executions_during(lower_model, f"{path}:net", ["vulkan"], store=store, options=options, verify=False)
+    assert first["targets"]["vulkan"]["delegation"]["partitions"] == 2 and ran["preprocess"] == 2
+    path.write_text(TWO_PARTITIONS.format(second=2))
+    stages.LIVE.clear()
+    second, ran = executions_during(lower_model, f"{path}:net", ["vulkan"], store=store, options=options, verify=False)
+    assert second["targets"]["vulkan"]["ok"] and ran["preprocess"] == 1, dict(ran)
+    versions = VulkanBackend.compiler_versions()
+    monkeypatch.setattr(VulkanBackend, "compiler_versions", classmethod(lambda cls: {**versions, "executorch": "9.9"}))
+    stages.LIVE.clear()
+    third, ran = executions_during(lower_model, f"{path}:net", ["vulkan"], store=store, options=options, verify=False)
+    assert third["targets"]["vulkan"]["ok"] and ran["preprocess"] == 2, dict(ran)

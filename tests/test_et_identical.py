@@ -141,6 +141,25 @@ def ethos_u_ready() -> str | None:
     return None
 
 
+def executorch_ethos_u_payloads(model, inputs):
+    """ExecuTorch's own Ethos-U int8 lowering: Arm's quantizer calibrated on ``inputs``, then
+    ``to_edge_transform_and_lower`` with the same partitioner."""
+    from executorch.exir import to_edge_transform_and_lower
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from lowering.backends.executorch.options import ethos_u_quantizer
+    from lowering.quantize import parse_recipe
+
+    options = check_options(TARGETS["ethos-u"], None)
+    prepared = prepare_pt2e(torch.export.export(model, inputs).module(check_guards=False),
+                            ethos_u_quantizer(options, parse_recipe("int8")))
+    prepared(*inputs)
+    converted = convert_pt2e(prepared)
+    et = make_et_partitioner(TARGETS["ethos-u"], options)
+    return payloads(to_edge_transform_and_lower(torch.export.export(converted, inputs),
+                                                partitioner=[et]).exported_program())
+
+
 @pytest.mark.parametrize("factory", [mlp, cnn], ids=["mlp", "cnn_batchnorm"])
 def test_ethos_u_int8_payloads_are_executorchs(factory):
     """``quantize='int8'`` for ``ethos-u`` quantizes with Arm's own EthosUQuantizer (what its partitioner
@@ -149,25 +168,13 @@ def test_ethos_u_int8_payloads_are_executorchs(factory):
     reason = ethos_u_ready()
     if reason:
         pytest.skip(reason)
-    from executorch.exir import to_edge_transform_and_lower
     from executorch.runtime import Runtime
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from lowering.backends.executorch.options import ethos_u_quantizer
-    from lowering.quantize import parse_recipe
 
     model, inputs = factory()
     result = lowering.lower(model, inputs, partitioner=partitioner_for("ethos-u"), quantize="int8",
                             calibration=[inputs])
     ours = payloads(result.exported_program)
-    options = check_options(TARGETS["ethos-u"], None)
-    prepared = prepare_pt2e(torch.export.export(model, inputs).module(check_guards=False),
-                            ethos_u_quantizer(options, parse_recipe("int8")))
-    prepared(*inputs)
-    converted = convert_pt2e(prepared)
-    et = make_et_partitioner(TARGETS["ethos-u"], options)
-    theirs = payloads(to_edge_transform_and_lower(torch.export.export(converted, inputs),
-                                                  partitioner=[et]).exported_program())
+    theirs = executorch_ethos_u_payloads(model, inputs)
     assert [b for b, _, _ in ours] == [b for b, _, _ in theirs] == ["EthosUBackend"]
     assert ours == theirs and len(ours[0][1]) > 10_000
     # All of it on the NPU: only the input's quantize and the output's dequantize stay outside.
@@ -175,3 +182,47 @@ def test_ethos_u_int8_payloads_are_executorchs(factory):
     assert sorted(outside) == sorted(["quantized_decomposed.quantize_per_tensor.default", "executorch_call_delegate",
                                       "<built-in function getitem>", "quantized_decomposed.dequantize_per_tensor.default"])
     assert Runtime.get().load_program(result.pte).method_names == {"forward"}
+
+
+ETHOS_MODELS = '''
+from examples.models import cnn
+
+
+def calibrated_cnn():
+    model, inputs = cnn()
+    return {"module": model, "inputs": inputs, "calibration": [inputs]}
+'''
+
+
+def test_ethos_u_int8_through_the_flow_is_the_librarys_and_executorchs(tmp_path, cli, fresh_stages):
+    """``lowerflow lower -t ethos-u --quantize int8`` quantizes with Arm's EthosUQuantizer in its quantize stage
+    (keyed on the quantizer and the compilers' versions): the .pte is the one ``lowering.lower`` writes, whose
+    Vela payload is ExecuTorch's; a warm rerun runs nothing."""
+    reason = ethos_u_ready()
+    if reason:
+        pytest.skip(reason)
+    from lowering.targets import quantizer_for
+    from tests._lowering import executions_during
+
+    assert quantizer_for("ethos-u", None, "int8")["quantizer"].endswith(".EthosUQuantizer")
+    assert quantizer_for("ethos-u", None, "int8-dynamic") is None  # Arm's quantizer does static int8 only
+    (tmp_path / "ethos_models.py").write_text(ETHOS_MODELS)
+    spec = f"{tmp_path / 'ethos_models.py'}:calibrated_cnn"
+    store, out = tmp_path / "store", tmp_path / "out"
+    out.mkdir()
+    args = ("lower", spec, "-t", "ethos-u", "-t", "xnnpack", "--quantize", "int8", "--store", store, "-o", f"{out}/")
+    (code, _, errors), ran = executions_during(cli, *args)
+    assert (code, errors) == (0, [])
+    assert ran["quantize"] == 2  # Arm's quantizer for ethos-u, lowerflow's recipe for xnnpack
+    model, inputs = cnn()
+    library = lowering.lower(model, inputs, partitioner=partitioner_for("ethos-u"), quantize="int8",
+                             calibration=[inputs])
+    flow = (out / "calibrated_cnn.ethos-u.pte").read_bytes()
+    assert flow == library.pte
+    (backend, payload, named), = payloads(library.exported_program)
+    assert backend == "EthosUBackend" and payload in flow
+    assert [("EthosUBackend", payload, named)] == executorch_ethos_u_payloads(model, inputs)
+    # lowerflow's own int8 for XNNPACK is another program (Arm's partitioner takes none of its graph).
+    assert payload not in (out / "calibrated_cnn.xnnpack.pte").read_bytes()
+    (code, _, errors), ran = executions_during(cli, *args)
+    assert (code, errors) == (0, []) and not ran, dict(ran)

@@ -386,9 +386,9 @@ def test_folding_removes_weight_transposes_from_the_arena(folded):
     program, result, unfolded = folded["mlp"]
     assert unfolded.arena_bytes == 270_336 and result.arena_bytes == 8_192
     assert set(program.state_dict) == {"fc1.bias", "fc2.bias", "fc3.bias"}
-    for i, fc in enumerate(("fc1", "fc2", "fc3")):
+    for fc in ("fc1", "fc2", "fc3"):
         weight = MODELS["mlp"]()[0].get_submodule(fc).weight.detach()
-        folded_weight = program.constants[f"_folded_permute{'_' + str(i) if i else ''}"]
+        folded_weight = program.constants[f"{fc}.weight#t"]  # named after the weight (folding.folded_name)
         assert torch.equal(folded_weight, weight.t()) and folded_weight.is_contiguous()
 
 

@@ -281,3 +281,39 @@ def test_the_methods_of_one_program_share_one_ptd():
     entries = deserialize_ptd(result.ptd)
     assert set(entries) == set(deserialize_ptd(lower(m, (torch.randn(2, 8),), external_weights=True).ptd))
     check_pair(result.pte, result.ptd)
+
+
+@pytest.mark.parametrize("target", ["portable", "xnnpack"])
+def test_two_methods_folding_views_of_different_weights(target):
+    """examples/models.py:encoder_decoder: each method folds a transposed view of its own
+    weights; the folded constants are named after their weights (``head.weight#t``), not the
+    per-method node (two methods' ``_folded_permute``, different bytes), so the program has
+    one .ptd that runs equal to the embedded one, and a retrain rebinds to the same .pte."""
+    from examples.models import encoder_decoder
+    from lowering.rebind import rebind_weights
+
+    def methods(seed: int | None):
+        program = encoder_decoder()
+        if seed is not None:  # same architecture, new weights (both methods share one Seq2Seq)
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                for p in program["encode"][0].model.parameters():
+                    p.copy_(torch.randn_like(p) * 0.2)
+        return program
+
+    partitioner = partitioner_for(target) if target != "portable" else None
+    embedded = lower(methods(None), partitioner=partitioner)
+    cold = lower(methods(None), partitioner=partitioner, external_weights=True)
+    assert any("#t" in key for key in deserialize_ptd(cold.ptd))
+    check_pair(cold.pte, cold.ptd)
+    tonight = methods(2)
+    update = rebind_weights(cold, {name: module for name, (module, _) in tonight.items()})
+    assert update.pte == cold.pte and update.ptd == lower(methods(2), partitioner=partitioner,
+                                                          external_weights=True).ptd != cold.ptd
+    for name, (module, inputs) in tonight.items():
+        torch.testing.assert_close(run_executorch(cold.pte, cold.ptd, inputs, name)[0],
+                                   run_executorch(embedded.pte, None, inputs, name)[0], atol=1e-6, rtol=1e-6)
+        with torch.no_grad():
+            expected = module(*inputs)
+        torch.testing.assert_close(run_executorch(cold.pte, update.ptd, inputs, name)[0], expected,
+                                   atol=1e-4, rtol=1e-4)

@@ -198,3 +198,21 @@ def test_a_recent_unpublished_record_keeps_the_old_objects_it_names(two_generati
     store = ArtifactStore(str(root))
     for ref in _record_refs(record.read_bytes()):
         store.verify(ref, deep=True)  # the program manifest and every blob it names
+
+
+def test_gc_removes_memos_unused_for_keep_days_and_keeps_recent_ones(tmp_path):
+    """An hf: model's remembered description (``memo/``) is remade on a miss: gc drops it once
+    unused (no hit refreshed it) for ``keep_days``; a recent one stays, and reads back as written."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.put_memo("hf-description-old", {"constants": {"get_max_seq_len": 16}})
+    store.put_memo("hf-description-new", {"constants": {"get_max_seq_len": 32}})
+    stamp = time.time() - 30 * 86400
+    os.utime(store.memo_path("hf-description-old"), (stamp, stamp))
+    report = collect(store, keep_days=7)
+    assert report.removed_records == ["memo/hf-description-old.json"]
+    assert store.get_memo("hf-description-old") is None
+    assert store.get_memo("hf-description-new") == {"constants": {"get_max_seq_len": 32}}
+    # A memo whose value is not the one its digest names is no hit.
+    path = Path(store.memo_path("hf-description-new"))
+    path.write_text(path.read_text().replace("32", "64"))
+    assert store.get_memo("hf-description-new") is None

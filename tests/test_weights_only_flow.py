@@ -74,7 +74,10 @@ def cold(tmp_path: Path, factory: str, target: str, quantize=None):
     spec = importlib.util.spec_from_file_location("retrained_now", tmp_path / "retrained.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    model, inputs = getattr(module, factory)()
+    made = getattr(module, factory)()
+    if isinstance(made, dict):  # a model of several methods
+        return lower(made, partitioner=partitioner_for(target), quantize=quantize, external_weights=True)
+    model, inputs = made
     return lower(model, inputs, partitioner=partitioner_for(target), quantize=quantize, external_weights=True)
 
 
@@ -129,12 +132,24 @@ def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
     assert "lowered fully: recipe int8 (static)" in target_section("xnnpack", entry)
 
 
-def test_a_model_of_several_methods_is_lowered_fully_and_says_why(tmp_path):
-    from flows.weights_only import METHODS
-
-    manifest = retrain_fleet(tmp_path, "two_methods", ("portable",), verify=False)
-    entry = lower_fleet(manifest)["models"]["m"]["targets"]["portable"]
-    assert entry["ok"] and entry["weights_only"] == {"bytes": METHODS}, entry
+@pytest.mark.parametrize("targets, recipe", [(("portable", "xnnpack"), None), (("xnnpack",), "8da4w")])
+def test_a_retrain_of_a_model_of_several_methods_binds_every_method(tmp_path, targets, recipe):
+    """Two methods of one CNN: each method's export keyed on its structure, one
+    ``bind_weights_methods`` per target over the one program; the .pte is last night's."""
+    manifest = retrain_fleet(tmp_path, "two_methods", targets, **({"quantize": recipe} if recipe else {}))
+    first, second, ran = two_nights(tmp_path, manifest)
+    assert dict(ran) == {"bind_weights_methods": len(targets), "verify": 2 * len(targets)}, dict(ran)
+    for target in targets:
+        entry, before = second["targets"][target], first["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert before["weights_only"] == {"bind_weights": "as exported"}
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        library = cold(tmp_path, "two_methods", target, recipe)
+        assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
+        assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]
+        for method in ("small", "again"):
+            runtimes = {c["runtime"] for c in entry["methods"][method]["verify"]["checks"] if c["ok"]}
+            assert runtimes == {"lowerflow", "executorch"}, entry["methods"][method]["verify"]
 
 
 def test_a_program_the_weights_cannot_be_bound_to_is_lowered_again(tmp_path):
@@ -231,3 +246,26 @@ def test_a_plan_lists_bind_weights(tmp_path):
     plan = plan_model(f"{tmp_path / 'retrained.py'}:mlp", ["portable"], str(tmp_path / "store"), external_weights=True)
     assert [r["stage"] for r in plan["targets"]["portable"]["stages"]] == [
         "export", "memory_plan", "emit", "bind_weights", "verify"]
+
+
+def test_a_plan_lists_bind_weights_only_where_it_runs(tmp_path):
+    """A target whose partitioner keeps ops whole (vulkan: its own export, keyed on the weights'
+    bytes) does not bind weights: the plan says so before the run, and the run agrees."""
+    from flows.lower_model import lower_model, plan_model
+    from flows.weights_only import KEPT_OPS
+
+    options = dict(external_weights=True, verify=False)
+    store = str(tmp_path / "store")
+    plan = plan_model("examples/models.py:mlp", ["portable", "vulkan"], store, **options)
+    ran = lower_model("examples/models.py:mlp", ["portable", "vulkan"], store, **options)
+    for target in ("portable", "vulkan"):
+        entry = ran["targets"][target]
+        assert entry["ok"], entry["error"]
+        planned = [r["stage"] for r in plan["targets"][target]["stages"]]
+        assert list(dict.fromkeys(r["stage"] for r in entry["stages"])) == planned, (target, planned)
+    assert "bind_weights" in planned_stages(plan, "portable") and "bind_weights" not in planned_stages(plan, "vulkan")
+    assert ran["targets"]["vulkan"]["weights_only"] == {"bytes": KEPT_OPS}
+
+
+def planned_stages(plan: dict, target: str) -> list[str]:
+    return [r["stage"] for r in plan["targets"][target]["stages"]]

@@ -31,7 +31,8 @@ def fold_constant_views(program: ExportedProgram) -> int:
     A ``*_copy`` view op (permute, view, transpose, squeeze, unsqueeze, select,
     slice, ...) whose tensor inputs are all parameters or tensor constants is
     evaluated now; its result (contiguous) becomes a ``CONSTANT_TENSOR`` input
-    named ``_folded_<node>``.  Ops that would grow the data (``expand_copy``)
+    named after the weight and the view (:func:`folded_name`: ``fc2.weight#t``), the
+    same in every method of a model and every night of a retrain.  Ops that would grow the data (``expand_copy``)
     and nodes the graph returns are left alone, and so is a view of a weight
     something else reads too (a tied weight: an embedding and its LM head):
     folding it would store the weight twice, growing the file by what the
@@ -48,7 +49,7 @@ def fold_constant_views(program: ExportedProgram) -> int:
 
     After::
 
-        %c__folded_permute_1 = placeholder                   # CONSTANT_TENSOR _folded_permute_1
+        %c__folded_permute_1 = placeholder                   # CONSTANT_TENSOR fc2.weight#t
         %addmm_1 = aten.addmm.default(%p_fc2_bias, %relu, %c__folded_permute_1)
     """
     from torch._guards import detect_fake_mode
@@ -72,8 +73,8 @@ def fold_constant_views(program: ExportedProgram) -> int:
             count += 1
             continue
         real = _constant_value(program, node, spec_of)
-        target = _fresh(f"_folded_{node.name}", targets)
-        placeholder_name = _fresh(f"c{target}", names)
+        target = _fresh(folded_name(node, spec_of), targets)
+        placeholder_name = _fresh(f"c_folded_{node.name}", names)
         anchor = _first_user_input(graph, spec_of)
         with graph.inserting_before(anchor) if anchor is not None else graph.inserting_after(
             [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -93,6 +94,26 @@ def fold_constant_views(program: ExportedProgram) -> int:
         graph.erase_node(node)
         count += 1
     return count
+
+
+def folded_name(node: torch.fx.Node, spec_of: Mapping[torch.fx.Node, InputSpec]) -> str:
+    """A folded view's constant name: the weight's name and the view, never the node's (a
+    node name is per program: two methods folding views of different weights would both
+    say ``_folded_permute``)::
+
+        permute_copy(fc2.weight, [1, 0])        fc2.weight#t
+        permute_copy(conv.weight, [0, 2, 3, 1]) conv.weight#p0231
+        view_copy(emb.weight, [4, 8])           emb.weight#view(4,8)
+        select_copy(a, 0, 1) of weights a, b    a#select(0,1)+b   (each further weight after a +)
+    """
+    weights = [spec_of[a].target for a in node.all_input_nodes]
+    rest = [a for a in pytree.tree_leaves((node.args[1:], node.kwargs)) if not isinstance(a, torch.fx.Node)]
+    op = node.target._schema.name.split("::")[-1].removesuffix("_copy")
+    if op == "permute" and all(isinstance(d, int) and 0 <= d < 10 for d in rest):
+        role = "t" if rest == [1, 0] else "p" + "".join(map(str, rest))
+    else:
+        role = f"{op}({','.join(map(str, rest))})"
+    return "+".join([f"{weights[0]}#{role}", *weights[1:]])
 
 
 def _foldable(node: torch.fx.Node, spec_of: Mapping[torch.fx.Node, InputSpec]) -> bool:

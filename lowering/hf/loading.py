@@ -39,13 +39,24 @@ def require_transformers(source: str) -> Any:
     return transformers
 
 
+def check_transformers(source: str) -> None:
+    """HFError saying how to install ``transformers`` unless it is installed (not imported:
+    a cached run that describes the model from its memo never imports it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise HFError(f"hf:{source}: needs the 'transformers' package: {INSTALL_HINT}")
+
+
 def transformers_version() -> str:
-    """``transformers``' version (part of an hf model's fingerprint), "" without it."""
+    """``transformers``' version (part of an hf model's fingerprint), "" without it: its
+    distribution's, which is its ``__version__``, read without importing it."""
+    import importlib.metadata
+
     try:
-        import transformers
-    except ImportError:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
         return ""
-    return str(transformers.__version__)
 
 
 def is_local(source: str) -> bool:

@@ -204,9 +204,10 @@ def deserialize_ptd(data: bytes) -> dict[str, PtdEntry]:
     """Key -> :class:`PtdEntry` of ``.ptd`` bytes (ours or ExecuTorch's), in file order.
 
     Raises :class:`PtdFormatError` naming what is wrong (identifier, header,
-    a segment past the end of the file).
+    a segment past the end of the file).  A memoryview (e.g. of a mapped file) is read in
+    place: the entries' data are views of it, and only the table is read to find them.
     """
-    data = bytes(data)
+    data = data if isinstance(data, (bytes, memoryview)) else bytes(data)
     if len(data) < 8 or data[4:8] != FILE_IDENTIFIER:
         raise PtdFormatError(f"not an ExecuTorch data file (.ptd): identifier {data[4:8]!r}, "
                              f"expected {FILE_IDENTIFIER!r}")

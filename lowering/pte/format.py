@@ -548,6 +548,33 @@ def _read_mutable_data(program: fb.ProgramT, segments: list[bytes]) -> list[byte
     return [bytes(blob) for blob in _split_subsegments(tables[0], segments, "mutable data")] if tables else []
 
 
+def delegate_payload(data: "bytes | memoryview", program: fb.ProgramT, delegate: fb.BackendDelegateT) -> bytes:
+    """The processed bytes of ``delegate``, one of ``program``'s (:func:`program_table` of the
+    ``.pte`` ``data``): its segment alone is read (``data`` may be a mapped file's view), or
+    its inline data."""
+    reference = delegate.processed
+    if reference.location != fb.DataLocation.SEGMENT:
+        return _inline_payload(program, delegate)
+    header = read_extended_header(bytes(data[:8 + EXTENDED_HEADER_LENGTH]))
+    segments = program.segments or []
+    if reference.index >= len(segments):
+        raise PteFormatError(f"delegate {decode_string(delegate.id)!r}: segment {reference.index} >= "
+                             f"{len(segments)} segments")
+    entry = segments[reference.index]
+    start = (header.segment_base_offset if header else 0) + entry.offset
+    if not header or not header.segment_base_offset or start + entry.size > len(data):
+        raise PteFormatError(f"segment {reference.index} ends past the {len(data)} bytes of the file")
+    return bytes(data[start:start + entry.size])
+
+
+def _inline_payload(program: fb.ProgramT, delegate: fb.BackendDelegateT) -> bytes:
+    inline = program.backendDelegateData or []
+    if delegate.processed.index >= len(inline):
+        raise PteFormatError(f"delegate {decode_string(delegate.id)!r}: inline data {delegate.processed.index} "
+                             f">= {len(inline)}")
+    return vector_bytes(inline[delegate.processed.index].data)
+
+
 def _read_delegate_payloads(program: fb.ProgramT, segments: list[bytes]) -> list[bytes]:
     """Collect delegate payloads (deduplicated) and re-point delegates at them."""
     inline = program.backendDelegateData or []

@@ -6,8 +6,8 @@ The only place lowerflow imports ``executorch``, and only when a target is used:
 nothing else imports this package; the ``lowerflow.backends`` entry points name its
 classes (:mod:`.backends`).  Each target is partitioned by that backend's own
 ExecuTorch partitioner and compiled by its own ``preprocess`` inside lowerflow's
-stages (:mod:`.adapter`); lowerflow plans memory and emits.  OpenVINO compiles with
-an inference-precision hint ExecuTorch cannot pass (:mod:`.openvino`).  What each
+stages (:mod:`.adapter`); lowerflow plans memory and emits.  OpenVINO's ``precision: f32``
+marks the payload's layers precise, which its CPU plugin keeps at import (:mod:`.openvino`).  What each
 target needs installed, and its options: :mod:`.targets`, :mod:`.options`,
 ``docs/executorch-backends.md``.
 """

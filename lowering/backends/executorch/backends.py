@@ -8,8 +8,8 @@ dispatches on it, so ``OpenvinoBackend`` here writes delegates the runtime's
   install; :func:`lowering.targets.check_target` calls it before any model runs;
 - ``partitioner(**options)``: the options checked, then ExecuTorch's own partitioner
   wrapped as a lowerflow :class:`~lowering.partition.Partitioner` (:mod:`.adapter`);
-- ``preprocess``: ExecuTorch's own ``preprocess`` (OpenVINO: lowerflow's compile
-  with the precision hint, :mod:`.openvino`);
+- ``preprocess``: ExecuTorch's own ``preprocess`` (OpenVINO ``precision: f32``: its
+  payload's layers then marked precise, :mod:`.openvino`);
 - ``compiler_versions()``: executorch's and the vendor compiler's versions, in
   the preprocess stage's cache key (a new coremltools recompiles);
 - ``verify_tolerance(options)``: the fp tolerance its outputs are checked with
@@ -24,9 +24,10 @@ import importlib
 from typing import Any
 
 from ...delegation import BackendDetails, PreprocessResult
-from .adapter import EtPartitioner, et_preprocess
+from .adapter import EtPartitioner, et_edge_program, et_preprocess, quiet
 from .coreml import deterministic_payload
-from .options import QUANTIZERS, check_options, make_et_partitioner
+from .openvino import compile_precise
+from .options import PRECISION_SPEC, QUANTIZERS, check_options, make_et_partitioner
 from .targets import TARGETS, EtTarget, check_available, compiler_versions
 
 
@@ -85,20 +86,32 @@ def _subclasses(cls: type) -> list[type]:
 
 
 class OpenvinoBackend(ExecutorchBackend):
-    """ExecuTorch's OpenVINO partitioner and preprocess, as they are.
+    """ExecuTorch's OpenVINO partitioner and preprocess; ``precision: f32`` marks the payload.
 
     Precision: the payload is OpenVINO's compiled-model export, and the stock runtime
     imports it with ``ov_core_import_model(blob, device)``, no properties: the device's
     default ``INFERENCE_PRECISION_HINT`` applies at load, whatever hint the blob was
     compiled with (measured: compiled with f32, imported bf16 on an AMX CPU, 1e-3 error).
-    So no lowerflow option can choose it for that runtime, and verify holds the program
+    ``precision: f32`` compiles without snippets and marks every layer of the payload's
+    model precise, which the CPU plugin keeps at fp32 at import (:mod:`.openvino`); by default verify holds the program
     to the precision this machine's OpenVINO uses (:meth:`verify_tolerance`).
     """
 
     target = TARGETS["openvino"]
 
     @classmethod
+    def preprocess(cls, edge_program, compile_specs) -> PreprocessResult:
+        specs = {s.key: bytes(s.value).decode() for s in compile_specs}
+        if specs.pop(PRECISION_SPEC, None) != "f32":
+            return super().preprocess(edge_program, compile_specs)
+        cls.check_available()
+        with quiet():
+            return PreprocessResult(compile_precise(et_edge_program(edge_program), specs))
+
+    @classmethod
     def verify_tolerance(cls, options: dict | None) -> float | None:
+        if (options or {}).get("precision") == "f32":
+            return None
         return DEFAULT_PRECISION_TOLERANCE.get(openvino_default_precision((options or {}).get("device", "CPU")))
 
 

@@ -6,6 +6,7 @@ ExecuTorch's own partitioner with its compile specs.
 API for that backend takes::
 
     openvino  device: CPU                  CompileSpec("device", b"CPU") (the only spec its runtime reads)
+              precision: f32               CompileSpec("precision", b"f32") (lowerflow's preprocess reads it)
     vulkan    force_fp16: true, ...        VulkanPartitioner(compile_options={...})
     coreml    compute_units: cpu_and_ne    CoreMLBackend.generate_compile_specs(compute_unit=..., ...)
     ethos-u   accelerator: ethos-u55-128   EthosUCompileSpec(target=..., system_config=..., memory_mode=...)
@@ -28,6 +29,7 @@ _list = (list, tuple)
 OPTIONS: dict[str, dict[str, tuple[tuple[type, ...], tuple | None, Any]]] = {
     "openvino": {
         "device": (_str, None, "CPU"),
+        "precision": (_str, ("f32", "default"), None),
         "op_types_to_skip": (_list, None, ()),
     },
     "vulkan": {
@@ -92,11 +94,20 @@ def make_et_partitioner(target: EtTarget, options: Mapping[str, Any]):
         raise BackendError(f"target {target.name!r}: bad options {dict(options)}: {type(exc).__name__}: {exc}") from exc
 
 
+#: The compile spec of ``openvino``'s ``precision: f32`` (lowerflow's; ExecuTorch's runtime reads only ``device``).
+PRECISION_SPEC = "precision"
+
+
 def _openvino(options):
     from executorch.backends.openvino.partitioner import OpenvinoPartitioner
     from executorch.exir.backend.compile_spec_schema import CompileSpec
 
     specs = [CompileSpec("device", options["device"].encode())]
+    if options.get("precision") == "f32":  # kept at import: .openvino.precise_payload (CPU only)
+        if options["device"] != "CPU":
+            raise BackendError(f"target 'openvino': precision f32 is for device CPU (the CPU plugin keeps layers "
+                               f"marked precise at fp32), not {options['device']!r}")
+        specs.append(CompileSpec(PRECISION_SPEC, b"f32"))
     return OpenvinoPartitioner(specs, op_types_to_skip=set(options["op_types_to_skip"]) or None)
 
 
