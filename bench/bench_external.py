@@ -14,8 +14,10 @@ this run, against this run's cold lowering).
 ``--flow``: the same through the flow (flows/weights_only.py): night 1 lowers the factory's
 model cold into an empty store, night 2 the retrain (same code, new weights) with the same
 store, each a ``lower_model`` flow run with verify off (what lowering costs; the load and fingerprint of
-the model, the same both nights, are in both), for the CNN and a transformers Llama decoder
-(a factory: logits of a prompt, no KV cache), fp32 and 8da4w, on xnnpack.
+the model, the same both nights, are in both), for the CNN, a transformers Llama decoder
+(a factory: logits of a prompt, no KV cache) and the same Llama as an ``hf:`` text-generation
+program (forward with its KV cache + constant methods; the retrain is ``save_pretrained`` of new
+weights into the same directory), fp32 and 8da4w, on xnnpack: wall and CPU seconds of this process.
 
     python bench/bench_external.py [--hidden 256] [--layers 4] [--flow]
 """
@@ -132,16 +134,21 @@ def flow_nights(hidden: int, layers: int) -> list[float]:
     # the Prefect server's start and the first imports: neither night's
     lower_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:mlp", ["xnnpack"],
                 store=str(work / "warm-up"), verify=False, quantize="8da4w", external_weights=True)
-    for factory in ("cnn", "llama"):
+    for factory in ("cnn", "llama", "hf-llama"):
         for recipe in (None, "8da4w"):
             store = work / f"store-{factory}-{recipe}"
-            seconds, stages = [], []
+            seconds, cpu, stages = [], [], []
             for seed in ("1", "2"):
                 (work / "seed.txt").write_text(seed)
-                start = time.perf_counter()
-                manifest = lower_model(f"{work / 'retrained.py'}:{factory}", ["xnnpack"], store=str(store),
-                                     verify=False, quantize=recipe, external_weights=True)
+                if factory == "hf-llama":  # the retrain: save_pretrained of new weights into the same directory
+                    save_llama(work / "hf-llama", int(seed), hidden, layers)
+                spec, hf = (f"hf:{work / 'hf-llama'}", {"task": "text-generation", "max_seq_len": 64}) \
+                    if factory == "hf-llama" else (f"{work / 'retrained.py'}:{factory}", None)
+                start, start_cpu = time.perf_counter(), time.process_time()
+                manifest = lower_model(spec, ["xnnpack"], store=str(store), verify=False, quantize=recipe,
+                                       external_weights=True, hf=hf)
                 seconds.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
                 entry = manifest["targets"]["xnnpack"]
                 assert entry["ok"], entry["error"]
                 stages.append({r["stage"]: r["seconds"] for r in entry["stages"] if not r["cached"]})
@@ -149,12 +156,24 @@ def flow_nights(hidden: int, layers: int) -> list[float]:
             assert entry["update"]["program"] == "unchanged", entry["update"]
             ratio = seconds[1] / seconds[0]
             ratios.append(ratio)
-            label = f"flow {factory}{'-%dx%d' % (hidden, layers) if factory == 'llama' else ''}/xnnpack" + \
+            label = f"flow {factory}{'-%dx%d' % (hidden, layers) if 'llama' in factory else ''}/xnnpack" + \
                 (f"/{recipe}" if recipe else "")
-            print(f"{label:<34} cold {seconds[0]:7.2f} s  retrain {seconds[1]:6.2f} s  ratio {ratio:5.3f}  "
+            print(f"{label:<37} cold {seconds[0]:7.2f} s  retrain {seconds[1]:6.2f} s  ratio {ratio:5.3f}  "
+                  f"CPU {cpu[0]:6.2f} / {cpu[1]:5.2f} s = {cpu[1] / cpu[0]:5.3f}  "
                   f"(load+fingerprint {manifest['load_seconds']:.2f} s; ran {stages[1]}; {entry['weights_only']})  "
                   f"loadavg {os.getloadavg()[0]:.1f}")
     return ratios
+
+
+def save_llama(directory: Path, seed: int, hidden: int, layers: int) -> None:
+    """A random-weight Llama checkpoint of the bench's architecture (``seed``: its weights)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128, bos_token_id=1,
+        eos_token_id=2)).eval().save_pretrained(directory)
 
 
 def main() -> int:

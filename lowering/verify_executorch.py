@@ -252,8 +252,8 @@ def run_programs_in_fresh_interpreter(jobs: list[tuple["Pte", list[str], list]],
                 paths[_file_key(item)] = os.path.join(tmp, f"file{len(paths)}")
                 with open(paths[_file_key(item)], "wb") as f:
                     f.write(item)
-            else:
-                paths[_file_key(item)] = os.fspath(item)
+            else:  # a plain str: a path carrying its .ptd (_PathWithData) is no tensor weights_only loads
+                paths[_file_key(item)] = str(os.fspath(item))
         request, outputs = os.path.join(tmp, "request.pt"), os.path.join(tmp, "outputs.pt")
         torch.save({"modules": modules,
                     "jobs": [(paths[_file_key(pte)], paths.get(_file_key(data_of(pte))), list(names),

@@ -14,6 +14,35 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+#: The test files of two minutes or more (on a quiet 2-core machine, in ``./run test``), the
+#: longest first.  ``./run test`` sends whole files to its workers (``--dist loadfile``) in
+#: collection order (``--no-loadscope-reorder``; xdist's default order is by number of
+#: tests, which put these few-test files last): these start first, and the files that
+#: finish the run are short ones, so both workers end within a short file of each other.
+#: (The first two run side by side: test_deployment.py mostly waits on its processes.)
+LONGEST_FIRST = (
+    "test_deployment.py",
+    "test_hf_quantized.py",
+    "test_verify_modes.py",
+    "test_hf.py",
+    "test_cli.py",
+    "test_et_identical_hf.py",
+    "test_gates.py",
+    "test_deployment_trial.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of :data:`LONGEST_FIRST` first, in its order; then the others, the files of
+    more tests first (xdist's own order), each file's tests in their order."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    order = sorted(files, key=lambda path: (rank.get(path.name, len(rank)), -len(files[path])))
+    items[:] = [item for path in order for item in files[path]]
+
+
 #: Fake credentials of the moto server; never real ones.
 S3_KEY = "lowerflow-test"
 S3_SECRET = "lowerflow-test-secret"

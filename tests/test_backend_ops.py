@@ -358,12 +358,12 @@ def test_flow_partition_key_follows_the_fused_op_declaration(fresh_stages, tmp_p
     assert sum(ran.values()) == 0 and again["pte"]["sha256"] == fused["pte"]["sha256"]
 
 
-def test_cli_lower_reference_delegates_the_fused_op(tmp_path):
+def test_cli_lower_reference_delegates_the_fused_op(tmp_path, prefect_api):
     from tests.test_cli import lowerflow
 
     out = tmp_path / "mlp.reference.pte"
     done = lowerflow("lower", "examples/models.py:mlp", "--target", "reference", "-o", str(out),
-                     "--store", str(tmp_path / "store"), home=tmp_path / "prefect-home")
+                     "--store", str(tmp_path / "store"), home=tmp_path / "prefect-home", api=prefect_api)
     assert done.returncode == 0, done.stderr
     assert f"reference: wrote {out}" in done.stdout
     pte = out.read_bytes()

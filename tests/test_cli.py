@@ -17,17 +17,22 @@ MLP = "examples/models.py:mlp"
 
 
 def lowerflow(*args: str, cwd: Path = REPO, home: Path | None = None, timeout: float = 600,
-              env: dict[str, str] | None = None, module: str = "flows.cli") -> subprocess.CompletedProcess:
+              env: dict[str, str] | None = None, module: str = "flows.cli",
+              api: str | None = None) -> subprocess.CompletedProcess:
     """Run ``lowerflow ARGS`` (or ``python -m <module> ARGS``) with no Prefect configuration
     (ephemeral server) but ``env``.
 
     ``home``: a PREFECT_HOME of its own, so the ephemeral server's database is not
     shared with other processes on the machine.
+    ``api``: the Prefect API to use instead (the session's server, ``prefect_api``): a
+    command that runs a flow starts no ephemeral server then, ~10 s of CPU less each.
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
     base["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     if home is not None:
         base["PREFECT_HOME"] = str(home)
+    if api is not None:
+        base["PREFECT_API_URL"] = api
     base["PYTHONPATH"] = str(REPO)
     base.update(env or {})
     return subprocess.run(
@@ -233,7 +238,7 @@ def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
     assert checked.returncode == 0, checked.stderr
 
 
-def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path):
+def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path, prefect_api):
     (tmp_path / "broken.py").write_text("def broken():\n    raise RuntimeError('no model today')\n")
     manifest = tmp_path / "fleet.yaml"
     manifest.write_text(textwrap.dedent(
@@ -248,7 +253,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
         """
     ))
     home = tmp_path / "prefect-home"
-    fleet = lowerflow("fleet", str(manifest), home=home)
+    fleet = lowerflow("fleet", str(manifest), home=home, api=prefect_api)  # (the ephemeral server: the tests above and below)
     assert_one_line_error(fleet, 1, "1 of 2 models failed: broken")
     out = fleet.stdout.splitlines()
     progress = sorted(line.split()[1:3] for line in out if line.startswith("["))

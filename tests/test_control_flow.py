@@ -330,13 +330,13 @@ def test_cached_flow_delegates_branches_and_matches_the_library(tmp_path):
     assert all(r["cached"] for r in again["targets"]["xnnpack"]["stages"])
 
 
-def test_cli_lowers_map_model_for_xnnpack(tmp_path):
+def test_cli_lowers_map_model_for_xnnpack(tmp_path, prefect_api):
     pytest.importorskip("executorch")
     from tests.test_cli import lowerflow
 
     out = tmp_path / "map.pte"
     result = lowerflow("lower", "examples/models.py:map_linear", "-t", "xnnpack", "-o", str(out),
-                       "--store", str(tmp_path / "store"), home=tmp_path / "prefect-home")
+                       "--store", str(tmp_path / "store"), home=tmp_path / "prefect-home", api=prefect_api)
     assert result.returncode == 0, result.stderr
     stages = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("xnnpack ")]
     assert "lower_control_flow" in stages and stages[-1] == "verify"

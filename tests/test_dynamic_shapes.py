@@ -473,7 +473,7 @@ def test_fleet_manifest_gives_dynamic_shapes_and_bad_ones_are_refused_before_any
         assert not (tmp_path / "never").exists()
 
 
-def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_path):
+def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_path, prefect_api):
     from tests.test_cli import assert_one_line_error, lowerflow
 
     store, home = tmp_path / "store", tmp_path / "prefect-home"
@@ -482,7 +482,8 @@ def test_cli_lower_with_dynamic_shapes_then_a_new_max_is_not_a_cache_hit(tmp_pat
     for max_ in (8, 16):
         out = tmp_path / f"mlp{max_}.pte"
         shapes = json.dumps({"x": {"0": {"name": "batch", "min": 1, "max": max_}}})
-        result = lowerflow("lower", spec, "--dynamic-shapes", shapes, "-o", str(out), "--store", str(store), home=home)
+        result = lowerflow("lower", spec, "--dynamic-shapes", shapes, "-o", str(out), "--store", str(store), home=home,
+                           api=prefect_api)
         assert result.returncode == 0, result.stderr
         stages = {line.split()[1]: line.split()[2] for line in result.stdout.splitlines()
                   if line.startswith("portable ")}

@@ -1,6 +1,7 @@
 """Gates (issue 30): a program worse than the published one is not published.
 
-The night's story, through the real ``lowerflow`` command, one store: a model is lowered
+The night's story, through the real ``lowerflow`` command (a process of its own, on the
+session's Prefect server), one store: a model is lowered
 and published; a deliberately slower variant of it (same name, the same layer applied 20
 times) is refused by its latency gate, a bigger one (a 1 MB table it reads 8 rows of) by
 its size gate — each exits 1 with one line naming the model, the target, the figure and
@@ -43,39 +44,42 @@ def net():
 """
 
 
+@pytest.fixture
+def run(prefect_api, tmp_path):
+    """``run(*args)``: ``lowerflow ARGS`` in a process of its own, in ``tmp_path``, on the
+    session's Prefect server (an ephemeral server in each command would cost ~10 s of CPU)."""
+    return lambda *args: lowerflow(*args, cwd=tmp_path, home=tmp_path / "home", api=prefect_api)
+
+
 def published_files(store: Path) -> dict[str, bytes]:
     out = store / "outputs" / "net"
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "history.jsonl"}
 
 
-def test_a_slower_and_a_bigger_program_are_refused_and_accepted_on_request(tmp_path):
+def test_a_slower_and_a_bigger_program_are_refused_and_accepted_on_request(run, tmp_path):
     model, store = tmp_path / "net.py", tmp_path / "store"
     common = ["-t", "xnnpack", "--store", str(store), "-o", str(tmp_path / "out.pte")]
     model.write_text(NET.format(repeat=1, extra=0))
-    first = lowerflow("lower", "net.py:net", *common, "--gates", '{"latency": 1.5, "size": 1.05}',
-                      cwd=tmp_path, home=tmp_path / "home")
+    first = run("lower", "net.py:net", *common, "--gates", '{"latency": 1.5, "size": 1.05}')
     assert first.returncode == 0, first.stderr  # a first lowering has nothing to compare: it passes
     night1 = published_files(store)
     assert {"xnnpack.pte", "manifest.json"} <= set(night1)
 
     model.write_text(NET.format(repeat=20, extra=0))  # slower, about as big
-    slower = lowerflow("lower", "net.py:net", *common, "--gates", '{"latency": 1.5}', cwd=tmp_path,
-                       home=tmp_path / "home")
+    slower = run("lower", "net.py:net", *common, "--gates", '{"latency": 1.5}')
     line = assert_one_line_error(slower, 1, "net: xnnpack: regressed: latency ×", "> 1.5")
     assert float(line.split("latency ×")[1].split()[0]) > 1.5
     assert published_files(store) == night1
 
     model.write_text(NET.format(repeat=1, extra=4096))  # a 1 MB table: bigger
-    bigger = lowerflow("lower", "net.py:net", *common, "--gates", '{"size": 1.05}', cwd=tmp_path,
-                       home=tmp_path / "home")
+    bigger = run("lower", "net.py:net", *common, "--gates", '{"size": 1.05}')
     assert_one_line_error(bigger, 1, "net: xnnpack: regressed: size ×", "> 1.05")
     assert published_files(store) == night1
     history = [json.loads(line) for line in (store / "outputs" / "net" / "history.jsonl").read_text().splitlines()]
     assert [h.get("regressed", False) for h in history] == [False, True, True]
     assert history[1]["change"]["latency"] > 1.5 and history[2]["change"]["size"] > 1.05
 
-    accepted = lowerflow("lower", "net.py:net", *common, "--gates", '{"size": 1.05}', "--accept-regressions",
-                         cwd=tmp_path, home=tmp_path / "home")
+    accepted = run("lower", "net.py:net", *common, "--gates", '{"size": 1.05}', "--accept-regressions")
     assert accepted.returncode == 0, accepted.stderr
     assert "published although its gates refuse it (accepted): size ×" in accepted.stdout + accepted.stderr
     manifest = json.loads((store / "outputs" / "net" / "manifest.json").read_text())
@@ -168,16 +172,15 @@ def test_reports_say_regressed_first_with_the_change_and_where_latency_was_measu
     assert png_size(trend_png(lines, title="b / xnnpack")) == (800, 220)
 
 
-def test_the_plan_lists_the_benchmark_stage_where_it_runs(tmp_path):
+def test_the_plan_lists_the_benchmark_stage_where_it_runs(run, tmp_path):
     (tmp_path / "net.py").write_text(NET.format(repeat=1, extra=0))
     (tmp_path / "fleet.yaml").write_text(
         "store: store\nmodels:\n"
         "  - {name: gated, model: net.py:net, targets: [portable], gates: {latency: 1.5}}\n"
         "  - {name: plain, model: net.py:net, targets: [portable]}\n")
-    home = tmp_path / "home"
 
     def plan() -> dict[str, list[str]]:
-        out = lowerflow("plan", "fleet.yaml", cwd=tmp_path, home=home)
+        out = run("plan", "fleet.yaml")
         assert out.returncode == 0, out.stderr
         return {line.split()[0]: line.split()[2:] for line in out.stdout.splitlines()
                 if line.startswith(("gated ", "plain "))}
@@ -185,7 +188,7 @@ def test_the_plan_lists_the_benchmark_stage_where_it_runs(tmp_path):
     # Cold: the gated model's stages end with the benchmark (its gate needs the latency); not the other's.
     assert plan() == {"gated": ["0/5", "export,", "memory_plan,", "emit,", "verify,", "benchmark"],
                       "plain": ["0/4", "export,", "memory_plan,", "emit,", "verify"]}
-    night = lowerflow("fleet", "fleet.yaml", cwd=tmp_path, home=home)
+    night = run("fleet", "fleet.yaml")
     assert night.returncode == 0, night.stderr
     assert plan() == {"gated": ["5/5", "-"], "plain": ["4/4", "-"]}  # a warm night: the benchmark cached too
 
@@ -201,7 +204,7 @@ def two():
 """
 
 
-def test_a_program_of_several_methods_is_benchmarked_method_by_method(tmp_path):
+def test_a_program_of_several_methods_is_benchmarked_method_by_method(run, tmp_path):
     from flows.reports import model_report_markdown
 
     model, store = tmp_path / "two.py", tmp_path / "store"
@@ -209,7 +212,7 @@ def test_a_program_of_several_methods_is_benchmarked_method_by_method(tmp_path):
             "--gates", '{"latency": 100}']
     def night(width: int, inputs: int = 16) -> dict:
         model.write_text(TWO_METHODS.format(width=width, inputs=inputs))
-        done = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+        done = run(*args)
         assert done.returncode == 0, done.stderr
         return json.loads((store / "outputs" / "two" / "manifest.json").read_text())["targets"]["portable"]
 
@@ -232,17 +235,17 @@ def test_a_program_of_several_methods_is_benchmarked_method_by_method(tmp_path):
     assert record["benchmark"]["methods"]["decode"]["ratios"]["latency"] > 0
 
 
-def test_a_program_with_external_weights_is_benchmarked_with_them_and_gated_on_both_files(tmp_path):
+def test_a_program_with_external_weights_is_benchmarked_with_them_and_gated_on_both_files(run, tmp_path):
     model, store = tmp_path / "net.py", tmp_path / "store"
     args = ["lower", "net.py:net", "-t", "portable", "--external-weights", "--store", str(store),
             "-o", str(tmp_path / "net.pte"), "--gates", '{"latency": 100, "size": 1.05}']
     model.write_text(NET.format(repeat=1, extra=0))
-    assert lowerflow(*args, cwd=tmp_path, home=tmp_path / "home").returncode == 0
+    assert run(*args).returncode == 0
     out = store / "outputs" / "net"
     night1 = {p: (out / p).read_bytes() for p in ("portable.pte", "portable.ptd")}
     # Retrained (other weights): the same .pte, another .ptd; benchmarked against the published pair.
     model.write_text(NET.format(repeat=1, extra=0).replace("manual_seed(0)", "manual_seed(1)"))
-    retrained = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+    retrained = run(*args)
     assert retrained.returncode == 0, retrained.stderr
     record = json.loads((out / "manifest.json").read_text())["targets"]["portable"]
     assert (out / "portable.pte").read_bytes() == night1["portable.pte"]
@@ -251,6 +254,6 @@ def test_a_program_with_external_weights_is_benchmarked_with_them_and_gated_on_b
     assert record["change"]["size"] == 1.0
     # A 1 MB table in the .ptd: the size gate counts .pte + .ptd (the .pte alone barely grows).
     model.write_text(NET.format(repeat=1, extra=4096))
-    bigger = lowerflow(*args, cwd=tmp_path, home=tmp_path / "home")
+    bigger = run(*args)
     line = assert_one_line_error(bigger, 1, "net: portable: regressed: size ×", "> 1.05")
     assert float(line.split("size ×")[1].split()[0]) > 10

@@ -545,13 +545,14 @@ def test_changing_the_method_set_re_emits_and_never_hits_a_stale_program(tmp_pat
     assert back["targets"]["reference"]["pte"]["sha256"] == first["targets"]["reference"]["pte"]["sha256"]
 
 
-def test_cli_lowers_and_verifies_every_method(tmp_path, lowered):
+def test_cli_lowers_and_verifies_every_method(tmp_path, lowered, prefect_api):
     from .test_cli import error_lines, lowerflow
 
     out = tmp_path / "out.pte"
     spec = "examples/models.py:encoder_decoder"
     home = tmp_path / "prefect-home"
-    result = lowerflow("lower", spec, "-t", "xnnpack", "-o", str(out), "--store", str(tmp_path / "store"), home=home)
+    result = lowerflow("lower", spec, "-t", "xnnpack", "-o", str(out), "--store", str(tmp_path / "store"), home=home,
+                       api=prefect_api)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes() == lowered["xnnpack"][0].pte
     assert "emit_methods" in result.stdout and "memory_plan[decode]" in result.stdout

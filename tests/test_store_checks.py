@@ -144,3 +144,20 @@ def test_gc_removes_the_check_records_of_the_objects_it_removes(stored):
     assert report.removed_objects == [ref.sha256]
     assert not os.path.exists(store.checked_path(ref.sha256))
     assert store.checked(kept.sha256)
+
+
+def test_copy_out_leaves_a_file_that_holds_the_bytes_as_it_is_and_rewrites_any_other(tmp_path):
+    """``lowerflow lower -o`` of a rerun: the output file already holding the object's bytes
+    is hashed, not copied again (same inode and time); a file of other bytes, same size, is replaced."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = store.put_bytes(os.urandom(1 << 20), "pte")
+    out = tmp_path / "out.pte"
+    assert store.copy_out(ref, str(out)) == ref.size and out.read_bytes() == store.get_bytes(ref)
+    before = os.stat(out)
+    os.utime(out, ns=(before.st_atime_ns, before.st_mtime_ns - 10**9))
+    store.copy_out(ref, str(out))
+    after = os.stat(out)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns - 10**9)
+    out.write_bytes(bytes(ref.size))
+    store.copy_out(ref, str(out))
+    assert out.read_bytes() == store.get_bytes(ref) and os.stat(out).st_ino != before.st_ino

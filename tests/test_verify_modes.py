@@ -31,6 +31,7 @@ from lowering.backends.xnnpack import XnnpackPartitioner  # noqa: E402
 from lowering.export import export  # noqa: E402
 from lowering.hf import load_hf  # noqa: E402
 from lowering.quantize import quantize  # noqa: E402
+from lowering.quantize.dynamic import dequantized_weights  # noqa: E402
 from lowering.verify import QUICK_ABOVE_BYTES, resolve_mode, verify, verify_quick  # noqa: E402
 
 MAX_SEQ_LEN = 32
@@ -129,6 +130,25 @@ def test_quick_lets_the_quantized_reference_go_before_the_runtimes_run(llamas, m
         gc.enable()
     assert report.ok, report.to_dict()
     assert alive_at_runtime == [0]
+
+
+def test_a_references_weights_are_dequantized_once_and_it_computes_the_same(llamas):
+    """verify's quantized reference runs on several calls with its weights dequantized once
+    (no dequantize of constant data left in the graph), bit-identical to dequantizing at every call."""
+    module, inputs, dims = _forward(llamas[0])
+    program = quantize(export(module, inputs, dynamic_shapes=dims), "8da4w")
+    plain, folded = program.module(), dequantized_weights(program.module())
+
+    def dequantizes(graph_module):
+        return [n for n in graph_module.graph.nodes
+                if n.op == "call_function" and n.target.__name__.startswith("dequantize")]
+
+    assert len(dequantizes(folded)) < len(dequantizes(plain))
+    assert all(any(a.op != "get_attr" for a in n.all_input_nodes) for n in dequantizes(folded))  # activations'
+    calls = module.quick_calls(8, 3)
+    with torch.no_grad():
+        for each in calls:
+            assert torch.equal(plain(*each), folded(*each))
 
 
 def test_auto_is_full_for_a_small_model_and_quick_above_the_threshold():

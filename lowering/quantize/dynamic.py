@@ -297,3 +297,49 @@ def nudged_activation_scales(module: torch.fx.GraphModule, relative: float = NUD
             node.replace_all_uses_with(nudged, delete_user_cb=lambda user: user is not nudged)
     module.recompile()
     return module
+
+
+def dequantized_weights(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``module`` (a quantized program's ``.module()``, changed in place and returned) with
+    every dequantize of constant data (a weight's) computed once now: the op's result becomes
+    a tensor attribute of the module the graph reads, so calling it again (a reference run on
+    several calls: verify's) does not dequantize every weight at every call.  The values are
+    the op's own on the same inputs: outputs are unchanged.
+
+    Before::
+
+        %wdq = torchao.dequantize_affine(%_q_weight_addmm, [1, 32], %_q_scale_addmm, ...)
+        %mm = aten.mm(%xdq, %wdq)
+
+    After::
+
+        %wdq = get_attr[_dequantized_wdq]
+        %mm = aten.mm(%xdq, %wdq)
+    """
+    from functools import reduce
+
+    from torch.utils import _pytree as pytree
+
+    graph = module.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not str(getattr(node.target, "__name__", "")).startswith("dequantize"):
+            continue
+        operands = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, torch.fx.Node)]
+        if not operands or any(a.op != "get_attr" for a in operands):
+            continue
+        args, kwargs = pytree.tree_map_only(
+            torch.fx.Node, lambda a: reduce(getattr, a.target.split("."), module), (node.args, node.kwargs))
+        with torch.no_grad():
+            value = node.target(*args, **kwargs)
+        name = f"_dequantized_{node.name}"
+        setattr(module, name, value)  # a plain attribute: not a buffer (verify restores buffers)
+        with graph.inserting_before(node):
+            folded = graph.get_attr(name)
+        folded.meta = dict(node.meta)
+        node.replace_all_uses_with(folded)
+        graph.erase_node(node)
+        for operand in operands:
+            if not operand.users and operand.graph is graph:
+                graph.erase_node(operand)
+    module.recompile()
+    return module
