@@ -142,6 +142,11 @@ def ethos_u_ready() -> str | None:
 
 
 def executorch_ethos_u_payloads(model, inputs):
+    """The payloads of ExecuTorch's own Ethos-U int8 lowering (``executorch_ethos_u_program``)."""
+    return payloads(executorch_ethos_u_program(model, inputs))
+
+
+def executorch_ethos_u_program(model, inputs):
     """ExecuTorch's own Ethos-U int8 lowering: Arm's quantizer calibrated on ``inputs``, then
     ``to_edge_transform_and_lower`` with the same partitioner."""
     from executorch.exir import to_edge_transform_and_lower
@@ -156,8 +161,7 @@ def executorch_ethos_u_payloads(model, inputs):
     prepared(*inputs)
     converted = convert_pt2e(prepared)
     et = make_et_partitioner(TARGETS["ethos-u"], options)
-    return payloads(to_edge_transform_and_lower(torch.export.export(converted, inputs),
-                                                partitioner=[et]).exported_program())
+    return to_edge_transform_and_lower(torch.export.export(converted, inputs), partitioner=[et]).exported_program()
 
 
 @pytest.mark.parametrize("factory", [mlp, cnn], ids=["mlp", "cnn_batchnorm"])
