@@ -130,7 +130,8 @@ def lower(
         source = quantized = None
     else:
         with _timed(timings, "export"):
-            program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict, keep=keep)
+            program = _edge_program(model_or_exported_program, example_inputs, dynamic_shapes, strict, keep=keep,
+                                    fold_constants=_fold_constants(partitioner))
         source = program if external_weights else None
         if quantize is not None and partitioner is None:
             _parse_recipe(quantize).check_portable(f"lower: model {_label(model_or_exported_program)!r}")
@@ -317,6 +318,12 @@ def _ops_to_not_decompose(partitioner: Any):
     return partitioner.ops_to_not_decompose if partitioner is not None else None
 
 
+def _fold_constants(partitioner: Any) -> bool | None:
+    """The partitioner's ``fold_constants`` (None without one: export's default)."""
+    partitioner = _as_partitioner(partitioner)
+    return partitioner.fold_constants if partitioner is not None else None
+
+
 def _backend_quantizer(partitioner: Any, recipe: Any, model: Any):
     """The partitioner's own quantizer for ``recipe`` when a module is to be quantized with it; else None."""
     partitioner = _as_partitioner(partitioner)
@@ -331,9 +338,11 @@ def _edge_program(
     dynamic_shapes: Any = None,
     strict: bool = False,
     keep: Any = None,
+    fold_constants: bool | None = None,
 ) -> ExportedProgram:
     """The edge-form program of a module or an exported program (``keep``: a partitioner's
-    ``ops_to_not_decompose``, for a program stage 1 decomposes here)."""
+    ``ops_to_not_decompose``, for a program stage 1 decomposes here; ``fold_constants``: its
+    :attr:`~lowering.partition.Partitioner.fold_constants`)."""
     if isinstance(model_or_exported_program, ExportedProgram):
         if example_inputs is not None or dynamic_shapes is not None:
             raise LoweringError(
@@ -341,7 +350,7 @@ def _edge_program(
                 "an ExportedProgram carries its own"
             )
         program = model_or_exported_program
-        return program if is_edge_form(program) else to_edge(program, keep=keep)
+        return program if is_edge_form(program) else to_edge(program, keep=keep, fold_constants=fold_constants)
     if not isinstance(model_or_exported_program, torch.nn.Module):
         raise LoweringError(
             "lower: expected a torch.nn.Module or an ExportedProgram, "
@@ -351,7 +360,8 @@ def _edge_program(
         raise LoweringError(
             f"lower: model {type(model_or_exported_program).__name__!r} needs example_inputs to be exported"
         )
-    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict, keep=keep)
+    return export(model_or_exported_program, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict, keep=keep,
+                  fold_constants=fold_constants)
 
 
 def is_edge_form(program: ExportedProgram) -> bool:

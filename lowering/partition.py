@@ -70,6 +70,9 @@ class Partitioner(abc.ABC):
 
     #: The backend's fused ops, applied before :meth:`partition` runs.
     fused_ops: tuple = ()
+    #: Stage 1 folds a parameter's view copies into constants (``permute_copy(W)`` -> ``W.T``) for it;
+    #: False: the backend sees them as ops (ExecuTorch's own backends, which expect ExecuTorch's graph).
+    fold_constants: bool = True
 
     @abc.abstractmethod
     def partition(self, exported_program: ExportedProgram) -> PartitionResult: ...
@@ -122,6 +125,11 @@ class ChainPartitioner(Partitioner):
         """The first step's backend quantizer (the backend the chain prefers)."""
         return self.partitioners[0].quantizer(recipe)
 
+    @property
+    def fold_constants(self) -> bool:
+        """Folded unless no step wants it."""
+        return any(p.fold_constants for p in self.partitioners)
+
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
                              "which delegates with each of its partitioners in turn")
@@ -140,6 +148,10 @@ class ExternalWeightsPartitioner(Partitioner):
 
     def quantizer(self, recipe) -> object | None:
         return self.inner.quantizer(recipe)
+
+    @property
+    def fold_constants(self) -> bool:
+        return self.inner.fold_constants
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         result = self.inner.partition(exported_program)

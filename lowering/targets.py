@@ -132,13 +132,14 @@ def partitioner_for(target: str, options: Mapping[str, Any] | None = None) -> Pa
 
 def keep_for(target: str, options: Mapping[str, Any] | None = None) -> dict | None:
     """What stage 1 needs to export ``target``'s own program, whose partitioner keeps ops whole
-    (``ops_to_not_decompose``, :mod:`lowering.export.kept`): ``{"target", "options", "versions"}``
+    (``ops_to_not_decompose``, :mod:`lowering.export.kept`) or constants unfolded
+    (``fold_constants`` False): ``{"target", "options", "versions"}``
     (the versions of its backends' compilers: a new ExecuTorch may keep other ops); None for a
     target whose partitioners keep none (it shares the model's one export)."""
     partitioner = partitioner_for(target, options)
     steps = partitioner.partitioners if isinstance(partitioner, ChainPartitioner) else (partitioner,)
-    keeping = [p for p in steps if p is not None
-               and type(p).ops_to_not_decompose is not Partitioner.ops_to_not_decompose]
+    keeping = [p for p in steps if p is not None and (not p.fold_constants
+               or type(p).ops_to_not_decompose is not Partitioner.ops_to_not_decompose)]
     if not keeping:
         return None
     return {"target": target, "options": dict(options or {}), "versions": compilers_of(target, options)}

@@ -137,16 +137,17 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
     holds ``weights``, the digest of the weights this program holds, and ``folded``, how
     export folded views of them (what :func:`run_bind_weights` binds new weights with).
     ``keep_for`` (:func:`lowering.targets.keep_for`; in the key only when given): one
-    target's own export, the ops its partitioner keeps left whole."""
+    target's own export, the ops its partitioner keeps left whole, its ``fold_constants``."""
     _begin("export")
-    keep = partitioner_for(keep_for["target"], keep_for["options"]).ops_to_not_decompose if keep_for else None
+    own = partitioner_for(keep_for["target"], keep_for["options"]) if keep_for else None
+    keep, fold = (own.ops_to_not_decompose, own.fold_constants) if own is not None else (None, None)
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
-        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle, keep=keep)
+        program = load_pt2(loaded.pt2, name=model, trust_pickle=loaded.trust_pickle, keep=keep, fold_constants=fold)
     else:
         label = model if loaded.method is None else f"{model} method {loaded.method}"
         program = export_module(loaded.module, loaded.inputs, dynamic_shapes=loaded.dynamic_shapes, name=label,
-                                strict=loaded.strict, keep=keep)
+                                strict=loaded.strict, keep=keep, fold_constants=fold)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
     result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}

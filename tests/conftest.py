@@ -19,15 +19,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 #: collection order (``--no-loadscope-reorder``; xdist's default order is by number of
 #: tests, which put these few-test files last): these start first, and the files that
 #: finish the run are short ones, so both workers end within a short file of each other.
+#: (The first two run side by side: test_deployment.py mostly waits on its processes.)
 LONGEST_FIRST = (
     "test_deployment.py",
     "test_hf_quantized.py",
     "test_verify_modes.py",
     "test_hf.py",
-    "test_gates.py",
     "test_cli.py",
-    "test_deployment_trial.py",
     "test_et_identical_hf.py",
+    "test_gates.py",
+    "test_deployment_trial.py",
 )
 
 

@@ -238,7 +238,7 @@ def test_lower_writes_each_target_then_reruns_from_cache(tmp_path):
     assert checked.returncode == 0, checked.stderr
 
 
-def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path):
+def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path, prefect_api):
     (tmp_path / "broken.py").write_text("def broken():\n    raise RuntimeError('no model today')\n")
     manifest = tmp_path / "fleet.yaml"
     manifest.write_text(textwrap.dedent(
@@ -253,7 +253,7 @@ def test_fleet_reports_progress_and_failures_then_plan_shows_the_cache(tmp_path)
         """
     ))
     home = tmp_path / "prefect-home"
-    fleet = lowerflow("fleet", str(manifest), home=home)
+    fleet = lowerflow("fleet", str(manifest), home=home, api=prefect_api)  # (the ephemeral server: the tests above and below)
     assert_one_line_error(fleet, 1, "1 of 2 models failed: broken")
     out = fleet.stdout.splitlines()
     progress = sorted(line.split()[1:3] for line in out if line.startswith("["))

@@ -337,6 +337,7 @@ def pause_the_nightly_schedule(deployment: Deployment) -> None:
     failure would page the notification webhook and take the fleet's one slot)."""
     with deployment.client() as client:
         deployment.nightly = client.read_deployment_by_name("lower-fleet/nightly-fleet")
+    start = time.monotonic()
 
     def scheduled():
         log = "".join(output_of(deployment.server))
@@ -349,6 +350,8 @@ def pause_the_nightly_schedule(deployment: Deployment) -> None:
             client.update_deployment_schedule(deployment.nightly.id, schedule.id, active=False)
     wait_until(lambda: not scheduled_nightlies(deployment), "the nightly's scheduled runs deleted", 30,
                {"server.sh": deployment.server})
+    print(f"the nightly's {len(deployment.scheduled)} scheduled runs recorded and the schedule paused "
+          f"{time.monotonic() - start:.1f} s after the workers were online")
 
 
 def test_server_runs_on_postgres_and_both_deployments_are_registered(deployment):

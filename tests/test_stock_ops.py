@@ -148,7 +148,7 @@ class Mystery(nn.Module):
         return torch.ops.lowerflow_stock_test.mystery(torch.relu(x)) + 1
 
 
-def test_an_op_without_kernel_or_decomposition_fails_with_one_line_naming_op_and_node(tmp_path):
+def test_an_op_without_kernel_or_decomposition_fails_with_one_line_naming_op_and_node(tmp_path, prefect_api):
     model, inputs = Mystery(), (torch.randn(3, 4),)
     expected = ("operator lowerflow_stock_test::mystery.out (node 'mystery') has no kernel in the stock "
                 "ExecuTorch runtime and torch has no decomposition of it (runtime_ops: portable, quantized, "
@@ -172,7 +172,8 @@ def test_an_op_without_kernel_or_decomposition_fails_with_one_line_naming_op_and
     done = subprocess.run(
         [sys.executable, "-m", "flows.cli", "lower", f"{tmp_path / 'mystery.py'}:model", "-t", "portable",
          "-o", str(out), "--store", str(tmp_path / "store")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=_env())
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**_env(), "PREFECT_API_URL": prefect_api})  # the session's server: no ephemeral one (~10 s of CPU)
     assert done.returncode == 1, done.stdout + done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("lowerflow: error:")]
     assert len(errors) == 1 and "operator lowerflow_stock_test::mystery.out (node 'mystery')" in errors[0], done.stderr

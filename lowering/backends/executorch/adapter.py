@@ -118,7 +118,13 @@ class EtPartitioner(Partitioner):
 
     Tags are ``f"{backend_id}_{tag}"`` (so a chain's partitions never share a name);
     a getitem follows its producer and a tag left without a computing node is dropped.
+    Stage 1 leaves parameters' view copies unfolded for it (``fold_constants``), as ExecuTorch's
+    graph has them: OpenVINO's CPU plugin then makes its fully connected layers of them (a folded
+    ``W.T`` ran 1.05-1.10x slower than ExecuTorch's program, as snippets MatMuls) and Vulkan's
+    payload is ExecuTorch's byte for byte.
     """
+
+    fold_constants = False
 
     def __init__(self, backend_id: str, et_partitioner, quantizer_for=None) -> None:
         self.backend_id = backend_id
