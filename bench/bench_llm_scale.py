@@ -51,6 +51,7 @@ import platform
 import re
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -115,7 +116,7 @@ def run_measured(cmd: list[str], env: dict, log: Path, cwd: Path | None = None) 
     with open(log, "w") as out, open(log.with_suffix(".rss.tsv"), "w") as timeline:
         start = time.perf_counter()
         proc = subprocess.Popen(["/usr/bin/time", "-v", "-o", str(timing), *cmd], env=env, cwd=cwd,
-                                stdout=out, stderr=subprocess.STDOUT)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
         def sample() -> None:
             while not done.wait(0.5):
@@ -125,7 +126,12 @@ def run_measured(cmd: list[str], env: dict, log: Path, cwd: Path | None = None) 
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        rc = proc.wait()
+        try:
+            rc = proc.wait()
+        finally:  # the bench stopped (SIGTERM, ^C): its command and that command's children too
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         seconds = time.perf_counter() - start
         done.set()
         sampler.join()
@@ -551,6 +557,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="output JSON (default SCRATCH/llm_scale-<UTC time>.json)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # stopped with SIGTERM: unwind, so a running lowering (and its children) is stopped too, not left
+    # running without the big-run lock (run_measured's finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.measure:
         _measure_main(json.loads(args.measure))
         return

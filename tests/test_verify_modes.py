@@ -34,7 +34,7 @@ from lowering.quantize import quantize  # noqa: E402
 from lowering.quantize.dynamic import dequantized_weights  # noqa: E402
 from lowering.verify import QUICK_ABOVE_BYTES, resolve_mode, verify, verify_quick  # noqa: E402
 
-MAX_SEQ_LEN = 32
+MAX_SEQ_LEN = 16  # the quick check's prefill (8) and 3 decode steps fit
 TASK = {"task": "text-generation", "max_seq_len": MAX_SEQ_LEN}
 
 
@@ -64,6 +64,24 @@ def ptes(llamas, tmp_path_factory):
         path.write_bytes(lower(load_hf(str(directory), "text-generation", max_seq_len=MAX_SEQ_LEN).lower_input()).pte)
         out.append(path)
     return out
+
+
+@pytest.fixture(scope="module")
+def lowered_store(prefect_api, llamas, tmp_path_factory):
+    """A store where the flow lowered ``llamas[0]`` to portable and xnnpack (verify auto: full),
+    and that run's manifest: the cold run the flow's tests start from (what they run besides
+    adds records of other keys: quick verify of xnnpack here, of portable on a copy)."""
+    from flows.lower_model import lower_model as run_model
+
+    store = tmp_path_factory.mktemp("lowered") / "store"
+    return store, run_model(f"hf:{llamas[0]}", ["portable", "xnnpack"], str(store), hf=dict(TASK))
+
+
+@pytest.fixture(scope="module")
+def exported(llamas):
+    """The exported forward of ``llamas[0]`` (each test quantizes a copy of it)."""
+    module, inputs, dims = _forward(llamas[0])
+    return export(module, inputs, dynamic_shapes=dims)
 
 
 def _forward(directory):
@@ -104,12 +122,12 @@ def test_quick_fails_a_program_of_other_weights_and_full_still_runs_every_input_
     assert verify(ptes[1].read_bytes(), module, inputs, dynamic_shapes=dims).ok is False
 
 
-def test_quick_lets_the_quantized_reference_go_before_the_runtimes_run(llamas, monkeypatch):
+def test_quick_lets_the_quantized_reference_go_before_the_runtimes_run(llamas, exported, monkeypatch):
     """A quantized program's quick check runs its reference (and the nudged one) in torch,
     then the runtimes: the reference's weights are freed before ExecuTorch's runtime loads
     the program (issue 27: Qwen2.5-0.5B 8da4w held them, 1.2 GB, beside the runtime)."""
-    module, inputs, dims = _forward(llamas[0])
-    program = quantize(export(module, inputs, dynamic_shapes=dims), "8da4w")
+    module, inputs, _ = _forward(llamas[0])
+    program = quantize(exported, "8da4w")  # a copy: the export stays as it was
     pte = lower(program, partitioner=XnnpackPartitioner()).pte
     weights = [weakref.ref(t) for t in program.constants.values() if t.dtype == torch.int8]
     assert weights
@@ -132,11 +150,11 @@ def test_quick_lets_the_quantized_reference_go_before_the_runtimes_run(llamas, m
     assert alive_at_runtime == [0]
 
 
-def test_a_references_weights_are_dequantized_once_and_it_computes_the_same(llamas):
+def test_a_references_weights_are_dequantized_once_and_it_computes_the_same(llamas, exported):
     """verify's quantized reference runs on several calls with its weights dequantized once
     (no dequantize of constant data left in the graph), bit-identical to dequantizing at every call."""
-    module, inputs, dims = _forward(llamas[0])
-    program = quantize(export(module, inputs, dynamic_shapes=dims), "8da4w")
+    module, _, _ = _forward(llamas[0])
+    program = quantize(exported, "8da4w")
     plain, folded = program.module(), dequantized_weights(program.module())
 
     def dequantizes(graph_module):
@@ -168,10 +186,10 @@ def _verify_record(manifest, target="portable"):
     return [r for r in manifest["targets"][target]["stages"] if r["stage"] == "verify"]
 
 
-def test_the_flow_runs_the_mode_asked_for_and_keys_it_only_when_quick(prefect_api, llamas, tmp_path):
+def test_the_flow_runs_the_mode_asked_for_and_keys_it_only_when_quick(prefect_api, llamas, lowered_store, tmp_path):
     from flows.lower_model import lower_model as run_model
 
-    store = str(tmp_path / "store")
+    store = str(shutil.copytree(lowered_store[0], tmp_path / "store"))  # the cold run's: verify auto
     model = f"hf:{llamas[0]}"
     full = run_model(model, ["portable"], store, hf=dict(TASK))  # verify=True: auto, a tiny model: full
     [full_record] = _verify_record(full)
@@ -237,7 +255,7 @@ def test_lowerflow_verify_runs_the_mode_asked_for(cli, llamas, ptes):
     assert errors == [f"lowerflow: error: {ptes[1]} does not match {spec} in lowerflow (forward), "
                       "executorch (forward)"], errors
     code, auto, _ = cli("verify", ptes[0], *args)
-    assert code == 0 and "quick" not in auto and "(seq_length_dim=31)" in auto
+    assert code == 0 and "quick" not in auto and f"(seq_length_dim={MAX_SEQ_LEN - 1})" in auto
     assert auto == cli("verify", ptes[0], *args, "--verify", "full")[1]
     code, _, errors = cli("verify", ptes[0], *args, "--verify", "off")
     assert code == 2 and "--verify: invalid choice: 'off'" in errors[0]
@@ -307,7 +325,8 @@ sys.exit(code)
 """
 
 
-def test_a_cached_rerun_with_no_api_server_starts_none_and_publishes_the_same(prefect_api, llamas, tmp_path):
+def test_a_cached_rerun_with_no_api_server_starts_none_and_publishes_the_same(prefect_api, llamas, lowered_store,
+                                                                              tmp_path):
     """``lowerflow lower`` with no PREFECT_API_URL: a rerun whose stages all hit the cache runs
     without a flow run (flows.lower_model.lower_cached), so Prefect's ephemeral server is never
     started; it writes the same .pte and manifest (``flow_run`` None).  A miss still runs the flow."""
@@ -315,11 +334,9 @@ def test_a_cached_rerun_with_no_api_server_starts_none_and_publishes_the_same(pr
     import subprocess
     import sys
 
-    from flows.lower_model import lower_model as run_model
     from tests.test_cli import REPO
 
-    store = tmp_path / "store"
-    cold = run_model(f"hf:{llamas[0]}", ["xnnpack"], str(store), hf=dict(TASK))  # on the test's API server
+    store, cold = lowered_store  # the flow's run on the test's API server (its own store: the same URIs)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
     env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
 
