@@ -22,11 +22,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 #: (The first two run side by side: test_deployment.py mostly waits on its processes.)
 LONGEST_FIRST = (
     "test_deployment.py",
+    "test_et_identical_hf.py",  # Vela compiles of MobileNetV2 and BERT on both sides: ~5 min
     "test_hf_quantized.py",
     "test_verify_modes.py",
     "test_hf.py",
     "test_cli.py",
-    "test_et_identical_hf.py",
     "test_gates.py",
     "test_deployment_trial.py",
 )
