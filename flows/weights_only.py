@@ -75,10 +75,15 @@ class Exports:
     def __init__(self, run, loaded, model: str, options: dict, records: list[dict], targets, external: dict | None,
                  quantized, kept=lambda target: False) -> None:
         self.run, self.loaded, self.model, self.options = run, loaded, model, options
-        self.reasons = {t: bytes_reason(loaded, quantized(t), kept(t)) for t in targets if (external or {}).get(t)}
-        self.structured = {t: self.reasons.get(t, "") is None for t in targets}
+        self.key_shapes(loaded, targets, external, quantized, kept)
         self.records: dict[bool, list[dict]] = {False: records, True: []}
         self.done: dict[bool, dict] = {}
+
+    def key_shapes(self, loaded, targets, external: dict | None, quantized, kept=lambda target: False) -> None:
+        """:attr:`reasons` (``{target: why bytes-keyed}`` of the targets with external weights,
+        :func:`bytes_reason`) and :attr:`structured` (``{target: keyed on the structure}``)."""
+        self.reasons = {t: bytes_reason(loaded, quantized(t), kept(t)) for t in targets if (external or {}).get(t)}
+        self.structured = {t: self.reasons.get(t, "") is None for t in targets}
 
     def __call__(self, structure: bool) -> dict:
         if structure not in self.done:
@@ -126,8 +131,7 @@ class MethodExports(Exports):
     def __init__(self, run, run_method, loaded, model: str, options: dict, targets, external: dict | None,
                  quantized) -> None:
         self.run, self.run_method, self.loaded, self.model, self.options = run, run_method, loaded, model, options
-        self.reasons = {t: bytes_reason(loaded, quantized(t)) for t in targets if (external or {}).get(t)}
-        self.structured = {t: self.reasons.get(t, "") is None for t in targets}
+        self.key_shapes(loaded, targets, external, quantized)
         self.records: dict[bool, list[dict]] = {False: [], True: []}
         self.done: dict[bool, dict[str, dict]] = {}
 
