@@ -121,9 +121,9 @@ def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quanti
                              "quantization parameters are in the program, so new weights need a new program")
     tensors = requantized_weights(quantized_before, source, bound) if quantized_before is not None else None
     if tensors is not None:
-        from .program import copy_program
+        from .program import with_tables
 
-        quantized = copy_program(quantized_before)
+        quantized = with_tables(quantized_before)
         _swap(quantized, tensors, "the quantized program")
         return bound, tensors, quantized, "quantize_weights"
     quantized = quantize_program(bound, recipe)
@@ -188,10 +188,10 @@ def _check_same(pte: bytes, previous: bytes) -> None:
 def bind_source(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
     """The exported (edge, fp32) ``program`` with its parameters and buffers taken from ``state``
     (by FQN) and its folded views of them computed again; a copy, ``program`` is untouched."""
-    from .program import copy_program
+    from .program import with_tables
 
     views = folded_views(program)
-    bound = copy_program(program)
+    bound = with_tables(program)
     for name, old in program.state_dict.items():
         bound.state_dict[name] = _same_kind(name, old, state)
     sources = {**{k: v for k, v in program.constants.items() if k not in views}, **state}
@@ -251,11 +251,11 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
     NotWeightsOnly if a delegate's payload changes (it holds something weight-dependent)."""
     from .control_flow_graph import has_control_flow
     from .lowered_module import LoweredBackendModule, preprocess
-    from .program import copy_program
+    from .program import with_tables
 
     if has_control_flow(program.graph):
         raise NotWeightsOnly("a program with control flow (cond / map) is lowered again")
-    bound = copy_program(program)
+    bound = with_tables(program)  # the graph is not rewritten: only tables and delegates change
     _swap(bound, bindings, "the program")
     for node in bound.graph.nodes:
         if node.op != "get_attr":
@@ -263,7 +263,7 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
         lowered = getattr(bound.graph_module, node.target, None)
         if not isinstance(lowered, LoweredBackendModule):
             continue
-        original = copy_program(lowered.original_module)
+        original = with_tables(lowered.original_module)
         _swap(original, bindings, f"delegate {node.target!r}")
         again = preprocess(original, lowered.backend_id, lowered.compile_specs, partition=node.target)
         if bytes(again.processed_bytes) != bytes(lowered.processed_bytes):
