@@ -340,23 +340,29 @@ def apply_placeholder_meta(graph: torch.fx.Graph, kept: Mapping[str, Mapping[str
         placeholders[name].meta.update(meta)
 
 
-def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
-    """Rebuild the program of a :func:`serialize_program` manifest.
-
-    ``get_blob(digest) -> bytes`` fetches blobs (e.g. ``Serialized.get_blob`` or the
-    artifact store); every blob is checked against its digest here.
-    """
+def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(state_dict, constants)`` of a :func:`serialize_program` manifest, without reading
+    its graph (torch's deserializer builds a fake tensor per node: most of a read's time):
+    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`)."""
     obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
-    if obj.get("version") != PROGRAM_FORMAT_VERSION:
-        raise SerializationError(
-            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
-        )
+    return _tables(obj, _checked_blobs(get_blob))
 
+
+def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], bytes]:
     def blob(digest: str, what: str) -> bytes:
         data = get_blob(digest)
         if blob_digest(data) != digest:
             raise SerializationError(f"{what}: blob {digest} does not match its digest")
         return data
+
+    return blob
+
+
+def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[dict, dict]:
+    if obj.get("version") != PROGRAM_FORMAT_VERSION:
+        raise SerializationError(
+            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
+        )
 
     def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
         return {
@@ -364,8 +370,18 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
             for name, meta in table.items()
         }
 
-    state_dict = tensors(obj["state_dict"], "state_dict entry")
-    constants = tensors(obj["constants"], "constant")
+    return tensors(obj["state_dict"], "state_dict entry"), tensors(obj["constants"], "constant")
+
+
+def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
+    """Rebuild the program of a :func:`serialize_program` manifest.
+
+    ``get_blob(digest) -> bytes`` fetches blobs (e.g. ``Serialized.get_blob`` or the
+    artifact store); every blob is checked against its digest here.
+    """
+    obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
+    blob = _checked_blobs(get_blob)
+    state_dict, constants = _tables(obj, blob)
     example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
     graph = bytes(blob(obj["graph"], "graph"))
     # torch's deserializer eval()s symbolic sizes: a graph blob someone else wrote is checked first.
