@@ -71,6 +71,7 @@ from .control_flow_graph import iter_scopes
 from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .errors import LoweringError
 from .quant_ops import register_quantized_ops
+from .serialize_dataclass import bytes_to_dataclass
 from .untrusted import check_program_bytes
 
 class _Serde:
@@ -397,7 +398,7 @@ def _deserialize_graph(graph: bytes, state_dict, constants, example_inputs) -> E
         from .llm.custom_ops import ensure_llama_ops
 
         ensure_llama_ops()
-    serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
+    serialized_ep = bytes_to_dataclass(_serde.ExportedProgram, graph)  # torch's, its type hints cached
     # Dicts and tuples are used as they are: torch.load is never reached.
     return _serde.ExportedProgramDeserializer().deserialize(serialized_ep, state_dict, constants, example_inputs)
 
