@@ -64,30 +64,55 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
 
 def rebind_stored(pte: bytes, memory_plan: Any, program: ExportedProgram, source: tuple[Mapping, Mapping],
                   folded: Mapping[str, tuple], model: "torch.nn.Module | Mapping[str, torch.Tensor]", *,
-                  quantize: Any = None,
-                  quantized: Mapping[str, torch.Tensor] | None = None, derived: Mapping[str, dict] | None = None,
-                  mutated: Any = (), runtime_ops: Any = None) -> bytes | None:
+                  quantize: Any = None, quantized: Mapping[str, torch.Tensor] | None = None,
+                  derived: Mapping[str, dict] | None = None, mutated: Any = (), runtime_ops: Any = None) -> bytes | None:
     """:func:`rebind_weights` from what a store keeps of the previous lowering, reading no graph
     but the one emitted again: ``pte``, ``memory_plan`` and ``program`` (delegated) as
     emitted, the exported program's tables ``source`` (``(state_dict, constants)``) and folded
-    views ``folded`` (:func:`folded_views`), the weights of ``model``; with a ``quantize`` recipe the quantized program's
-    constants ``quantized`` and how its pass derived them ``derived`` (its ``DERIVED_META``),
-    ``mutated``: the buffers the program mutates.  Returns the new ``.ptd``, or None when the
-    quantize pass must run again (then :func:`rebind_weights` on the programs); raises
-    :class:`NotWeightsOnly` as it does."""
+    views ``folded`` (:func:`folded_views`), the weights of ``model``; with a ``quantize`` recipe
+    the quantized program's constants ``quantized`` and how its pass derived them ``derived``
+    (its ``DERIVED_META``), ``mutated``: the buffers the program mutates.  Returns the new
+    ``.ptd``, or None when the quantize pass must run again (then :func:`rebind_weights` on the
+    programs); raises :class:`NotWeightsOnly` as it does."""
+    bindings = stored_bindings(source, folded, model, quantize=quantize, quantized=quantized, derived=derived,
+                               mutated=mutated)
+    return None if bindings is None else _emit_bound(program, bindings, memory_plan, pte, runtime_ops)[1]
+
+
+def rebind_stored_methods(pte: bytes, methods: Mapping[str, tuple[ExportedProgram, Any]], constant_methods: Mapping,
+                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None) -> bytes:
+    """:func:`rebind_stored` of a program of several methods: ``methods`` ``{name: (delegated
+    program, memory plan)}`` as emitted with ``constant_methods``, each bound to its
+    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``)."""
+    from .external import program_files
+    from .methods import build_methods_pte
+
+    built = build_methods_pte({name: (rebound_program(program, bindings[name]), plan)
+                               for name, (program, plan) in methods.items()},
+                              dict(constant_methods), runtime_ops=runtime_ops, external_weights=True)
+    new_pte, ptd = program_files(built, True)
+    _check_same(new_pte, pte)
+    return ptd
+
+
+def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple],
+                    model: "torch.nn.Module | Mapping[str, torch.Tensor]", *, quantize: Any = None,
+                    quantized: Mapping[str, torch.Tensor] | None = None, derived: Mapping[str, dict] | None = None,
+                    mutated: Any = ()) -> dict[str, torch.Tensor] | None:
+    """target -> tensor of every weight of the program lowered from the exported program whose
+    tables are ``source`` (see :func:`rebind_stored`), for the weights of ``model``; None when
+    the quantize pass must run again."""
     state_dict, constants = source
     _check_views(constants, folded)
     state_dict2, constants2 = bound_tables(state_dict, constants, folded, _state_of(model))
     new_tables = {k: v for k, v in {**state_dict2, **constants2}.items() if isinstance(v, torch.Tensor)}
-    bindings: Mapping[str, torch.Tensor] | None = new_tables
-    if quantize is not None:
-        _check_recipe(quantize)
-        old_tables = {k: v for k, v in {**state_dict, **constants}.items() if isinstance(v, torch.Tensor)}
-        bindings = None if quantized is None or derived is None else \
-            requantized_tables(quantized, derived, old_tables, new_tables, mutated)
-        if bindings is None:
-            return None
-    return _emit_bound(program, bindings, memory_plan, pte, runtime_ops)[1]
+    if quantize is None:
+        return new_tables
+    _check_recipe(quantize)
+    if quantized is None or derived is None:
+        return None
+    old_tables = {k: v for k, v in {**state_dict, **constants}.items() if isinstance(v, torch.Tensor)}
+    return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
 
 
 def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,

@@ -31,3 +31,32 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
                              mutated=exported.get("mutated_buffers", ()), runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
+
+
+def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict, plans: dict, emitted: dict,
+                             modules: dict, constants: dict | None, recipe: dict | None, quantized: dict | None,
+                             derived: dict | None, runtime_ops: list[str] | None) -> "bytes | dict | None":
+    """:func:`bind_from_tables` of a model of several methods (:func:`tasks.stages.run_bind_weights_methods`;
+    ``plans``: each method's memory plan, ``modules``: each method's module)."""
+    from lowering.export.folding import folded_from_json
+    from lowering.rebind import NotWeightsOnly, rebind_stored_methods, stored_bindings
+
+    bindings = {}
+    try:
+        for method, done in exported.items():
+            tables = None
+            if recipe and quantized and derived and derived.get(method) is not None:
+                state_dict, constants_ = get_program_tables(store, quantized[method])
+                tables = {**state_dict, **constants_}
+            bindings[method] = stored_bindings(
+                get_program_tables(store, done["program"]), folded_from_json(get_doc(store, done["folded"])),
+                modules[method], quantize=recipe, quantized=tables,
+                derived=get_doc(store, derived[method]) if tables is not None else None,
+                mutated=done.get("mutated_buffers", ()))
+            if bindings[method] is None:
+                return None
+        return rebind_stored_methods(store.get_bytes(emitted["pte"]),
+                                     {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()},
+                                     constants or {}, bindings, runtime_ops=runtime_ops)
+    except NotWeightsOnly as exc:
+        return {"fallback": str(exc)}

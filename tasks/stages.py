@@ -70,7 +70,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence, verify_q
 from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
-from .bind import bind_from_tables
+from .bind import bind_from_tables, bind_methods_from_tables
 from .cache import CacheConfig, iter_refs, stage_task
 from .heap import return_freed
 from .live import LIVE
@@ -240,6 +240,16 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
     if all(weights[m] == exported[m].get("weights") for m in exported):
         return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
     start = time.perf_counter()
+    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
+    if not (recipe and references):  # no quantized programs to store for verify: only the emitted graphs are read
+        ptd = bind_methods_from_tables(store, exported, methods, {m: get_memory_plan(store, e["plan"])
+                                                                  for m, e in methods.items()},
+                                       emitted, modules, constants, recipe, quantized, derived, runtime_ops)
+        if isinstance(ptd, dict):
+            return ptd
+        if ptd is not None:
+            return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True,
+                    **({"quantized": "weights"} if recipe else {}), "seconds": round(time.perf_counter() - start, 4)}
     sources, before = {}, {}
     for method, done in exported.items():
         sources[method] = get_program(store, done["program"])
@@ -252,7 +262,6 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
         memory_plans={m: get_memory_plan(store, e["plan"]) for m, e in methods.items()},
         exported_programs={m: get_program(store, e["program"]) for m, e in methods.items()},
         quantized_programs=before or None)
-    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
     try:
         bound = rebind_weights(previous, modules, quantize=recipe, runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
