@@ -73,6 +73,12 @@ class LiveObjects:
         self.put(ref, obj)
         return obj
 
+    def peek(self, ref: ArtifactRef) -> Any:
+        """The object of ``ref`` if it is kept, else None (nothing is read)."""
+        with self._lock:
+            item = self._items.get(ref.sha256)
+            return None if item is None else item[0]
+
     @property
     def held_bytes(self) -> int:
         """Bytes of the distinct storages the kept objects hold."""

@@ -70,6 +70,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence, verify_q
 from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
+from .bind import bind_from_tables
 from .cache import CacheConfig, iter_refs, stage_task
 from .heap import return_freed
 from .live import LIVE
@@ -185,6 +186,14 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
+    if not (recipe and references):  # no quantized program to store for verify: only the emitted graph is read
+        ptd = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
+                               recipe, reference, derived, runtime_ops)
+        if isinstance(ptd, dict):
+            return ptd
+        if ptd is not None:
+            return {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True,
+                    **({"quantized": "weights"} if recipe else {}), "seconds": round(time.perf_counter() - start, 4)}
     # (what the store does not keep in a program: how export folded views, how quantize derived constants;
     # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
     source = get_program(store, exported["program"])

@@ -118,6 +118,33 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         assert runtimes == {"lowerflow", "executorch"}, entry["verify"]
 
 
+@pytest.mark.parametrize("factory, targets, recipe", [("cnn", ("portable", "xnnpack"), None),
+                                                      ("mlp", ("xnnpack",), "8da4w")])
+def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monkeypatch, fresh_stages, factory,
+                                                                 targets, recipe):
+    """Verify off, nothing live (what a new night's process has): bind_weights reads the graph of
+    the program it emits again and only the tables of the exported and quantized programs
+    (lowering.rebind.rebind_stored: reading a graph back is most of a read); same bytes as a cold
+    lowering."""
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, factory, targets, verify=False, **({"quantize": recipe} if recipe else {}))
+    first = lower_fleet(manifest)["models"]["m"]
+    fresh_stages.LIVE.clear()
+    (tmp_path / "seed.txt").write_text("2")
+    graphs, read = [], ArtifactStore.get_program
+    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
+    summary, ran = executions_during(lower_fleet, manifest)
+    assert dict(ran) == {"bind_weights": len(targets)}, dict(ran)
+    assert len(graphs) == len(targets), graphs  # each target's delegated program, nothing else
+    for target in targets:
+        entry, before = summary["models"]["m"]["targets"][target], first["targets"][target]
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+        library = cold(tmp_path, factory, target, recipe)
+        assert published(entry["ptd"]) == library.ptd
+
+
 def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
     manifest = retrain_fleet(tmp_path, "cnn", ("xnnpack",), quantize="int8",
                              calibration="examples/models.py:cnn_calibration")

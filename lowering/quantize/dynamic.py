@@ -76,6 +76,8 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     """Rewrite ``program`` in place (see the module docstring); returns it, the names of
     the linears left fp32 because K is not a multiple of the group size, and those left
     fp32 because they are inside ``nn.MultiheadAttention`` (:attr:`QuantRecipe.skips_mha`)."""
+    import torchao.quantization.quant_primitives  # noqa: F401  (defines torch.ops.torchao.*: the ops put in the graph)
+
     scheme = weight_scheme(recipe)
     graph = program.graph
     skipped: list[str] = []
