@@ -83,7 +83,7 @@ from .torch_lock import TORCH_LOCK
 STAGE_VERSIONS = {
     "export": "3",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops); 3: inverse permutes cancel
     "quantize": "1",
-    "partition": "4",  # 4: a shared constant's copy keeps shared_with_top_level in the store
+    "partition": "5",  # 4: a shared constant's copy keeps shared_with_top_level in the store; 5: no-op clones dropped for ExecuTorch's partitioners
     "lower_control_flow": "1",
     "create_submodule": "2",
     "build_programs": "3",  # 3: as partition 4 (a tied LM head stored once when read back)
