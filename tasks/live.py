@@ -90,11 +90,25 @@ class LiveObjects:
             if ref.sha256 in self._items:
                 self._forget(self._items.pop(ref.sha256)[1])
 
-    def clear(self) -> None:
+    def pop(self, ref: ArtifactRef) -> Any:
+        """The object of ``ref``, no longer kept (None when it is not here): the caller's
+        reference is then the only one this cache leaves."""
         with self._lock:
+            if ref.sha256 not in self._items:
+                return None
+            obj, storages = self._items.pop(ref.sha256)
+            self._forget(storages)
+            return obj
+
+    def clear(self, keep: ArtifactRef | None = None) -> None:
+        """Keep nothing (but ``keep``'s object, when given and here)."""
+        with self._lock:
+            kept = self._items.get(keep.sha256) if keep is not None else None
             self._items.clear()
             self._holders.clear()
             self._bytes = 0
+        if kept is not None:
+            self.put(keep, kept[0])
 
     @contextlib.contextmanager
     def disabled(self) -> Iterator[None]:

@@ -134,12 +134,36 @@ class MulRelu(torch.nn.Module):
         return self.c(torch.relu(self.a(x) * self.b(x)) + torch.relu(self.a(x) - self.b(x)))
 
 
+class PosAdd(torch.nn.Module):
+    """A learned position table added to the activations (as BERT's embeddings): the quantizer
+    folds it into an int8 constant, which XNNPACK's quantized add reads as a qint8 constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, 16))
+
+    def forward(self, x):
+        return self.b(self.a(x) + self.pos)
+
+
+class TwoHeads(torch.nn.Module):
+    """Two linears reading one 3-D value (as attention's query and key), their sum into a third."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.o = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.o(self.q(x) + self.k(x))
+
+
 class K48(torch.nn.Sequential):
     def __init__(self):
         super().__init__(torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
 
 
-MODELS = {"k48": (K48, (4, 48)), "mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
+MODELS = {"k48": (K48, (4, 48)), "posadd": (PosAdd, (2, 8, 16)), "twoheads": (TwoHeads, (2, 6, 16)), "mulrelu": (MulRelu, (1, 3, 8, 8)), "pool_linear": (PoolLinear, (1, 3, 8, 8)), "up": (Up, (1, 3, 8, 8)), "mlp": (MLP, (4, 64)), "cnn": (CNN, (1, 3, 32, 32)), "mixed": (Mixed, (1, 3, 16, 16)),
           "encoder": (Encoder, (1, 16, 64))}
 
 
@@ -339,6 +363,47 @@ def test_static_mul_relu_is_fused_and_bit_exact():
     mul = next(n for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNMultiply")
     assert vals[mul.xnodeUnion.outputId][0] == DT.xnn_datatype_qint8
     assert (mul.outputMinMax.outputMin, mul.outputMinMax.outputMax) == (0.0, float("inf"))
+
+
+def test_a_folded_int8_constant_is_a_qint8_operand_of_the_quantized_add():
+    """4 bytes a value fewer than the dequantized fp32 constant, and no Converts around the add
+    (ExecuTorch feeds it to the delegate as a qint8 input; a 2-layer BERT's position and token type
+    embeddings are two such constants).  The quantized linears read and write 3-D values."""
+    got, want = run("posadd", "int8")
+    assert (got - want).abs().max().item() == 0.0
+    (graph, named), = payloads(lowered("posadd", "int8"))
+    vals = values_of(graph)
+    add = next(n.xnodeUnion for n in graph.xnodes if KIND[n.xnodeUnionType] == "XNNAdd")
+    operand = vals[add.input2Id]
+    assert operand[0] == DT.xnn_datatype_qint8 and operand[2] == [1, 8, 16] and operand[3].constantBufferIdx
+    assert len(named[key(graph, operand[3].constantBufferIdx)]) == 8 * 16
+    assert vals[add.outputId][0] == DT.xnn_datatype_qint8
+    # ExecuTorch's nodes: Convert, FullyConnected on [2, 8, 16] (no reshapes), Add, FullyConnected, Convert
+    assert kinds(graph) == ["XNNConvert", "XNNFullyConnected", "XNNAdd", "XNNFullyConnected", "XNNConvert"]
+
+
+def test_lowerflows_int8_linears_of_3d_values_read_and_write_them_3d():
+    """lowerflow's recipe quantizes the decomposed linear (``view_copy -> q -> dq -> addmm -> q -> dq ->
+    view_copy``): its FullyConnected nodes take the 3-D value as ExecuTorch's do, no StaticReshape, and
+    the two linears reading one value share one Convert of it."""
+    from lowering.export import export
+    from lowering.quantize import quantize
+
+    model, (x,) = build("twoheads")
+    generator = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(x.shape, generator=generator),) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = lowering.lower(model, (x,), quantize="int8", calibration=batches, partitioner=XnnpackPartitioner())
+        reference = quantize(export(model, (x,)), "int8", batches)
+    (graph, _), = payloads(result)
+    assert kinds(graph) == ["XNNConvert", "XNNFullyConnected", "XNNFullyConnected", "XNNAdd", "XNNFullyConnected",
+                            "XNNConvert"]
+    got = ExecutorchMethod(result.pte).execute((x,))[0]
+    with torch.no_grad():
+        want = reference.module()(x)
+    assert got.shape == want.shape == (2, 6, 8)
+    assert (got - want).abs().max().item() <= output_step(reference) * 1.001
 
 
 def test_static_mixed_graph_is_within_one_output_step():

@@ -55,7 +55,7 @@ import operator
 import torch
 from torch.export import ExportedProgram
 
-from .graph import add_constant, call, constant_value, kept_fp32, target_of, unfold_linear_weights
+from .graph import add_constant, call, constant_value, kept_fp32, target_of, unfold_linear_weights, value_digest
 from .recipes import QuantRecipe
 from .weights import WeightScheme, quantize_weight
 
@@ -190,10 +190,11 @@ def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: t
     weight = constant_value(program, source)
     qdata, scale, zero_point = quantize_weight(weight, scheme)
     recipe = ["q", target_of(program, source), scheme.block, scheme.qmin, scheme.qmax]
-    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm, derived=([*recipe, 0], weight))
-    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm, derived=([*recipe, 1], weight))
+    digest = value_digest(weight)  # the source of all three: hashed once
+    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm, derived=([*recipe, 0], digest))
+    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm, derived=([*recipe, 1], digest))
     zp = add_constant(program, f"_q_zero_point_{gemm.name}", zero_point, meta_from=gemm,
-                      derived=([*recipe, 2], weight))
+                      derived=([*recipe, 2], digest))
     users = [u for u in source.users]
     with program.graph.inserting_before(min(users, key=_position)):
         return call(program.graph, torch.ops.torchao.dequantize_affine.default,

@@ -37,7 +37,7 @@ class GraphBuilder:
     once if needed) or :meth:`constant`, define results with :meth:`output` /
     :meth:`define` and append nodes with :meth:`add_node`.  The plans
     (:data:`.ops.PLANS`) fill ``bn_folds``, ``pad_folds``, ``weight_views``,
-    ``batched_inputs`` and ``skip`` before the walk.
+    ``batched_inputs``, ``alias_views``, ``batched_dims`` and ``skip`` before the walk.
     """
 
     ep: ExportedProgram
@@ -67,6 +67,9 @@ class GraphBuilder:
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
         self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
         self.batched_inputs: dict[torch.fx.Node, tuple[torch.fx.Node, torch.fx.Node]] = {}  # mm -> (N-D x, y)
+        self.alias_views: set[torch.fx.Node] = set()  # reshapes whose value is their input's (N-D quantized FC)
+        self.batched_dims: dict[torch.fx.Node, list[int]] = {}  # quantized product -> its N-D result dims
+        self.converts: dict[tuple[int, float, int], int] = {}  # (fp32 value, scale, zero point) -> its qint8
         self.skip: set[torch.fx.Node] = set()  # nodes a pattern lowers with another node (PReLU's gt, mul)
         self.node: torch.fx.Node | None = None
         self.qplan = plan_quantization(self.ep.graph, self.ctx)
@@ -301,6 +304,9 @@ class GraphBuilder:
 
     def get(self, node: torch.fx.Node, layout: str | None = None) -> int:
         """``node``'s value in ``layout`` (its own layout if None), transposing once if needed."""
+        static = self.static_qint8(node, layout or NCHW)
+        if static is not None:
+            return static
         node = self.quantized_source(node)
         primary = self.primary(node)
         layout = layout or primary.layout
@@ -319,6 +325,20 @@ class GraphBuilder:
             self.add_node(fbx.NodeUnion.XNNStaticTranspose, transpose(perm, primary.id, vid))
         self._by_layout[key] = vid
         return vid
+
+    def static_qint8(self, node: torch.fx.Node, layout: str = NCHW) -> int | None:
+        """For the node being lowered, if it computes quantized: the qint8 constant (its int8 data and
+        per-tensor parameters) of the static dq ``node`` it reads (:attr:`.qplan.QuantPlan.static_q`);
+        else None (an fp32 reader reads the dequantized constant)."""
+        params = self.qplan.static_q.get(node)
+        if params is None or self.node not in self.qplan.qout:
+            return None
+        key = (node, f"qint8 {layout}")
+        if key not in self._by_layout:
+            t = self.ctx.tensor(node.args[0])
+            t = t.permute(TO_NHWC) if layout == NHWC and t.dim() == 4 else t
+            self._by_layout[key] = self.constant(t, datatype=P.DATATYPE_QINT8, quant=per_tensor_quant(params))
+        return self._by_layout[key]
 
     def static_tensor(self, node: torch.fx.Node) -> torch.Tensor:
         """The value of a static node: a placeholder's tensor, or a fold of permute/view/clone of one."""

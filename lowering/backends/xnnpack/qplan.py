@@ -44,6 +44,8 @@ SAME_PARAMS = {aten.max_pool2d_with_indices.default, aten.cat.default, aten.perm
                aten.squeeze_copy.dim, aten.slice_copy.Tensor, aten.clone.default, aten.alias_copy.default}
 #: Reshapes a static group may reach through (they compute quantized with the group's parameters).
 RESHAPES = {aten.view_copy.default, aten.unsqueeze_copy.default, aten.squeeze_copy.dims, aten.squeeze_copy.dim}
+#: Ops that may read a static per-tensor dq (an int8 constant) as a qint8 constant operand.
+STATIC_OPERAND = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor}
 #: Ops whose quantized result may carry a fused clamp.
 FUSING = GEMMS | {aten.convolution.default, aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor}
 
@@ -60,6 +62,9 @@ class QuantPlan:
     dynamic_parts: set[torch.fx.Node] = field(default_factory=set)
     #: node -> why XNNPACK would compute its quantized weight wrong.
     refusals: dict[torch.fx.Node, str] = field(default_factory=dict)
+    #: static per-tensor dq (of an int8 constant) -> its parameters, read as a qint8 constant by
+    #: the elementwise nodes computing quantized (:data:`STATIC_OPERAND`); fp32 readers read it dequantized.
+    static_q: dict[torch.fx.Node, QParams] = field(default_factory=dict)
 
     def quantized(self, node: torch.fx.Node) -> bool:
         return node in self.qout or node in self.dynamic
@@ -220,8 +225,10 @@ def _plan_static(plan: QuantPlan, node: torch.fx.Node, ctx) -> None:
     inputs = _activation_inputs(node)
     if inputs is None or not inputs:
         return
-    found = [_input_params(plan, a) for a in inputs]
-    if any(f is None for f in found):
+    statics = {a: _static_params(a, ctx) for a in inputs} if node.target in STATIC_OPERAND else {}
+    statics = {a: p for a, p in statics.items() if p is not None}
+    found = [(statics[a], []) if a in statics else _input_params(plan, a) for a in inputs]
+    if any(f is None for f in found) or len(statics) == len(inputs):
         return
     in_params = [f[0] for f in found]
     if node.target in GEMMS or node.target is aten.convolution.default:
@@ -235,6 +242,7 @@ def _plan_static(plan: QuantPlan, node: torch.fx.Node, ctx) -> None:
     if node.target is aten.mean.dim and not _global_pool(node):
         return
     plan.qout[node] = out
+    plan.static_q.update(statics)
     for params, views in found:
         plan.qout.update(dict.fromkeys(views, params))
     if node.target is aten.max_pool2d_with_indices.default:
@@ -271,6 +279,21 @@ def _input_params(plan: QuantPlan, arg: torch.fx.Node) -> tuple[QParams, list] |
         if params is not None and params.same(act_qparams(arg.args[0])):
             return params, views
     return None
+
+
+def _static_params(arg: torch.fx.Node, ctx) -> QParams | None:
+    """The parameters of ``arg`` if it is a per-tensor int8 dq of a static int8 tensor (a constant
+    the quantizer folded, e.g. BERT's position embeddings), else None.
+
+    Before: ``%c = dequantize_per_tensor(%_frozen_param14, 0.00054, -15, -128, 127, int8)``
+            ``%a = add(%dq_x, %c)``  ->  fp32 Add of a dequantized fp32 constant (4 bytes a value)
+    After:  qint8 Add of the int8 constant with those parameters (1 byte a value, no Converts)
+    """
+    params = act_qparams(arg) if is_op(arg, ACT_DQ) else None
+    source = arg.args[0] if params is not None else None
+    if source not in ctx.static_targets or ctx.tensor(source).dtype != torch.int8:
+        return None
+    return params
 
 
 def _static_weight_ok(plan: QuantPlan, node: torch.fx.Node, ctx) -> bool:

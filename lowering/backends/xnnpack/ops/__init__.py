@@ -136,6 +136,7 @@ PLANS: tuple[Callable[[GraphBuilder], None], ...] = (
     convolution.plan_pad_folds,
     linear.plan_weight_views,
     linear.plan_batched_inputs,
+    linear.plan_quantized_batched_inputs,
     elementwise.plan_prelu,
 )
 

@@ -75,6 +75,9 @@ def _operand_layout(b: GraphBuilder, node: torch.fx.Node) -> str:
 def _operand(b: GraphBuilder, arg: Any, layout: str) -> int:
     if not isinstance(arg, torch.fx.Node):
         return b.scalar(arg)
+    static = b.static_qint8(arg, layout if val(arg).dim() == 4 else NCHW)
+    if static is not None:
+        return static
     if b.ctx.is_static(arg) and val(arg).numel() == 1:
         return b.constant(b.static_tensor(arg).reshape(1))
     if val(arg).dim() != 4:

@@ -16,6 +16,7 @@ import torch
 from ....delegation import SHARED_WITH_TOP_LEVEL
 from .. import payload as P
 from ..generated import xnngraph_generated as fbx
+from ..qparams import ACT_DQ, ACT_Q, is_op
 from ..values import NCHW, shape, val
 from ..xnodes import node2x1
 from . import quantized
@@ -64,9 +65,10 @@ def plan_weight_views(b: GraphBuilder) -> None:
 
 
 def plan_batched_inputs(b: GraphBuilder) -> None:
-    """An fp32 product whose input is an N-D value flattened to 2-D, and whose only
-    user unflattens the result to the same leading dims, reads and writes N-D
-    (FullyConnected takes every dim but the last as its batch, as ExecuTorch lowers ``linear``).
+    """An fp32 or statically quantized product whose input is an N-D value flattened to 2-D,
+    and whose only user unflattens the result to the same leading dims, reads and writes N-D
+    (FullyConnected takes every dim but the last as its batch, as ExecuTorch lowers ``linear``;
+    quantized, the two reshapes compute on qint8 with the product's input and output parameters).
 
     Before::  %flat = view_copy(%x, [S, K])   %mm = mm(%flat, %w)   %y = view_copy(%mm, [1, S, N])
               (%x: [1, S, K]; %flat and %mm have no other users)
@@ -75,7 +77,7 @@ def plan_batched_inputs(b: GraphBuilder) -> None:
     input_arg = {aten.mm.default: 0, **dict.fromkeys(ADDMM_LIKE, 1)}
     for node in b.ep.graph.nodes:
         index = input_arg.get(node.target)
-        if index is None or b.qplan.quantized(node) or node in b.qplan.dynamic_parts:
+        if index is None or node in b.qplan.dynamic or node in b.qplan.dynamic_parts:
             continue
         flat = node.args[index]
         if not _is_view(flat) or len(flat.users) != 1 or b.ctx.is_static(flat) or len(node.users) != 1:
@@ -95,6 +97,42 @@ def plan_batched_inputs(b: GraphBuilder) -> None:
             b.skip.update((flat, unflat))
 
 
+def plan_quantized_batched_inputs(b: GraphBuilder) -> None:
+    """A statically quantized product whose input is quantized after an N-D value is flattened,
+    and whose result is unflattened to the same leading dims after its dequantization, reads and
+    writes N-D qint8 (lowerflow's ``int8`` recipe quantizes the decomposed ``linear``; ExecuTorch's
+    quantizes ``linear`` before it is decomposed, without the reshapes).
+
+    Before::  %flat = view_copy(%x, [S, K])  %q = quantize(%flat)  %dq = dequantize(%q)
+              %mm = addmm(%b, %dq, %w)  %q1 = quantize(%mm)  %dq1 = dequantize(%q1)
+              %y = view_copy(%dq1, [1, S, N])                 (%x: [1, S, K]; each has one user)
+    After::   Convert(x [1, S, K] -> qint8), FullyConnected -> [1, S, N] qint8: %flat and %y are
+              their inputs' values (:attr:`~..builder.GraphBuilder.alias_views`), no StaticReshape
+    """
+    for node in b.ep.graph.nodes:
+        if node.target not in ADDMM_LIKE or node not in b.qplan.qout:
+            continue
+        dq = node.args[1]
+        q = dq.args[0] if _only_user(dq, node) and is_op(dq, ACT_DQ) else None
+        flat = q.args[0] if q is not None and _only_user(q, dq) and is_op(q, ACT_Q) else None
+        if not (_is_view(flat) and _only_user(flat, q)) or len(node.users) != 1:
+            continue
+        (q1,) = node.users
+        dq1 = next(iter(q1.users)) if is_op(q1, ACT_Q) and len(q1.users) == 1 else None
+        unflat = next(iter(dq1.users)) if is_op(dq1, ACT_DQ) and len(dq1.users) == 1 else None
+        x = flat.args[0]
+        if not (_is_view(unflat) and isinstance(x, torch.fx.Node)) or b.ctx.is_static(x):
+            continue
+        x_dims, y_dims = shape(x), shape(unflat)
+        if len(x_dims) > 2 and len(shape(flat)) == 2 and len(y_dims) == len(x_dims) and x_dims[:-1] == y_dims[:-1]:
+            b.alias_views.update((flat, unflat))
+            b.batched_dims[node] = y_dims
+
+
+def _only_user(node: Any, user: torch.fx.Node) -> bool:
+    return isinstance(node, torch.fx.Node) and list(node.users) == [user]
+
+
 def _is_view(node: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is aten.view_copy.default
 
@@ -105,7 +143,7 @@ def lower_fully_connected(b: GraphBuilder, node: torch.fx.Node) -> None:
     x_node, w_node = (node.args[1], node.args[2]) if is_addmm else (node.args[0], node.args[1])
     x_node, result_node = b.batched_inputs.get(node, (x_node, node))  # plan_batched_inputs
     if b.qplan.quantized(node):  # the quantized weight [N, K] read through permute_copy
-        quantized.fully_connected(b, node, x_node, w_node.args[0], node.args[0] if is_addmm else None)
+        quantized.fully_connected(b, node, x_node, w_node.args[0], node.args[0] if is_addmm else None, result_node)
         return
     x = b.get(x_node, NCHW)
     flags = P.FLAG_TRANSPOSE_WEIGHTS

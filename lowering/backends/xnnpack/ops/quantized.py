@@ -101,9 +101,11 @@ def lower_act_q(b: GraphBuilder, node: torch.fx.Node) -> None:
         return
     layout = b.layout(source)
     x = b.get(source, layout)
-    out = b.define(b.dims[x], datatype=P.DATATYPE_QINT8, quant=per_tensor_quant(params))
-    b.set_value(node, out, layout)
-    b.add_node(fbx.NodeUnion.XNNConvert, node1x1(x, out))
+    key = (x, params.scale, params.zero_point)  # one Convert per value and parameters (e.g. Q, K and V's input)
+    if key not in b.converts:
+        b.converts[key] = b.define(b.dims[x], datatype=P.DATATYPE_QINT8, quant=per_tensor_quant(params))
+        b.add_node(fbx.NodeUnion.XNNConvert, node1x1(x, b.converts[key]))
+    b.set_value(node, b.converts[key], layout)
 
 
 def lower_act_dq(b: GraphBuilder, node: torch.fx.Node) -> None:
@@ -205,9 +207,10 @@ def static_bias(b: GraphBuilder, bias: torch.Tensor, w: QWeight, x_params: QPara
 
 
 def fully_connected(b: GraphBuilder, node: torch.fx.Node, x_node: torch.fx.Node, w_dq: torch.fx.Node,
-                    bias_node: torch.fx.Node | None) -> None:
+                    bias_node: torch.fx.Node | None, result_node: torch.fx.Node | None = None) -> None:
     """A FullyConnected with a quantized weight ``[N, K]`` (no transpose flag): static (qint8 in and
-    out, int32 bias) or dynamic (qdint8 in, fp32 bias and out)."""
+    out, int32 bias) or dynamic (qdint8 in, fp32 bias and out).  ``result_node``: the node whose value
+    it defines (an N-D product's unflattening view, :func:`.linear.plan_batched_inputs`), else ``node``."""
     w = b.qplan.weights[w_dq]
     filter_id = weight_constant(b, w, w.data)
     if node in b.qplan.dynamic:
@@ -217,7 +220,11 @@ def fully_connected(b: GraphBuilder, node: torch.fx.Node, x_node: torch.fx.Node,
         x = b.get(x_node, NCHW)
         bias_id = (static_bias(b, b.static_tensor(bias_node), w, value_params(b, x))
                    if bias_node is not None else P.INVALID_ID)
-    out = b.output(node)
+    if node in b.batched_dims:  # an N-D product (:func:`.linear.plan_quantized_batched_inputs`)
+        out = b.define(b.batched_dims[node])
+        b.set_value(node, out, NCHW)
+    else:
+        out = b.output(result_node if result_node is not None else node)
     body = fbx.XNNFullyConnectedT()
     body.input1Id, body.filterId, body.biasId, body.outputId, body.flags = x, filter_id, bias_id, out, 0
     b.add_node(fbx.NodeUnion.XNNFullyConnected, body, fusable_output=out)

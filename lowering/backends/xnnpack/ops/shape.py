@@ -46,7 +46,7 @@ def lower_copy(b: GraphBuilder, node: torch.fx.Node) -> None:
 
 def lower_reshape(b: GraphBuilder, node: torch.fx.Node) -> None:
     source = node.args[0]
-    if shape(node) == shape(source):
+    if shape(node) == shape(source) or node in b.alias_views:
         b.alias(node, source)
         return
     x = b.get(source, NCHW)
