@@ -11,11 +11,12 @@ from .store import ArtifactRef, ArtifactStore
 
 def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: Any, emitted: dict,
                      module: Any, recipe: dict | None, reference: ArtifactRef | None, derived: ArtifactRef | None,
-                     runtime_ops: list[str] | None) -> "bytes | dict | None":
+                     runtime_ops: list[str] | None) -> dict | None:
     """:func:`tasks.stages.run_bind_weights` reading the tables of the exported and quantized
     programs, not their graphs (:func:`lowering.rebind.rebind_stored`; ``plan``: the memory plan
-    the program was emitted with): the new ``.ptd``, ``{"fallback": why}``, or None (the
-    quantize pass must run again: bind on the programs)."""
+    the program was emitted with): the stage's result (the new ``.ptd`` stored) but its
+    ``seconds``, ``{"fallback": why}``, or None (the quantize pass must run again: bind on the
+    programs)."""
     from lowering.export.folding import folded_from_json
     from lowering.rebind import NotWeightsOnly, rebind_stored
 
@@ -24,18 +25,20 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
         state_dict, constants = get_program_tables(store, reference)
         quantized = {**state_dict, **constants}
     try:
-        return rebind_stored(store.get_bytes(emitted["pte"]), plan, get_program(store, program),
-                             get_program_tables(store, exported["program"]),
-                             folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
-                             quantized=quantized, derived=get_doc(store, derived) if quantized is not None else None,
-                             mutated=exported.get("mutated_buffers", ()), runtime_ops=runtime_ops)
+        ptd = rebind_stored(store.get_bytes(emitted["pte"]), plan, get_program(store, program),
+                            get_program_tables(store, exported["program"]),
+                            folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
+                            quantized=quantized, derived=get_doc(store, derived) if quantized is not None else None,
+                            mutated=exported.get("mutated_buffers", ()), runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
+    return None if ptd is None else {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True,
+                                     **({"quantized": "weights"} if recipe else {})}
 
 
 def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict, plans: dict, emitted: dict,
                              modules: dict, constants: dict | None, recipe: dict | None, quantized: dict | None,
-                             derived: dict | None, runtime_ops: list[str] | None) -> "bytes | dict | None":
+                             derived: dict | None, runtime_ops: list[str] | None) -> dict | None:
     """:func:`bind_from_tables` of a model of several methods (:func:`tasks.stages.run_bind_weights_methods`;
     ``plans``: each method's memory plan, ``modules``: each method's module)."""
     from lowering.export.folding import folded_from_json
@@ -55,8 +58,10 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
                 mutated=done.get("mutated_buffers", ()))
             if bindings[method] is None:
                 return None
-        return rebind_stored_methods(store.get_bytes(emitted["pte"]),
-                                     {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()},
-                                     constants or {}, bindings, runtime_ops=runtime_ops)
+        ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]),
+                                    {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()},
+                                    constants or {}, bindings, runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
+    return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True,
+            **({"quantized": "weights"} if recipe else {})}

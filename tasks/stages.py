@@ -187,13 +187,10 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
     if not (recipe and references):  # no quantized program to store for verify: only the emitted graph is read
-        ptd = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
-                               recipe, reference, derived, runtime_ops)
-        if isinstance(ptd, dict):
-            return ptd
-        if ptd is not None:
-            return {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True,
-                    **({"quantized": "weights"} if recipe else {}), "seconds": round(time.perf_counter() - start, 4)}
+        done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
+                                recipe, reference, derived, runtime_ops)
+        if done is not None:  # else the quantize pass must run again: on the programs
+            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     # (what the store does not keep in a program: how export folded views, how quantize derived constants;
     # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
     source = get_program(store, exported["program"])
@@ -242,14 +239,11 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
     start = time.perf_counter()
     modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
     if not (recipe and references):  # no quantized programs to store for verify: only the emitted graphs are read
-        ptd = bind_methods_from_tables(store, exported, methods, {m: get_memory_plan(store, e["plan"])
-                                                                  for m, e in methods.items()},
-                                       emitted, modules, constants, recipe, quantized, derived, runtime_ops)
-        if isinstance(ptd, dict):
-            return ptd
-        if ptd is not None:
-            return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True,
-                    **({"quantized": "weights"} if recipe else {}), "seconds": round(time.perf_counter() - start, 4)}
+        plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
+        done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
+                                        quantized, derived, runtime_ops)
+        if done is not None:  # else the quantize pass must run again: on the programs
+            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     sources, before = {}, {}
     for method, done in exported.items():
         sources[method] = get_program(store, done["program"])
