@@ -632,16 +632,26 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     return _emitted(store, built, bool(external_weights))
 
 
+#: Bytes of weights the live objects must hold for :func:`release_live` to collect them at
+#: once.  Below it (a small program's) the next automatic collection frees them: a full
+#: collection of a process that imported torch, transformers and Prefect walks ~700k objects,
+#: ~0.5 s of CPU for each verify stage (13 of them: 6.6 of tests/test_quantize_flow.py's 82 CPU-s).
+RELEASE_COLLECT_BYTES = 64 << 20
+
+
 def release_live(keep: ArtifactRef | None = None) -> None:
     """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
     reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes (collected now: a program's graph is a
-    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
-    (another target) reads what it needs back from the store.  ``keep``: a program verify
-    reads next (a quantized reference: :func:`take_program`), kept rather than read back."""
+    holds are freed while verify runs two runtimes (collected now, when they held at least
+    :data:`RELEASE_COLLECT_BYTES`: a program's graph is a cycle of objects; and given back to
+    the system: :mod:`tasks.heap`).  A later stage (another target) reads what it needs back
+    from the store.  ``keep``: a program verify reads next (a quantized reference:
+    :func:`take_program`), kept rather than read back."""
+    held = LIVE.held_bytes
     LIVE.clear(keep)
-    gc.collect()
-    return_freed()
+    if held >= RELEASE_COLLECT_BYTES:
+        gc.collect()
+        return_freed()
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
