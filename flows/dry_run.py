@@ -28,26 +28,31 @@ class DryRun:
     control_flow: Any = None
     #: The targets keyed on the model's structure (stage ``bind_weights`` after emit: flows/weights_only.py).
     bound: frozenset = frozenset()
+    #: The targets whose partitioner keeps ops whole: a second export, their own, before their stages.
+    kept: frozenset = frozenset()
 
     @classmethod
     def of(cls, quant: QuantSettings, targets, verify: dict[str, str], benchmark: Any = None,
-           bound: frozenset = frozenset()) -> "DryRun":
+           bound: frozenset = frozenset(), kept: frozenset = frozenset()) -> "DryRun":
         """``verify``: each target's mode (:func:`flows.verify_mode.target_mode`)."""
         return cls(frozenset(t for t in targets if quant.recipe(t) is not None),
-                   frozenset(t for t in targets if verify[t] == "off"), benchmark=benchmark, bound=bound)
+                   frozenset(t for t in targets if verify[t] == "off"), benchmark=benchmark, bound=bound, kept=kept)
 
     def with_control_flow(self, probe) -> "DryRun":
         return dataclasses.replace(self, control_flow=functools.lru_cache(maxsize=1)(probe))
 
     def rest(self, target: str, stages: tuple[str, ...]) -> tuple[str, ...]:
         """``stages`` (what follows export) with ``quantize``, ``lower_control_flow`` and
-        ``benchmark`` where they run, without ``verify`` where it is off."""
+        ``benchmark`` where they run, a kept-ops target's own ``export`` first, without ``verify``
+        where it is off."""
         if target in self.unverified:
             stages = tuple(s for s in stages if s != "verify")
         if self.benchmark is not None and self.benchmark.benchmarked(target):
             stages = (*stages, "benchmark")
         if target in self.quantized:
             stages = ("quantize", *stages)
+        if target in self.kept:  # its own export (lowering.targets.keep_for), after the model's
+            stages = ("export", *stages)
         for emit in ("emit", "emit_methods"):
             if target in self.bound and emit in stages:
                 at = stages.index(emit) + 1

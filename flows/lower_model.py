@@ -36,6 +36,7 @@ from .console import quiet_flow_run
 
 quiet_flow_run()  # a worker's flow run: no library warnings on its console (before torch is imported)
 
+import collections
 import contextlib
 import logging
 import time
@@ -359,7 +360,8 @@ def lower_dag(run: Run, publish, model, targets, options, name, version, verify,
                                    targets, external, lambda t: quantize_step(quant, t, calibration),
                                    kept=lambda t: keeps_ops(t, options.get(t, {})))
     with holding(loaded), labelled(model=name):
-        dry = DryRun.of(quant, targets, verify, dry_benchmark, exports.bound()) if publish is None else None
+        dry = DryRun.of(quant, targets, verify, dry_benchmark, exports.bound(),
+                        frozenset(t for t in targets if keeps_ops(t, options.get(t, {})))) if publish is None else None
         try:
             exports.needed()
         except Exception as exc:
@@ -795,16 +797,18 @@ def _all_failed(manifest: dict, targets, records: list[dict], exc: BaseException
 def _failed(records: list[dict], exc: BaseException, target: str, methods: bool = False,
             dry: DryRun | None = None) -> dict:
     if isinstance(exc, WouldRun):  # dry run: the rest of the DAG would run
-        done = {r["stage"] for r in records}
         if methods:
             rest = METHODS_PORTABLE_STAGES if target == PORTABLE else METHODS_DELEGATE_STAGES
         else:
             rest = PORTABLE_STAGES if target == PORTABLE else DELEGATE_STAGES
-        rest = (dry or DryRun()).rest(target, rest)
-        records.extend(
-            {"stage": s, "cached": False, "state": "WouldRun", "seconds": 0.0, "bytes": None}
-            for s in rest if s not in done
-        )
+        # the model's export, then the rest: each stage listed as often as it runs (a kept-ops
+        # target's second export), less the times the records already have it
+        done = collections.Counter(r["stage"] for r in records)
+        for s in ("export", *(dry or DryRun()).rest(target, rest)):
+            if done[s]:
+                done[s] -= 1
+            else:
+                records.append({"stage": s, "cached": False, "state": "WouldRun", "seconds": 0.0, "bytes": None})
         return {"ok": None, "pte": None, "stages": records, "error": None,
                 "memory_plan": None, "delegation": None, "verify": None}
     stage = next((r["stage"] + (f"[{r['method']}]" if r.get("method") else "")

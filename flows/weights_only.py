@@ -126,7 +126,10 @@ class Exports:
 class MethodExports(Exports):
     """:class:`Exports` of a model of several methods: each method's export in the key shapes
     its targets need (``run``: the flow's stage runner; ``run_method(run, method)``: its
-    records say which method, :func:`flows.lower_model.for_method`)."""
+    records say which method, :func:`flows.lower_model.for_method`).  No ``kept``: no target
+    of a model of several methods has an export of its own (:func:`flows.lower_model.lower_target_methods`
+    delegates the methods' exports for every target, a partitioner that keeps ops whole
+    included), so each target's key shape is :func:`bytes_reason`'s without it."""
 
     def __init__(self, run, run_method, loaded, model: str, options: dict, targets, external: dict | None,
                  quantized) -> None:

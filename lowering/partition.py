@@ -34,8 +34,6 @@ from typing import Callable, Iterable, Mapping
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
-from torch.fx.passes.operator_support import OperatorSupportBase
 
 from .control_flow_graph import is_control_flow
 from .delegation import (  # re-exported here
@@ -48,6 +46,7 @@ from .delegation import (  # re-exported here
     with_external_weights,
 )
 from .errors import PartitionError
+from .partition_proposal import propose_partitions
 
 #: A constant node marked ``node.meta[NO_COPY] = True`` is never duplicated.
 NO_COPY = "no_copy"
@@ -183,16 +182,9 @@ def external_weights_partitioner(partitioner: "Partitioner | None", on: bool) ->
     return ExternalWeightsPartitioner(partitioner)
 
 
-class _AllowlistSupport(OperatorSupportBase):
-    def __init__(self, is_supported: Callable[[torch.fx.Node], bool]) -> None:
-        self._is_supported = is_supported
-
-    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.op == "call_function" and self._is_supported(node)
-
-
 class OpSupportPartitioner(Partitioner):
-    """Partitions by operator support with torch.fx's ``CapabilityBasedPartitioner``.
+    """Partitions by operator support: torch.fx's ``CapabilityBasedPartitioner``'s partitions
+    (found by :func:`lowering.partition_proposal.propose_partitions`, in near-linear time).
 
     ``supported`` is a collection of ``OpOverload``/``OpOverloadPacket`` or a
     predicate on nodes.  Each maximal cycle-free group of supported nodes
@@ -230,11 +222,7 @@ class OpSupportPartitioner(Partitioner):
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         gm = exported_program.graph_module
-        partitions = CapabilityBasedPartitioner(
-            gm,
-            _AllowlistSupport(self._is_supported),
-            allows_single_node_partition=self.allows_single_node_partition,
-        ).propose_partitions()
+        partitions = self.propose(gm, lambda node: node.op == "call_function" and self._is_supported(node))
         # Number partitions by their first node in graph order: deterministic.
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         partitions.sort(key=lambda p: min(order[n] for n in p.nodes))
@@ -249,6 +237,13 @@ class OpSupportPartitioner(Partitioner):
         if self.take_mutated_buffers:
             tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags)
+
+
+    def propose(self, graph_module: torch.fx.GraphModule, is_supported: Callable[[torch.fx.Node], bool]) -> list:
+        """torch.fx's capability-based partitions of the supported nodes
+        (:func:`lowering.partition_proposal.propose_partitions`)."""
+        return propose_partitions(graph_module, is_supported,
+                                  allows_single_node_partition=self.allows_single_node_partition)
 
 
 def tag_constant_data(

@@ -41,6 +41,30 @@ def copy_program(exported_program: ExportedProgram) -> ExportedProgram:
     )
 
 
+def with_tables(exported_program: ExportedProgram) -> ExportedProgram:
+    """A program that shares ``exported_program``'s graph (never to be rewritten) but has its
+    own weight tables and its own submodule table: what binding other weights to the same
+    program changes, without :func:`copy_program`'s deep copy of the graph (and of every
+    delegate's program in it)::
+
+        bound = with_tables(program)
+        bound.state_dict["fc.weight"] = new        # program.state_dict unchanged
+        setattr(bound.graph_module, "lowered_module_0", other)   # program's delegate unchanged
+
+    Mutated buffers are cloned, as :func:`copy_program` does.
+    """
+    mutated = set(exported_program.graph_signature.buffers_to_mutate.values())
+    gm = exported_program.graph_module
+    shallow_gm = gm.__class__.__new__(gm.__class__)  # fx's own __copy__ would re-own (and recompile) the graph
+    shallow_gm.__dict__ = {**gm.__dict__, "_modules": dict(gm._modules)}
+    shallow = copy.copy(exported_program)
+    shallow._graph_module = shallow_gm
+    shallow._state_dict = {k: (v.clone() if k in mutated else v) for k, v in exported_program.state_dict.items()}
+    shallow._constants = {k: (v.clone() if k in mutated and isinstance(v, torch.Tensor) else v)
+                          for k, v in exported_program.constants.items()}
+    return shallow
+
+
 def _keep_node_names(original: torch.fx.Graph, copied: torch.fx.GraphModule) -> None:
     """Give the copy's nodes the original's names.
 

@@ -43,8 +43,6 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
     LowerResult whose ``.pte`` is byte-identical to ``previous.pte`` and whose ``.ptd`` holds
     the new weights.  ``quantize``: the recipe ``previous`` was lowered with.  Raises
     :class:`NotWeightsOnly` when that cannot be (see the module docstring)."""
-    from .emit.method import build_pte
-    from .external import program_files
     from .lower import LowerResult, MethodsLowerResult
 
     if isinstance(previous, MethodsLowerResult):
@@ -58,16 +56,81 @@ def rebind_weights(previous: Any, model: "torch.nn.Module | Mapping[str, torch.T
     timings["bind"] = time.perf_counter() - start
     if how is not None:  # "quantize_weights" (the recorded recipes) or "quantize_pass" (the graph pass again)
         timings[how] = timings["bind"]
+    program, ptd = _emit_bound(previous.exported_program, bindings, previous.memory_plan, previous.pte,
+                               runtime_ops, timings)
+    return LowerResult(pte=previous.pte, memory_plan=previous.memory_plan, exported_program=program, timings=timings,
+                       ptd=ptd, source_program=source, quantized_program=quantized)
+
+
+def rebind_stored(pte: bytes, memory_plan: Any, program: ExportedProgram, source: tuple[Mapping, Mapping],
+                  folded: Mapping[str, tuple], model: "torch.nn.Module | Mapping[str, torch.Tensor]", *,
+                  quantize: Any = None, quantized: Mapping[str, torch.Tensor] | None = None,
+                  derived: Mapping[str, dict] | None = None, mutated: Any = (), runtime_ops: Any = None) -> bytes | None:
+    """:func:`rebind_weights` from what a store keeps of the previous lowering, reading no graph
+    but the one emitted again: ``pte``, ``memory_plan`` and ``program`` (delegated) as
+    emitted, the exported program's tables ``source`` (``(state_dict, constants)``) and folded
+    views ``folded`` (:func:`folded_views`), the weights of ``model``; with a ``quantize`` recipe
+    the quantized program's constants ``quantized`` and how its pass derived them ``derived``
+    (its ``DERIVED_META``), ``mutated``: the buffers the program mutates.  Returns the new
+    ``.ptd``, or None when the quantize pass must run again (then :func:`rebind_weights` on the
+    programs); raises :class:`NotWeightsOnly` as it does."""
+    bindings = stored_bindings(source, folded, model, quantize=quantize, quantized=quantized, derived=derived,
+                               mutated=mutated)
+    return None if bindings is None else _emit_bound(program, bindings, memory_plan, pte, runtime_ops)[1]
+
+
+def rebind_stored_methods(pte: bytes, methods: Mapping[str, tuple[ExportedProgram, Any]], constant_methods: Mapping,
+                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None) -> bytes:
+    """:func:`rebind_stored` of a program of several methods: ``methods`` ``{name: (delegated
+    program, memory plan)}`` as emitted with ``constant_methods``, each bound to its
+    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``)."""
+    from .external import program_files
+    from .methods import build_methods_pte
+
+    built = build_methods_pte({name: (rebound_program(program, bindings[name]), plan)
+                               for name, (program, plan) in methods.items()},
+                              dict(constant_methods), runtime_ops=runtime_ops, external_weights=True)
+    new_pte, ptd = program_files(built, True)
+    _check_same(new_pte, pte)
+    return ptd
+
+
+def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple],
+                    model: "torch.nn.Module | Mapping[str, torch.Tensor]", *, quantize: Any = None,
+                    quantized: Mapping[str, torch.Tensor] | None = None, derived: Mapping[str, dict] | None = None,
+                    mutated: Any = ()) -> dict[str, torch.Tensor] | None:
+    """target -> tensor of every weight of the program lowered from the exported program whose
+    tables are ``source`` (see :func:`rebind_stored`), for the weights of ``model``; None when
+    the quantize pass must run again."""
+    state_dict, constants = source
+    _check_views(constants, folded)
+    state_dict2, constants2 = bound_tables(state_dict, constants, folded, _state_of(model))
+    new_tables = {k: v for k, v in {**state_dict2, **constants2}.items() if isinstance(v, torch.Tensor)}
+    if quantize is None:
+        return new_tables
+    _check_recipe(quantize)
+    if quantized is None or derived is None:
+        return None
+    old_tables = {k: v for k, v in {**state_dict, **constants}.items() if isinstance(v, torch.Tensor)}
+    return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
+
+
+def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,
+                runtime_ops: Any, timings: dict | None = None) -> tuple[ExportedProgram, bytes]:
+    """(``program`` bound to ``bindings`` (:func:`rebound_program`), its ``.ptd``); its ``.pte``
+    emitted again must be ``previous`` byte for byte."""
+    from .emit.method import build_pte
+    from .external import program_files
+
+    timings = {} if timings is None else timings
     start = time.perf_counter()
-    program = rebound_program(previous.exported_program, bindings)
+    bound = rebound_program(program, bindings)
     timings["preprocess"] = time.perf_counter() - start
     start = time.perf_counter()
-    pte, ptd = program_files(build_pte(program, previous.memory_plan, runtime_ops=runtime_ops,
-                                       external_weights=True), True)
+    pte, ptd = program_files(build_pte(bound, memory_plan, runtime_ops=runtime_ops, external_weights=True), True)
     timings["emit"] = time.perf_counter() - start
-    _check_same(pte, previous.pte)
-    return LowerResult(pte=pte, memory_plan=previous.memory_plan, exported_program=program, timings=timings,
-                       ptd=ptd, source_program=source, quantized_program=quantized)
+    _check_same(pte, previous)
+    return bound, ptd
 
 
 def _rebind_methods(previous: Any, model: Any, quantize: Any, runtime_ops: Any) -> Any:
@@ -113,21 +176,29 @@ def _bindings(source: ExportedProgram, state: Mapping[str, torch.Tensor], quanti
     bound = bind_source(source, state)
     if quantize is None:
         return bound, _tensors(bound), None, None
-    from .quantize import parse_recipe, quantize as quantize_program
+    from .quantize import quantize as quantize_program
+
+    recipe = _check_recipe(quantize)
+    tensors = requantized_weights(quantized_before, source, bound) if quantized_before is not None else None
+    if tensors is not None:
+        from .program import with_tables
+
+        quantized = with_tables(quantized_before)
+        _swap(quantized, tensors, "the quantized program")
+        return bound, tensors, quantized, "quantize_weights"
+    quantized = quantize_program(bound, recipe)
+    return bound, _tensors(quantized), quantized, "quantize_pass"
+
+
+def _check_recipe(quantize: Any) -> Any:
+    """The parsed recipe, if a weights-only update can requantize with it (not ``int8`` static)."""
+    from .quantize import parse_recipe
 
     recipe = parse_recipe(quantize)
     if recipe.to_dict().get("recipe") == "int8":
         raise NotWeightsOnly("recipe int8 (static) calibrates activations on the model: its activation "
                              "quantization parameters are in the program, so new weights need a new program")
-    tensors = requantized_weights(quantized_before, source, bound) if quantized_before is not None else None
-    if tensors is not None:
-        from .program import copy_program
-
-        quantized = copy_program(quantized_before)
-        _swap(quantized, tensors, "the quantized program")
-        return bound, tensors, quantized, "quantize_weights"
-    quantized = quantize_program(bound, recipe)
-    return bound, _tensors(quantized), quantized, "quantize_pass"
+    return recipe
 
 
 def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
@@ -139,10 +210,19 @@ def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
     ``source`` by name, with its bytes, or has a recipe whose recorded digests say it is the
     constant as computed from the source ``source`` holds (so nothing the pass changed
     otherwise is ever bound by name or by recipe)."""
-    from .quantize.graph import DERIVED_META, derived_value, value_digest
+    from .quantize.graph import DERIVED_META
 
-    entries = quantized.graph_module.meta.get(DERIVED_META) or {}
-    old_tables, new_tables = _tensors(source), _tensors(bound)
+    return requantized_tables(_tensors(quantized), quantized.graph_module.meta.get(DERIVED_META) or {},
+                              _tensors(source), _tensors(bound), quantized.graph_signature.buffers_to_mutate.values())
+
+
+def requantized_tables(before: Mapping[str, torch.Tensor], entries: Mapping[str, dict],
+                       old_tables: Mapping[str, torch.Tensor], new_tables: Mapping[str, torch.Tensor],
+                       mutated: Any = ()) -> dict[str, torch.Tensor] | None:
+    """:func:`requantized_weights` on tables: ``before`` (the quantized program's constants),
+    ``entries`` (its :data:`~lowering.quantize.graph.DERIVED_META`), the source's tables before
+    (``old_tables``) and with the new weights (``new_tables``); ``mutated``: buffers left out."""
+    from .quantize.graph import derived_value, value_digest
 
     def recorded(target: str) -> bool:
         """Whether ``target``'s recipe was computed from the source ``source`` holds (its digests chained)."""
@@ -161,15 +241,15 @@ def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
                 derived_value(entry["recipe"], value(entry["recipe"][1]), memo)
         return memo[target]
 
-    mutated = set(quantized.graph_signature.buffers_to_mutate.values())
+    mutated = set(mutated)
     out = {}
-    for target, before in _tensors(quantized).items():
-        if target in mutated:
+    for target, old in before.items():
+        if target in mutated or not isinstance(old, torch.Tensor):
             continue
         if target in entries:
-            if value_digest(before) != entries[target]["value"] or not recorded(target):
+            if value_digest(old) != entries[target]["value"] or not recorded(target):
                 return None
-        elif target not in old_tables or not _equal(old_tables[target], before):
+        elif target not in old_tables or not _equal(old_tables[target], old):
             return None
         out[target] = value(target)
     return out
@@ -188,19 +268,28 @@ def _check_same(pte: bytes, previous: bytes) -> None:
 def bind_source(program: ExportedProgram, state: Mapping[str, torch.Tensor]) -> ExportedProgram:
     """The exported (edge, fp32) ``program`` with its parameters and buffers taken from ``state``
     (by FQN) and its folded views of them computed again; a copy, ``program`` is untouched."""
-    from .program import copy_program
+    from .program import with_tables
 
-    views = folded_views(program)
-    bound = copy_program(program)
-    for name, old in program.state_dict.items():
-        bound.state_dict[name] = _same_kind(name, old, state)
-    sources = {**{k: v for k, v in program.constants.items() if k not in views}, **state}
-    for name, old in program.constants.items():
-        if name in views:
-            bound.constants[name] = _same_kind(name, old, {name: _fold(views[name], sources)})
-        elif name in state:
-            bound.constants[name] = _same_kind(name, old, state)
+    bound = with_tables(program)
+    state_dict, constants = bound_tables(program.state_dict, program.constants, folded_views(program), state)
+    bound.state_dict.update(state_dict)
+    bound.constants.update(constants)
     return bound
+
+
+def bound_tables(state_dict: Mapping[str, torch.Tensor], constants: Mapping[str, Any], views: Mapping[str, tuple],
+                 state: Mapping[str, torch.Tensor]) -> tuple[dict, dict]:
+    """:func:`bind_source` on a program's tables: ``(state_dict, constants)`` with every
+    parameter and buffer from ``state``, every folded view (``views``: :func:`folded_views`)
+    computed again from it, other constants as they are."""
+    sources = {**{k: v for k, v in constants.items() if k not in views}, **state}
+    bound_constants = dict(constants)
+    for name, old in constants.items():
+        if name in views:
+            bound_constants[name] = _same_kind(name, old, {name: _fold(views[name], sources)})
+        elif name in state:
+            bound_constants[name] = _same_kind(name, old, state)
+    return {name: _same_kind(name, old, state) for name, old in state_dict.items()}, bound_constants
 
 
 def folded_views(program: ExportedProgram) -> dict[str, tuple]:
@@ -215,11 +304,15 @@ def folded_views(program: ExportedProgram) -> dict[str, tuple]:
     for node in program.graph.nodes:
         if node.op == "placeholder" and FOLDED_FROM in node.meta and node.name in specs:
             recorded[specs[node.name].target] = node.meta[FOLDED_FROM]
-    for name in program.constants:
+    _check_views(program.constants, recorded)
+    return recorded
+
+
+def _check_views(constants: Mapping[str, Any], recorded: Mapping[str, tuple]) -> None:
+    for name in constants:
         if "#" in name and name not in recorded:  # export's folded view (lowering.export.folding.folded_name)
             raise NotWeightsOnly(f"the folded constant {name!r} does not say which weight it is a view of "
                                  "(a program read back from a store): lower again")
-    return recorded
 
 
 def _is_weight(a: Any) -> bool:
@@ -251,11 +344,11 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
     NotWeightsOnly if a delegate's payload changes (it holds something weight-dependent)."""
     from .control_flow_graph import has_control_flow
     from .lowered_module import LoweredBackendModule, preprocess
-    from .program import copy_program
+    from .program import with_tables
 
     if has_control_flow(program.graph):
         raise NotWeightsOnly("a program with control flow (cond / map) is lowered again")
-    bound = copy_program(program)
+    bound = with_tables(program)  # the graph is not rewritten: only tables and delegates change
     _swap(bound, bindings, "the program")
     for node in bound.graph.nodes:
         if node.op != "get_attr":
@@ -263,7 +356,7 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
         lowered = getattr(bound.graph_module, node.target, None)
         if not isinstance(lowered, LoweredBackendModule):
             continue
-        original = copy_program(lowered.original_module)
+        original = with_tables(lowered.original_module)
         _swap(original, bindings, f"delegate {node.target!r}")
         again = preprocess(original, lowered.backend_id, lowered.compile_specs, partition=node.target)
         if bytes(again.processed_bytes) != bytes(lowered.processed_bytes):

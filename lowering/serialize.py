@@ -59,6 +59,8 @@ import hashlib
 import json
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Mapping
@@ -338,23 +340,29 @@ def apply_placeholder_meta(graph: torch.fx.Graph, kept: Mapping[str, Mapping[str
         placeholders[name].meta.update(meta)
 
 
-def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
-    """Rebuild the program of a :func:`serialize_program` manifest.
-
-    ``get_blob(digest) -> bytes`` fetches blobs (e.g. ``Serialized.get_blob`` or the
-    artifact store); every blob is checked against its digest here.
-    """
+def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``(state_dict, constants)`` of a :func:`serialize_program` manifest, without reading
+    its graph (torch's deserializer builds a fake tensor per node: most of a read's time):
+    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`)."""
     obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
-    if obj.get("version") != PROGRAM_FORMAT_VERSION:
-        raise SerializationError(
-            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
-        )
+    return _tables(obj, _checked_blobs(get_blob))
 
+
+def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], bytes]:
     def blob(digest: str, what: str) -> bytes:
         data = get_blob(digest)
         if blob_digest(data) != digest:
             raise SerializationError(f"{what}: blob {digest} does not match its digest")
         return data
+
+    return blob
+
+
+def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[dict, dict]:
+    if obj.get("version") != PROGRAM_FORMAT_VERSION:
+        raise SerializationError(
+            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
+        )
 
     def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
         return {
@@ -362,8 +370,18 @@ def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> Ex
             for name, meta in table.items()
         }
 
-    state_dict = tensors(obj["state_dict"], "state_dict entry")
-    constants = tensors(obj["constants"], "constant")
+    return tensors(obj["state_dict"], "state_dict entry"), tensors(obj["constants"], "constant")
+
+
+def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:
+    """Rebuild the program of a :func:`serialize_program` manifest.
+
+    ``get_blob(digest) -> bytes`` fetches blobs (e.g. ``Serialized.get_blob`` or the
+    artifact store); every blob is checked against its digest here.
+    """
+    obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
+    blob = _checked_blobs(get_blob)
+    state_dict, constants = _tables(obj, blob)
     example_inputs = _example_inputs_from_json(obj.get("example_inputs"), blob)
     graph = bytes(blob(obj["graph"], "graph"))
     # torch's deserializer eval()s symbolic sizes: a graph blob someone else wrote is checked first.
@@ -397,9 +415,79 @@ def _deserialize_graph(graph: bytes, state_dict, constants, example_inputs) -> E
         from .llm.custom_ops import ensure_llama_ops
 
         ensure_llama_ops()
-    serialized_ep = _serde._bytes_to_dataclass(_serde.ExportedProgram, graph)
+    serialized_ep = dataclass_of(_serde.ExportedProgram, json.loads(graph))
     # Dicts and tuples are used as they are: torch.load is never reached.
     return _serde.ExportedProgramDeserializer().deserialize(serialized_ep, state_dict, constants, example_inputs)
+
+
+def dataclass_of(cls: Any, data: Any) -> Any:
+    """``torch._export.serde.serialize._dict_to_dataclass(cls, data)``: torch's schema
+    dataclass of parsed JSON ``data``, with each class's type hints computed once.
+
+    torch's asks ``typing.get_type_hints`` again for every dataclass and union it builds
+    (34k calls for a 256x4 Llama's programs, 8 of 16 CPU-s of reading them back); a
+    weights-only night reads last night's programs back from the store, so that was most
+    of its time.  Same walk otherwise; ``tests/test_serialize.py`` compares the two."""
+    from torch._export.serde import serialize as serde
+
+    return _dataclass_of(cls, data, serde._resolve_schema_cls, serde._Union)
+
+
+def _dataclass_of(cls: Any, data: Any, resolve: Callable, union: type) -> Any:
+    cls = resolve(cls)
+    if isinstance(cls, str):
+        raise AssertionError(f"Unresolved class type: '{cls}'.")
+    origin = typing.get_origin(cls)
+    if origin is None and isinstance(cls, type):
+        if issubclass(cls, union):
+            if not isinstance(data, dict) or len(data) != 1:
+                raise AssertionError(f"expected a dict with 1 key for {cls.__name__}, got {data!r:.80}")
+            ((tag, value),) = data.items()
+            return cls.create(**{tag: _dataclass_of(_schema_hints(cls)[tag], value, resolve, union)})
+        if dataclasses.is_dataclass(cls):
+            hints = _schema_hints(cls)
+            # as torch: keys the dataclass does not define are ignored (forward compatibility)
+            return cls(**{name: _dataclass_of(hints[name], data[name], resolve, union)
+                          for name in _schema_fields(cls) if name in data})
+    else:
+        if origin is typing.Annotated:
+            return _dataclass_of(cls.__origin__, data, resolve, union)
+        if origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(cls):
+            if data is None:
+                return None
+            args = typing.get_args(cls)
+            if len(args) != 2:
+                raise AssertionError(f"expected 2 type args, got {len(args)}")
+            return _dataclass_of(args[0], data, resolve, union)
+    if isinstance(data, list):
+        if not data:
+            return data
+        item = typing.get_args(cls)[0]
+        return [_dataclass_of(item, d, resolve, union) for d in data]
+    if isinstance(data, dict):
+        item = typing.get_args(cls)[1]
+        return {k: _dataclass_of(item, v, resolve, union) for k, v in data.items()}
+    if cls is float:
+        return float(data)
+    return data
+
+
+_SCHEMA_HINTS: dict[type, dict[str, Any]] = {}
+_SCHEMA_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _schema_hints(cls: type) -> dict[str, Any]:
+    if cls not in _SCHEMA_HINTS:
+        from torch._export.serde import schema
+
+        _SCHEMA_HINTS[cls] = typing.get_type_hints(cls, globalns=vars(schema))
+    return _SCHEMA_HINTS[cls]
+
+
+def _schema_fields(cls: type) -> tuple[str, ...]:
+    if cls not in _SCHEMA_FIELDS:
+        _SCHEMA_FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return _SCHEMA_FIELDS[cls]
 
 
 #: How torch's serializer names an output of a multi-output node that no getitem read.

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import inspect
 import threading
 import time
@@ -70,9 +69,9 @@ from lowering.verify import verify as verify_pte, verify_call_sequence, verify_q
 from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
+from .bind import bind_from_tables, bind_methods_from_tables
 from .cache import CacheConfig, iter_refs, stage_task
-from .heap import return_freed
-from .live import LIVE
+from .live import LIVE, release_live, take_program
 from .model_spec import live_model
 from .run_names import task_run_name
 from .store import ArtifactRef, ArtifactStore
@@ -185,6 +184,11 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
+    if not (recipe and references):  # no quantized program to store for verify: only the emitted graph is read
+        done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
+                                recipe, reference, derived, runtime_ops)
+        if done is not None:  # else the quantize pass must run again: on the programs
+            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     # (what the store does not keep in a program: how export folded views, how quantize derived constants;
     # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
     source = get_program(store, exported["program"])
@@ -231,6 +235,13 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
     if all(weights[m] == exported[m].get("weights") for m in exported):
         return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
     start = time.perf_counter()
+    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
+    if not (recipe and references):  # no quantized programs to store for verify: only the emitted graphs are read
+        plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
+        done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
+                                        quantized, derived, runtime_ops)
+        if done is not None:  # else the quantize pass must run again: on the programs
+            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     sources, before = {}, {}
     for method, done in exported.items():
         sources[method] = get_program(store, done["program"])
@@ -243,7 +254,6 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
         memory_plans={m: get_memory_plan(store, e["plan"]) for m, e in methods.items()},
         exported_programs={m: get_program(store, e["program"]) for m, e in methods.items()},
         quantized_programs=before or None)
-    modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
     try:
         bound = rebind_weights(previous, modules, quantize=recipe, runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
@@ -620,17 +630,6 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     return _emitted(store, built, bool(external_weights))
 
 
-def release_live() -> None:
-    """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
-    reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes (collected now: a program's graph is a
-    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
-    (another target) reads what it needs back from the store."""
-    LIVE.clear()
-    gc.collect()
-    return_freed()
-
-
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
@@ -651,7 +650,7 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     _begin("verify")
     if mode not in (None, "quick"):
         raise ValueError(f"verify mode {mode!r}: the stage runs None (full) or 'quick'")
-    release_live()
+    release_live(keep=reference)
     loaded = live_model(model, fingerprint, options)
     if loaded.pt2 is not None:
         return {"ok": None, "checks": [], "skipped": "a .pt2 model has no eager module to compare with"}
@@ -661,7 +660,7 @@ def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: 
     check = verify_quick if mode == "quick" else functools.partial(verify_pte, dynamic_shapes=loaded.dynamic_shapes)
     # The quantized reference is read here for the check alone (not kept live): it drops it once run.
     report = check(program, loaded.module, loaded.inputs, method=method,
-                   reference=None if reference is None else store.get_program(reference), **thresholds, **tolerances)
+                   reference=None if reference is None else take_program(store, reference), **thresholds, **tolerances)
     return {**report.to_dict(), **({"mode": mode} if mode else {})}
 
 

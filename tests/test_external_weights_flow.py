@@ -83,10 +83,11 @@ def test_external_weights_setting_is_validated():
         external_by_target("yes", ["portable"])
 
 
-def test_cli_lower_writes_both_files_and_verify_checks_the_pair(tmp_path):
+def test_cli_lower_writes_both_files_and_verify_checks_the_pair(tmp_path, prefect_api):
     out = tmp_path / "out"
     result = lowerflow("lower", "examples/models.py:mlp", "-t", "xnnpack", "--external-weights", "-o", str(out) + "/",
-                       "--store", str(tmp_path / "store"), "--verify", "off", home=tmp_path / "prefect")
+                       "--store", str(tmp_path / "store"), "--verify", "off", home=tmp_path / "prefect",
+                       api=prefect_api)  # the session's server: no ephemeral one to start
     assert result.returncode == 0, result.stderr
     pte, ptd = out / "mlp.xnnpack.pte", out / "mlp.xnnpack.ptd"
     assert pte.exists() and ptd.exists() and "the weights mlp.xnnpack.pte needs" in result.stdout

@@ -117,6 +117,21 @@ def test_json_values_equal_torchs_json_on_every_kind_of_program():
     assert {"min_val": 1, "max_val": 16} in ranges.values()
 
 
+def test_dataclass_of_equals_torchs_on_every_kind_of_program():
+    """lowerflow reads torch's schema dataclasses back with each class's type hints computed
+    once (dataclass_of); it must build what torch's _dict_to_dataclass builds."""
+    from torch._export.serde import serialize as serde
+
+    from lowering.serialize import _serialized_dataclass, dataclass_of, json_values
+
+    programs = {name: edge_program(name)[0] for name in MODELS} | _dynamic_and_delegated_programs()
+    for name, ep in programs.items():
+        data = json_values(_serialized_dataclass(ep))
+        ours, torchs = dataclass_of(serde.ExportedProgram, data), serde._dict_to_dataclass(serde.ExportedProgram, data)
+        assert ours == torchs, name
+        assert json_values(ours) == data, name
+
+
 def test_json_values_follow_json_for_keys_enums_bytes_and_floats():
     import enum
 

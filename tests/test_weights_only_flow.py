@@ -118,6 +118,35 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         assert runtimes == {"lowerflow", "executorch"}, entry["verify"]
 
 
+@pytest.mark.parametrize("factory, targets, recipe", [("cnn", ("portable", "xnnpack"), None),
+                                                      ("mlp", ("xnnpack",), "8da4w"),
+                                                      ("two_methods", ("xnnpack",), "8da4w")])
+def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monkeypatch, fresh_stages, factory,
+                                                                 targets, recipe):
+    """Verify off, nothing live (what a new night's process has): bind_weights reads the graph of
+    the program it emits again and only the tables of the exported and quantized programs
+    (lowering.rebind.rebind_stored: reading a graph back is most of a read); same bytes as a cold
+    lowering."""
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, factory, targets, verify=False, **({"quantize": recipe} if recipe else {}))
+    first = lower_fleet(manifest)["models"]["m"]
+    fresh_stages.LIVE.clear()
+    (tmp_path / "seed.txt").write_text("2")
+    graphs, read = [], ArtifactStore.get_program
+    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
+    summary, ran = executions_during(lower_fleet, manifest)
+    methods = 2 if factory == "two_methods" else 1
+    assert dict(ran) == {"bind_weights" if methods == 1 else "bind_weights_methods": len(targets)}, dict(ran)
+    assert len(graphs) == methods * len(targets), graphs  # each target's delegated programs, nothing else
+    for target in targets:
+        entry, before = summary["models"]["m"]["targets"][target], first["targets"][target]
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+        library = cold(tmp_path, factory, target, recipe)
+        assert published(entry["ptd"]) == library.ptd
+
+
 def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
     manifest = retrain_fleet(tmp_path, "cnn", ("xnnpack",), quantize="int8",
                              calibration="examples/models.py:cnn_calibration")
@@ -250,7 +279,8 @@ def test_a_plan_lists_bind_weights(tmp_path):
 
 def test_a_plan_lists_bind_weights_only_where_it_runs(tmp_path):
     """A target whose partitioner keeps ops whole (vulkan: its own export, keyed on the weights'
-    bytes) does not bind weights: the plan says so before the run, and the run agrees."""
+    bytes) does not bind weights: the plan says so before the run, and the run agrees, stage
+    for stage (vulkan's two exports, the model's and its own, both listed)."""
     from flows.lower_model import lower_model, plan_model
     from flows.weights_only import KEPT_OPS
 
@@ -262,7 +292,8 @@ def test_a_plan_lists_bind_weights_only_where_it_runs(tmp_path):
         entry = ran["targets"][target]
         assert entry["ok"], entry["error"]
         planned = [r["stage"] for r in plan["targets"][target]["stages"]]
-        assert list(dict.fromkeys(r["stage"] for r in entry["stages"])) == planned, (target, planned)
+        assert [r["stage"] for r in entry["stages"]] == planned, (target, planned)
+    assert planned_stages(plan, "vulkan").count("export") == 2
     assert "bind_weights" in planned_stages(plan, "portable") and "bind_weights" not in planned_stages(plan, "vulkan")
     assert ran["targets"]["vulkan"]["weights_only"] == {"bytes": KEPT_OPS}
 

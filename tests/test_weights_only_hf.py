@@ -97,3 +97,58 @@ def test_a_retrained_decoder_ships_only_a_new_ptd(tmp_path, targets, recipe):
             embedded = lower(program.lower_input(), partitioner=partitioner_for(target), quantize=recipe).pte
             expected = executorch_runner().sequence(embedded, ["forward"], [("forward", [tokens, positions])])[0][0]
             torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+#: A tiny transformers BERT encoder whose weights come from seed.txt beside it (the retrain).
+BERT = '''
+import pathlib
+import torch
+import transformers
+from examples.hf_models import _TensorOutput
+
+
+def bert():
+    torch.manual_seed(int((pathlib.Path(__file__).parent / "seed.txt").read_text()))
+    model = transformers.BertModel(transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=16, attn_implementation="eager"), add_pooling_layer=True).eval()
+    ids, mask = torch.tensor([[3, 9, 27, 5, 11, 60, 2, 0]]), torch.ones(1, 8, dtype=torch.long)
+    mask[0, 6:] = 0
+    return _TensorOutput(model, ("last_hidden_state", "pooler_output")).eval(), (ids, mask)
+'''
+
+
+def test_a_retrained_bert_ships_only_a_new_ptd(tmp_path):
+    """A transformers BertModel through the flow, portable and xnnpack: a retrain night runs only
+    bind_weights and verify, the .pte is last night's, flow = library for both files, and last
+    night's .pte with tonight's .ptd gives tonight's outputs on ExecuTorch's runtime."""
+    import importlib.util
+
+    targets = ("portable", "xnnpack")
+    (tmp_path / "retrained.py").write_text(BERT)
+    (tmp_path / "seed.txt").write_text("1")
+    manifest = {"store": str(tmp_path / "store"), "defaults": {"targets": list(targets)},
+                "models": [{"name": "bert", "model": f"{tmp_path / 'retrained.py'}:bert", "external_weights": True}]}
+    first = lower_fleet(manifest)["models"]["bert"]
+    (tmp_path / "seed.txt").write_text("2")
+    summary, ran = executions_during(lower_fleet, manifest)
+    second = summary["models"]["bert"]
+    assert dict(ran) == {"bind_weights": len(targets), "verify": len(targets)}, dict(ran)
+    assert second["changed"] == ["weights"]
+    spec = importlib.util.spec_from_file_location("bert_tonight", tmp_path / "retrained.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, inputs = module.bert()  # tonight's weights
+    with torch.no_grad():
+        expected = model(*inputs)
+    for target in targets:
+        entry, before = second["targets"][target], first["targets"][target]
+        assert entry["ok"], entry["error"]
+        assert entry["weights_only"] == {"bind_weights": "rebound"}
+        assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]
+        library = lower(model, inputs, partitioner=partitioner_for(target), external_weights=True)
+        assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)  # flow = library
+        outputs = executorch_runner().sequence(with_data(published(before["pte"]), published(entry["ptd"])),
+                                               ["forward"], [("forward", list(inputs))])[0]
+        for got, want in zip(outputs, expected):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

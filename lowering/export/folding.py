@@ -188,10 +188,20 @@ def restore_folded(program: ExportedProgram, recipes: Mapping[str, list]) -> Non
     """Put :func:`folded_recipes` back on the placeholders of ``program`` (read back from a
     store, where ``node.meta`` does not keep them), in place."""
     targets = {s.arg.name: s.target for s in program.graph_signature.input_specs if hasattr(s.arg, "name")}
+    folded = folded_from_json(recipes)
     for node in program.graph.nodes:
-        if node.op == "placeholder" and targets.get(node.name) in recipes:
-            op, args, kwargs = _from_json(recipes[targets[node.name]])
-            node.meta[FOLDED_FROM] = (op, tuple(args), kwargs)
+        if node.op == "placeholder" and targets.get(node.name) in folded:
+            node.meta[FOLDED_FROM] = folded[targets[node.name]]
+
+
+def folded_from_json(recipes: Mapping[str, list]) -> dict[str, tuple]:
+    """:func:`folded_recipes` read back: ``{constant target: (op, args, kwargs)}``, each as
+    :data:`FOLDED_FROM` holds it (what :func:`lowering.rebind.folded_views` gives of a program)."""
+    folded = {}
+    for target, recipe in recipes.items():
+        op, args, kwargs = _from_json(recipe)
+        folded[target] = (op, tuple(args), kwargs)
+    return folded
 
 
 def _to_json(value):

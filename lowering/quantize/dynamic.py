@@ -55,7 +55,7 @@ import operator
 import torch
 from torch.export import ExportedProgram
 
-from .graph import add_constant, call, constant_value, kept_fp32, target_of, unfold_linear_weights
+from .graph import add_constant, call, constant_value, kept_fp32, target_of, unfold_linear_weights, value_digest
 from .recipes import QuantRecipe
 from .weights import WeightScheme, quantize_weight
 
@@ -76,6 +76,8 @@ def quantize_dynamic(program: ExportedProgram, recipe: QuantRecipe) -> tuple[Exp
     """Rewrite ``program`` in place (see the module docstring); returns it, the names of
     the linears left fp32 because K is not a multiple of the group size, and those left
     fp32 because they are inside ``nn.MultiheadAttention`` (:attr:`QuantRecipe.skips_mha`)."""
+    import torchao.quantization.quant_primitives  # noqa: F401  (defines torch.ops.torchao.*: the ops put in the graph)
+
     scheme = weight_scheme(recipe)
     graph = program.graph
     skipped: list[str] = []
@@ -188,10 +190,11 @@ def _dequantized_weight(program: ExportedProgram, gemm: torch.fx.Node, source: t
     weight = constant_value(program, source)
     qdata, scale, zero_point = quantize_weight(weight, scheme)
     recipe = ["q", target_of(program, source), scheme.block, scheme.qmin, scheme.qmax]
-    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm, derived=([*recipe, 0], weight))
-    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm, derived=([*recipe, 1], weight))
+    digest = value_digest(weight)  # the source of all three: hashed once
+    q = add_constant(program, f"_q_weight_{gemm.name}", qdata, meta_from=gemm, derived=([*recipe, 0], digest))
+    s = add_constant(program, f"_q_scale_{gemm.name}", scale, meta_from=gemm, derived=([*recipe, 1], digest))
     zp = add_constant(program, f"_q_zero_point_{gemm.name}", zero_point, meta_from=gemm,
-                      derived=([*recipe, 2], weight))
+                      derived=([*recipe, 2], digest))
     users = [u for u in source.users]
     with program.graph.inserting_before(min(users, key=_position)):
         return call(program.graph, torch.ops.torchao.dequantize_affine.default,

@@ -85,9 +85,16 @@ def constant_value(program: ExportedProgram, node: torch.fx.Node) -> torch.Tenso
 
 
 def fake_mode_of(program: ExportedProgram):
+    """The fake mode of the program's placeholder values: the first fake one's (an exported
+    program has one mode; torch's ``detect_fake_mode`` would check every placeholder, at every
+    constant a pass adds)."""
     from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    return detect_fake_mode([n.meta.get("val") for n in program.graph.nodes if n.op == "placeholder"])
+    for node in program.graph.find_nodes(op="placeholder"):
+        if isinstance(node.meta.get("val"), FakeTensor):
+            return detect_fake_mode([node.meta["val"]])
+    return detect_fake_mode([])
 
 
 #: ``graph_module.meta`` key: how the pass computed each constant it lifted from a weight,
@@ -103,16 +110,17 @@ def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_
     first user input, as export orders them); returns the placeholder.  The constant is a
     contiguous copy of ``value``, or with ``view`` ``value`` itself (sharing its memory: for
     a constant the caller replaces or makes contiguous before the program is used).
-    ``derived``: how ``value`` was computed from a weight, ``(recipe, the weight's value)``
-    (recorded under :data:`DERIVED_META`)."""
+    ``derived``: how ``value`` was computed from a weight, ``(recipe, the weight's value or
+    its value_digest)`` (recorded under :data:`DERIVED_META`)."""
     graph = program.graph
     specs = program.graph_signature.input_specs
     taken = {s.target for s in specs} | set(program.state_dict) | set(program.constants)
     target = _fresh(name, taken)
     node_name = _fresh(f"c_{target}", {n.name for n in graph.nodes})
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    first_user = next((n for n, s in zip(placeholders, specs) if s.kind == InputKind.USER_INPUT), None)
-    where = graph.inserting_before(first_user) if first_user is not None else graph.inserting_after(placeholders[-1])
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    index = next((i for i, s in enumerate(specs) if s.kind == InputKind.USER_INPUT), len(placeholders))
+    where = graph.inserting_before(placeholders[index]) if index < len(placeholders) else \
+        graph.inserting_after(placeholders[-1])
     with where:
         node = graph.placeholder(node_name)
     if meta_from is not None:
@@ -120,12 +128,12 @@ def add_constant(program: ExportedProgram, name: str, value: torch.Tensor, meta_
     value = value.detach() if view else value.detach().contiguous().clone()
     mode = fake_mode_of(program)
     node.meta["val"] = mode.from_tensor(value, static_shapes=True) if mode is not None else value
-    ordered = [n for n in graph.nodes if n.op == "placeholder"]
-    specs.insert(ordered.index(node), InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target))
+    specs.insert(index, InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), target))
     program.constants[target] = value
     if derived is not None:
         recipe, source = derived
-        entry = {"recipe": recipe, "source": value_digest(source), "value": value_digest(value)}
+        entry = {"recipe": recipe, "source": source if isinstance(source, str) else value_digest(source),
+                 "value": value_digest(value)}
         program.graph_module.meta[DERIVED_META] = {**program.graph_module.meta.get(DERIVED_META, {}), target: entry}
     return node
 

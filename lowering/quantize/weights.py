@@ -23,16 +23,26 @@ class WeightScheme:
 
 def quantize_weight(weight: torch.Tensor, scheme: WeightScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(qdata int8 [N, K], scale fp32 [N, K/b], zero_point int8 [N, K/b])``, symmetric,
-    computed as torchao's ``IntxUnpackedToInt8Tensor.from_hp`` does (AFFINE algorithm)."""
-    from torchao.quantization.quant_primitives import MappingType, choose_qparams_affine, quantize_affine
+    bit-identical to torchao's ``choose_qparams_affine`` + ``quantize_affine`` (SYMMETRIC, as
+    ``IntxUnpackedToInt8Tensor.from_hp`` computes them; tests/test_quantize_weights.py), in
+    place on one fp32 copy of the weight (torchao's custom ops cost several temporaries and a
+    dispatch each: a weights-only update quantizes every weight again, :mod:`lowering.rebind`)::
 
-    block = tuple(scheme.block_size(weight.shape[1]))
-    weight = weight.float().contiguous()  # a transposed view (unfold_linear_weights' views): one weight copied at a time
+        w [N, K] -> blocks [N, K/b, b];  s = clamp(max(-min(lo, 0), max(hi, 0)) / ((qmax - qmin) / 2), eps)
+        q = clamp(round(w * (1 / s)) + zp, qmin, qmax)       zp = int((qmax + qmin + 1) / 2)
+    """
+    n, k = weight.shape
+    block = scheme.block or k
     with torch.no_grad():
-        scale, zero_point = choose_qparams_affine(
-            weight.float(), MappingType.SYMMETRIC, block, target_dtype=torch.int8,
-            quant_min=scheme.qmin, quant_max=scheme.qmax, zero_point_dtype=torch.int8, keepdim=True,
-        )
-        qdata = quantize_affine(weight.float(), block, scale, zero_point, output_dtype=torch.int8,
-                                quant_min=scheme.qmin, quant_max=scheme.qmax)
-    return qdata, scale, zero_point
+        # a transposed view (unfold_linear_weights' views): one weight copied at a time
+        w = weight.detach().to(torch.float32).contiguous().view(n, k // block, block)
+        lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+        scale = torch.maximum(torch.minimum(lo, torch.zeros_like(lo)).neg_(), hi.clamp_(min=0))
+        scale.div_(float(scheme.qmax - scheme.qmin) / 2).clamp_(min=torch.finfo(torch.float32).smallest_normal)
+        zero = int((scheme.qmax + scheme.qmin + 1) / 2)
+        x = w * (1.0 / scale)
+        x.round_()
+        if zero:
+            x.add_(zero)
+        qdata = x.clamp_(scheme.qmin, scheme.qmax).to(torch.int8).view(n, k)
+    return qdata, scale.view(n, k // block), torch.full((n, k // block), zero, dtype=torch.int8)
