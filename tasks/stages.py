@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import inspect
 import threading
 import time
@@ -72,8 +71,7 @@ from lowering.verify_executorch import with_data
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
 from .bind import bind_from_tables, bind_methods_from_tables
 from .cache import CacheConfig, iter_refs, stage_task
-from .heap import return_freed
-from .live import LIVE
+from .live import LIVE, release_live, take_program
 from .model_spec import live_model
 from .run_names import task_run_name
 from .store import ArtifactRef, ArtifactStore
@@ -83,7 +81,7 @@ from .torch_lock import TORCH_LOCK
 STAGE_VERSIONS = {
     "export": "3",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops); 3: inverse permutes cancel
     "quantize": "1",
-    "partition": "4",  # 4: a shared constant's copy keeps shared_with_top_level in the store
+    "partition": "5",  # 4: a shared constant's copy keeps shared_with_top_level in the store; 5: no-op clones dropped for ExecuTorch's partitioners
     "lower_control_flow": "1",
     "create_submodule": "2",
     "build_programs": "3",  # 3: as partition 4 (a tied LM head stored once when read back)
@@ -632,18 +630,6 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     return _emitted(store, built, bool(external_weights))
 
 
-def release_live(keep: ArtifactRef | None = None) -> None:
-    """Let go of the stage objects this process kept live (:data:`LIVE`) before verify, which
-    reads only the ``.pte`` and the eager model: the programs' weights that nothing else
-    holds are freed while verify runs two runtimes (collected now: a program's graph is a
-    cycle of objects; and given back to the system: :mod:`tasks.heap`).  A later stage
-    (another target) reads what it needs back from the store.  ``keep``: a program verify
-    reads next (a quantized reference: :func:`take_program`), kept rather than read back."""
-    LIVE.clear(keep)
-    gc.collect()
-    return_freed()
-
-
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",
                reference: ArtifactRef | None = None, min_sqnr: float | None = None,
                max_error: float | None = None, options: dict | None = None, mode: str | None = None,
@@ -692,14 +678,6 @@ def run_verify_sequence(store: ArtifactStore, pte: ArtifactRef, model: str, fing
     methods = {name: (sub.module, sub.inputs) for name, sub in (loaded.methods or {}).items()}
     quantized = {m: get_program(store, ref) for m, ref in references.items()} if references else None
     return verify_call_sequence(_program_file(store, pte, ptd), methods, references=quantized).to_dict()
-
-
-def take_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.ExportedProgram:
-    """The program of ``ref`` taken out of :data:`LIVE` (this process stored it: no second
-    deserialization, ~10 CPU-s for SmolLM2-135M 8da4w's), else read from the store; either
-    way the caller holds the only reference, so the program goes when the caller drops it."""
-    taken = LIVE.pop(ref)
-    return taken if taken is not None else store.get_program(ref)
 
 
 def _program_file(store: ArtifactStore, pte: ArtifactRef, ptd: ArtifactRef | None):

@@ -135,11 +135,11 @@ def ops_outside(program) -> Counter:
 
 def test_ethos_u_int8_payloads(ethos_u_lowerings):
     """MobileNetV2: all of it on the NPU, the Vela command stream ExecuTorch's byte for byte (no named data).
-    BERT: not identical, and why.  Both sides leave the same mask and embedding-lookup ops on the CPU, but
-    lowerflow's graph also keeps the ``aten.clone`` of eval-mode dropout and attention's ``.contiguous()``
-    (and one ``view_copy`` beside them), which ExecuTorch's ``to_edge`` turns into dim-order clones that Arm's
-    partitioner takes and lowerflow's Arm partitioner does not: lowerflow's BERT is cut into 12 Ethos-U
-    partitions where ExecuTorch's is 2, so the Vela streams differ.  lowerflow's program loads either way."""
+    BERT: ExecuTorch's 2 Ethos-U partitions and the same mask and embedding-lookup ops left on the CPU
+    (stage 2 drops the ``aten.clone`` of eval-mode dropout and attention's ``.contiguous()`` for Arm's
+    partitioner, :func:`lowering.export.cleanups.remove_noop_clones`; with them it cut BERT into 12), but
+    not the same Vela streams: 1,312 and 133,648 B against ExecuTorch's 1,360 and 132,848 B (why: not found
+    yet).  lowerflow's program loads either way."""
     name, result, their_program = ethos_u_lowerings
     ours, theirs = payloads(result.exported_program), payloads(their_program)
     assert {b for b, _, _ in ours} == {b for b, _, _ in theirs} == {"EthosUBackend"}
@@ -148,8 +148,7 @@ def test_ethos_u_int8_payloads(ethos_u_lowerings):
         assert ours == theirs and len(ours) == 1 and len(ours[0][1]) > 100_000
         assert ops_outside(result.exported_program) == ops_outside(their_program) == Counter()
     else:
-        assert (len(ours), len(theirs)) == (12, 2) and ours != theirs
-        extra = ops_outside(result.exported_program) - ops_outside(their_program)
-        assert not ops_outside(their_program) - ops_outside(result.exported_program)
-        assert set(extra) == {"aten.clone.default", "aten.view_copy.default"} and extra["aten.clone.default"] == 15
+        assert len(ours) == len(theirs) == 2 and ours != theirs
+        assert ops_outside(result.exported_program) == ops_outside(their_program) != Counter()
+        assert "aten.clone.default" not in ops_outside(result.exported_program)
     assert loads_in_executorchs_parser(result.pte)

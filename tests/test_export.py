@@ -456,3 +456,54 @@ def test_a_permute_undone_by_the_next_one_goes():
     mul = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor)
     assert mul.args[0].op == "placeholder"
     assert_all_close(flatten(program.module()(x)), flatten(Pairs()(x)))
+
+
+class _Clones(torch.nn.Module):
+    """Every kind of clone: eval dropout and ``.contiguous()`` of a transpose (no-ops), a
+    channels-last clone, a clone of the input, and a clone returned as an output."""
+
+    def __init__(self, channels_last: bool):
+        super().__init__()
+        self.fc, self.drop = torch.nn.Linear(8, 8), torch.nn.Dropout(0.1)
+        self.channels_last = channels_last
+
+    def forward(self, x):
+        y = self.drop(self.fc(x))  # clone (eval dropout)
+        t = y.transpose(1, 2).contiguous()  # clone of a view: contiguous at run time
+        out = (t * 2, y.clone(), x.clone() + 1)  # an output clone and an input's clone: kept
+        if self.channels_last:  # another format: kept (lowerflow's emitter refuses it)
+            return out + (t.unsqueeze(0).clone(memory_format=torch.channels_last),)
+        return out
+
+
+def test_remove_noop_clones_keeps_formats_inputs_and_outputs_and_the_program_runs():
+    """Stage 2 runs it for partitioners with ``drop_noop_clones`` (ExecuTorch's); a partitioner that
+    tags nothing shows its effect on the top-level program, run on lowerflow's runtime."""
+    import lowering.runtime
+    from lowering.export.cleanups import remove_noop_clones
+    from lowering.partition import Partitioner, PartitionResult
+
+    x = torch.randn(2, 3, 8)
+    clones = lambda g: [n for n in g.nodes if n.target is torch.ops.aten.clone.default]  # noqa: E731
+    graph = export(_Clones(channels_last=True).eval(), (x,)).graph
+    assert len(clones(graph)) == 5
+    assert remove_noop_clones(graph) == 2
+    assert [n.args[0].op == "placeholder" or n.kwargs.get("memory_format") == torch.channels_last
+            or any(u.op == "output" for u in n.users) for n in clones(graph)] == [True] * 3
+    model = _Clones(channels_last=False).eval()
+    program = export(model, (x,))
+    assert len(clones(program.graph)) == 4
+
+    class NoTags(Partitioner):
+        drop_noop_clones = True
+
+        def partition(self, exported_program):
+            return PartitionResult(exported_program, {})
+
+    pte = lower(program, partitioner=NoTags()).pte
+    assert len(clones(program.graph)) == 4  # stage 2 works on a copy
+    got = lowering.runtime.load(pte).run("forward", [x])
+    with torch.no_grad():
+        want = model(x)
+    assert len(got) == len(want) and all(torch.allclose(g, w, atol=1e-6) for g, w in zip(got, want))
+    assert pte != lower(program).pte  # without the flag the clones run

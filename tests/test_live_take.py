@@ -1,5 +1,5 @@
 """Issue 27: verify takes a quantized reference this process stored out of the live objects
-(:func:`tasks.stages.take_program`) instead of deserializing it again, and leaves the cache
+(:func:`tasks.live.take_program`) instead of deserializing it again, and leaves the cache
 holding nothing of it; a reference not live is read from the store; ``release_live(keep=)``
 keeps that one program only."""
 
@@ -12,7 +12,7 @@ from lowering import export
 from lowering.partition import graph_fingerprint
 from tasks.artifacts import put_program
 from tasks.live import LIVE
-from tasks.stages import release_live, take_program
+from tasks.live import release_live, take_program
 from tasks.store import ArtifactStore
 
 

@@ -121,10 +121,13 @@ class EtPartitioner(Partitioner):
     Stage 1 leaves parameters' view copies unfolded for it (``fold_constants``), as ExecuTorch's
     graph has them: OpenVINO's CPU plugin then makes its fully connected layers of them (a folded
     ``W.T`` ran 1.05-1.10x slower than ExecuTorch's program, as snippets MatMuls) and Vulkan's
-    payload is ExecuTorch's byte for byte.
+    payload is ExecuTorch's byte for byte.  Stage 2 drops no-op clones for it (``drop_noop_clones``):
+    ExecuTorch's backends take its ``_clone_dim_order`` ops and drop them; left as ``aten.clone``,
+    Arm's partitioner split BERT into 12 Ethos-U partitions at them (ExecuTorch's: 2).
     """
 
     fold_constants = False
+    drop_noop_clones = True
 
     def __init__(self, backend_id: str, et_partitioner, quantizer_for=None) -> None:
         self.backend_id = backend_id
