@@ -20,12 +20,13 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
     from lowering.export.folding import folded_from_json
     from lowering.rebind import NotWeightsOnly, rebind_stored
 
+    emitted_program = get_program(store, program)  # first: a portable target's is the exported one (then live)
     quantized = None
     if recipe and reference is not None and derived is not None:
         state_dict, constants = get_program_tables(store, reference)
         quantized = {**state_dict, **constants}
     try:
-        ptd = rebind_stored(store.get_bytes(emitted["pte"]), plan, get_program(store, program),
+        ptd = rebind_stored(store.get_bytes(emitted["pte"]), plan, emitted_program,
                             get_program_tables(store, exported["program"]),
                             folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
                             quantized=quantized, derived=get_doc(store, derived) if quantized is not None else None,
@@ -44,6 +45,7 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
     from lowering.export.folding import folded_from_json
     from lowering.rebind import NotWeightsOnly, rebind_stored_methods, stored_bindings
 
+    programs = {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}  # first, as above
     bindings = {}
     try:
         for method, done in exported.items():
@@ -58,9 +60,8 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
                 mutated=done.get("mutated_buffers", ()))
             if bindings[method] is None:
                 return None
-        ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]),
-                                    {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()},
-                                    constants or {}, bindings, runtime_ops=runtime_ops)
+        ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
+                                    runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
     return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True,
