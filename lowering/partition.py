@@ -72,9 +72,6 @@ class Partitioner(abc.ABC):
     #: Stage 1 folds a parameter's view copies into constants (``permute_copy(W)`` -> ``W.T``) for it;
     #: False: the backend sees them as ops (ExecuTorch's own backends, which expect ExecuTorch's graph).
     fold_constants: bool = True
-    #: Stage 2 removes no-op clones (dropout, ``.contiguous()``) before it partitions for this backend
-    #: (:func:`~lowering.export.cleanups.remove_noop_clones`; ExecuTorch's backends take and drop them).
-    drop_noop_clones: bool = False
 
     @abc.abstractmethod
     def partition(self, exported_program: ExportedProgram) -> PartitionResult: ...
@@ -132,11 +129,6 @@ class ChainPartitioner(Partitioner):
         """Folded unless no step wants it."""
         return any(p.fold_constants for p in self.partitioners)
 
-    @property
-    def drop_noop_clones(self) -> bool:
-        """(Each step's own applies when it partitions: :func:`lowering.to_backend.to_backend`.)"""
-        return any(p.drop_noop_clones for p in self.partitioners)
-
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         raise PartitionError("a ChainPartitioner is lowered step by step: call to_backend (or lower) with it, "
                              "which delegates with each of its partitioners in turn")
@@ -159,10 +151,6 @@ class ExternalWeightsPartitioner(Partitioner):
     @property
     def fold_constants(self) -> bool:
         return self.inner.fold_constants
-
-    @property
-    def drop_noop_clones(self) -> bool:
-        return self.inner.drop_noop_clones
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         result = self.inner.partition(exported_program)
@@ -416,7 +404,6 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     stage 1 kept whole for a partitioner (:mod:`lowering.export.kept`) that no partition took
     is decomposed.
     """
-    from .export.cleanups import remove_noop_clones
     from .export.decompose import decompose_kept
     from .program import copy_program
 
@@ -425,8 +412,6 @@ def partition(exported_program: ExportedProgram, partitioner: Partitioner) -> Pa
     program = copy_program(exported_program)
     for node in program.graph.nodes:  # tags of an earlier partitioning (a chain's previous step) are spent
         node.meta.pop(TAG, None)
-    if partitioner.drop_noop_clones and remove_noop_clones(program.graph):
-        program.graph_module.recompile()
     program = apply_backend_fused_ops(program, partitioner)
     before = graph_fingerprint(program.graph)
     result = partitioner.partition(program)

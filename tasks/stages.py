@@ -81,7 +81,7 @@ from .torch_lock import TORCH_LOCK
 STAGE_VERSIONS = {
     "export": "3",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops); 3: inverse permutes cancel
     "quantize": "1",
-    "partition": "5",  # 4: a shared constant's copy keeps shared_with_top_level in the store; 5: no-op clones dropped for ExecuTorch's partitioners
+    "partition": "5",  # 4: a shared constant's copy keeps shared_with_top_level in the store; 5: ExecuTorch's partitioners see a no-op clone as its _clone_dim_order (adapter.retarget_dim_order)
     "lower_control_flow": "1",
     "create_submodule": "2",
     "build_programs": "3",  # 3: as partition 4 (a tied LM head stored once when read back)

@@ -7,9 +7,7 @@
 - :func:`remove_unused_constants`: parameters, buffers and constants no node
   reads go;
 - :func:`infer_symbolic_view_size`: a view's one symbolic size becomes ``-1``;
-- :func:`cancel_inverse_permutes`: a permute undone by the next one goes;
-- :func:`remove_noop_clones`: a clone that copies a contiguous value into the same layout goes
-  (stage 2 runs it for the partitioners that ask, :attr:`lowering.partition.Partitioner.drop_noop_clones`).
+- :func:`cancel_inverse_permutes`: a permute undone by the next one goes.
 
 Each rewrites a graph in place and returns how many nodes it changed.
 """
@@ -175,40 +173,5 @@ def cancel_inverse_permutes(graph: torch.fx.Graph) -> int:
         graph.erase_node(node)
         if not inner.users:
             graph.erase_node(inner)
-        count += 1
-    return count
-
-
-def remove_noop_clones(graph: torch.fx.Graph) -> int:
-    """A ``clone`` that changes nothing reads its input directly; returns the count removed.
-
-    Dropout in eval mode and ``.contiguous()`` export as ``aten.clone``; in the edge form every
-    value owns contiguous memory (the emitter writes each tensor in the default dim order, whatever
-    strides a view's ``meta["val"]`` still shows), so such a clone only copies (ExecuTorch's ``to_edge`` makes them
-    ``_clone_dim_order`` ops that its backends take and then drop; a partitioner that does not take
-    ``aten.clone`` would split its partitions at each of them).
-
-    Before: ``%clone = aten.clone.default(%add)``   ``%q = aten.view_copy.default(%clone, [24, 128])``
-    After:  ``%q = aten.view_copy.default(%add, [24, 128])``
-
-    Kept: a clone to another memory format (channels-last), of a placeholder (an input,
-    parameter or buffer: the copy may be what keeps a later write from reaching it), or returned
-    by the graph (an output never aliases another value).
-    """
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.clone.default:
-            continue
-        source = node.args[0]
-        value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
-        if (
-            node.kwargs.get("memory_format") not in (None, torch.preserve_format, torch.contiguous_format)
-            or not isinstance(value, torch.Tensor)
-            or source.op == "placeholder"
-            or any(user.op == "output" for user in node.users)
-        ):
-            continue
-        node.replace_all_uses_with(source)
-        graph.erase_node(node)
         count += 1
     return count

@@ -71,6 +71,38 @@ def retarget_to_edge(gm: torch.fx.GraphModule) -> int:
     return changed
 
 
+def retarget_dim_order(gm: torch.fx.GraphModule) -> int:
+    """Point every edge ``clone`` / ``_to_copy`` at ExecuTorch's dim-order twin, in place, as
+    ``to_edge``'s ``MemoryFormatOpsPass`` does: ExecuTorch's partitioners take (and their
+    backends drop) a no-op ``_clone_dim_order``, where an ``aten.clone`` cut BERT into 12
+    Ethos-U partitions (ExecuTorch's: 2).  Only the partitioner's copy changes.
+
+    Before:: %clone = aten.clone.default(%x, memory_format=torch.contiguous_format)
+    After::  %clone = dim_order_ops._clone_dim_order.default(%x, dim_order=[0, 1, 2])
+    """
+    from executorch.exir.dim_order_utils import get_dim_order
+    from executorch.exir.passes.dim_order_ops_registry import DimOrderOpsMap
+
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in DimOrderOpsMap:
+            continue
+        val = node.meta.get("val")
+        source = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        kwargs = dict(node.kwargs)
+        memory_format = kwargs.pop("memory_format", torch.preserve_format)
+        if memory_format in (None, torch.preserve_format):
+            order = source.dim_order() if isinstance(source, torch.Tensor) else range(val.dim())
+        else:
+            order = get_dim_order(memory_format, val.dim())
+        kwargs["dim_order"] = [int(d) for d in order]
+        node.target, node.kwargs = DimOrderOpsMap[node.target], kwargs
+        changed += 1
+    return changed
+
+
 def scalars_to_constants(program: ExportedProgram) -> int:
     """Give every Python scalar that an op takes as a Tensor argument its own lifted constant, in
     place, as ExecuTorch's ``to_edge`` does (``ScalarToTensorPass``): its partitioners read both
@@ -121,13 +153,12 @@ class EtPartitioner(Partitioner):
     Stage 1 leaves parameters' view copies unfolded for it (``fold_constants``), as ExecuTorch's
     graph has them: OpenVINO's CPU plugin then makes its fully connected layers of them (a folded
     ``W.T`` ran 1.05-1.10x slower than ExecuTorch's program, as snippets MatMuls) and Vulkan's
-    payload is ExecuTorch's byte for byte.  Stage 2 drops no-op clones for it (``drop_noop_clones``):
-    ExecuTorch's backends take its ``_clone_dim_order`` ops and drop them; left as ``aten.clone``,
-    Arm's partitioner split BERT into 12 Ethos-U partitions at them (ExecuTorch's: 2).
+    payload is ExecuTorch's byte for byte.  Its partitioner sees the graph as ExecuTorch's
+    ``to_edge`` makes it: edge ops (:func:`retarget_to_edge`), dim-order copies
+    (:func:`retarget_dim_order`) and scalars as constants (:func:`scalars_to_constants`).
     """
 
     fold_constants = False
-    drop_noop_clones = True
 
     def __init__(self, backend_id: str, et_partitioner, quantizer_for=None) -> None:
         self.backend_id = backend_id
@@ -151,6 +182,7 @@ class EtPartitioner(Partitioner):
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         edge = copy_program(exported_program)
         retarget_to_edge(edge.graph_module)
+        retarget_dim_order(edge.graph_module)
         scalars_to_constants(edge)
         try:
             with quiet():
