@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from .console import configure_environment, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
+from .console import configure_environment, ephemeral_startup_timeout, quiet_console, say  # noqa: F401 - configure_environment: the CLI's API (demo)
 from .console import first_line, verify_line
 from .cli_args import (  # noqa: F401 - CLIError and the exit codes: the CLI's API
     EXIT_FAILED, EXIT_OK, EXIT_USAGE, CLIError, check_targets, parse_dynamic_shapes, parse_quantize, parse_targets,
@@ -627,7 +627,7 @@ def hint_for(text: str) -> str | None:
         if needle in text:
             cause = next((part.strip() for part in text.split("; ") if needle in part), first_line(text))
             return hint.format(
-                timeout=os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "20"),
+                timeout=ephemeral_startup_timeout(),
                 api=os.environ.get("PREFECT_API_URL", "(unset)"),
                 store=f" {os.environ['LOWERFLOW_STORE']}" if os.environ.get("LOWERFLOW_STORE") else "",
                 cause=first_line(cause),

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from typing import Any
 
 
 #: Seconds Prefect's ephemeral API server gets to start (Prefect's default is 20):
-#: its first start creates and migrates the database, which took longer than 20 s
-#: on a 2-core machine whose cores were busy.  (``flows/__init__.py`` sets the same.)
+#: its first start creates and migrates the database, which took 25-40 s and more on a
+#: 2-core machine at load 5-9; 180 s is ample for that and still ends a run whose
+#: server cannot start within minutes.  (``flows/__init__.py`` sets the same.)
 EPHEMERAL_STARTUP_TIMEOUT = "180"
+#: The setting (environment variable) Prefect reads it from.
+EPHEMERAL_STARTUP_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 #: Loggers whose records the console shows unless ``--verbose``: lowerflow's own.
 OWN_LOGGERS = ("lowerflow", "lowering", "tasks", "flows")
 #: Set to 1 by a command run with ``--verbose``, for the processes it starts (``lowerflow
@@ -63,7 +67,7 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
     Values the user already set in the environment win.
     """
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", EPHEMERAL_STARTUP_TIMEOUT)
+    give_ephemeral_server_time()
     if verbose:
         os.environ[VERBOSE_ENV] = "1"  # a worker's warm parent and flow runs show everything too
     else:
@@ -76,6 +80,31 @@ def configure_environment(verbose: bool, store: str | None = None) -> None:
         warnings.simplefilter("ignore")
     if store:
         os.environ["LOWERFLOW_STORE"] = store
+
+
+def ephemeral_startup_timeout() -> str:
+    """The start-up timeout (s) Prefect's ephemeral server gets: Prefect's settings once
+    Prefect is imported (it reads them at import), else the environment's, else Prefect's 20."""
+    if "prefect.settings" in sys.modules:
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+        return str(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    return os.environ.get(EPHEMERAL_STARTUP_SETTING, "20")
+
+
+def give_ephemeral_server_time() -> None:
+    """:data:`EPHEMERAL_STARTUP_TIMEOUT` for the ephemeral server, unless the user set
+    :data:`EPHEMERAL_STARTUP_SETTING`.
+
+    Prefect reads its settings once, when it is imported: a script that imported Prefect
+    (or ``tasks``) before running the CLI kept Prefect's 20 s while the environment said
+    180.  Then Prefect's settings are read again from the environment.
+    """
+    os.environ.setdefault(EPHEMERAL_STARTUP_SETTING, EPHEMERAL_STARTUP_TIMEOUT)
+    if "prefect.context" in sys.modules and ephemeral_startup_timeout() != os.environ[EPHEMERAL_STARTUP_SETTING]:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
 
 
 class _OwnRecords(logging.Filter):

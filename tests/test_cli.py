@@ -349,13 +349,44 @@ def test_a_server_that_does_not_start_in_time_is_one_line_saying_what_to_do(tmp_
     """What a newcomer met on a busy machine: now one line naming the setting to raise.
     (A 1-second budget on a fresh PREFECT_HOME reproduces the time-out for certain.)"""
     slow = {"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
-    result = lowerflow("lower", MLP, "-o", str(tmp_path / "x.pte"), home=tmp_path / "home", env=slow)
+    result = lowerflow("lower", MLP, "-o", str(tmp_path / "x.pte"), "--store", str(tmp_path / "store"),
+                       home=tmp_path / "home", env=slow)  # a fresh store: nothing cached, the server is needed
     line = assert_one_line_error(result, 1, "did not start in time", "STARTUP_TIMEOUT_SECONDS=1",
                                  "prefect server start")
     assert "--debug" in line and not (tmp_path / "x.pte").exists()
     demo = lowerflow(home=tmp_path / "home2", env=slow, module="examples.demo")
     assert demo.returncode == 1 and "Traceback" not in demo.stderr
     assert [l for l in demo.stderr.splitlines() if l.strip()][-1].startswith("demo: error: Prefect's temporary API")
+
+
+#: A Prefect ephemeral server that takes this long to start (sleeping: no CPU) needs
+#: more than Prefect's 20-s default and less than lowerflow's 180 s.
+SLOW_START = 30
+
+
+def test_a_slow_ephemeral_server_gets_lowerflows_timeout_even_if_prefect_came_first(tmp_path):
+    """The nightly run on a busy machine: the temporary server takes 30 s to start.  The
+    CLI is run by a script that imported Prefect first (as a profiling wrapper did: Prefect
+    had read its settings, so its 20 s held although the environment said 180, and the run
+    failed after ~25 s with a hint naming 180).  It lowers (fresh stores: nothing cached);
+    a user's own small timeout still ends in the one-line hint naming that timeout."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, time
+        if os.environ.get("PREFECT__SERVER_EPHEMERAL") == "1":  # only Prefect's server process
+            time.sleep({SLOW_START})
+    """))
+    (tmp_path / "prefect_first.py").write_text(
+        "import runpy, prefect  # noqa: F401\nrunpy.run_module('flows.cli', run_name='__main__', alter_sys=True)\n")
+    slow = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    ok = lowerflow("lower", MLP, "-o", str(tmp_path / "x.pte"), "--store", str(tmp_path / "store"),
+                   home=tmp_path / "home", env=slow, module="prefect_first")
+    assert ok.returncode == 0, ok.stderr
+    assert (tmp_path / "x.pte").stat().st_size > 0
+    mine = {**slow, "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "5"}
+    failed = lowerflow("lower", MLP, "-o", str(tmp_path / "y.pte"), "--store", str(tmp_path / "store2"),
+                       home=tmp_path / "home2", env=mine, module="prefect_first")
+    assert_one_line_error(failed, 1, "did not start in time", "STARTUP_TIMEOUT_SECONDS=5)")
+    assert not (tmp_path / "y.pte").exists()
 
 
 def test_console_shows_only_lowerflow_lines_unless_verbose(tmp_path):
