@@ -85,6 +85,22 @@ def _hf(name: str):
     return factory
 
 
+def bert_ids():
+    """A 2-layer BertModel (hidden 128, 4 heads, intermediate 256) on token ids alone: with the
+    attention mask (``hf_bert``) ExecuTorch's int8 flow fails here (its XNNPACKQuantizer quantizes
+    the mask's index tensors: "tensors used as indices must be long"), so this is the int8 BERT
+    both flows lower (issue 28: lowerflow's was 2% larger)."""
+    import transformers
+
+    from examples.hf_models import _TensorOutput, _seeded
+
+    _seeded()
+    config = transformers.BertConfig(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=32, attn_implementation="eager")
+    model = transformers.BertModel(config, add_pooling_layer=True).eval()
+    return _TensorOutput(model, ("last_hidden_state", "pooler_output")).eval(), (torch.randint(0, 128, (2, 12)),)
+
+
 def llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -104,7 +120,7 @@ def llama():
 
 
 MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "hf_resnet": _hf("resnet"),
-          "hf_bert": _hf("bert"), "llama": llama}
+          "hf_bert": _hf("bert"), "hf_bert_ids": bert_ids, "llama": llama}
 #: Recipes that make sense per model (8da4w quantizes linear layers only).
 DEFAULT_RECIPES = {"cnn": ("int8", "int8-dynamic"), "hf_resnet": ("int8", "int8-dynamic"), "llama": ("8da4w", "int8-dynamic")}
 
