@@ -226,7 +226,6 @@ class OpSupportPartitioner(Partitioner):
             tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags)
 
-
     def propose(self, graph_module: torch.fx.GraphModule, is_supported: Callable[[torch.fx.Node], bool]) -> list:
         """torch.fx's capability-based partitions of the supported nodes
         (:func:`lowering.partition_proposal.propose_partitions`)."""

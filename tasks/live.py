@@ -8,8 +8,8 @@ only when its input came from a cache hit or another process.
 from __future__ import annotations
 
 import collections
-import gc
 import contextlib
+import gc
 import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -89,9 +89,7 @@ class LiveObjects:
 
     def drop(self, ref: ArtifactRef) -> None:
         """Stop keeping the object of ``ref`` (a later get reads it back from the store)."""
-        with self._lock:
-            if ref.sha256 in self._items:
-                self._forget(self._items.pop(ref.sha256)[1])
+        self.pop(ref)
 
     def pop(self, ref: ArtifactRef) -> Any:
         """The object of ``ref``, no longer kept (None when it is not here): the caller's
