@@ -15,6 +15,8 @@ keyed by the sha256 of their bytes::
     }
     TENSOR = {"blob": "<sha256>", "dtype": "float32", "shape": [256, 64],
               "stride": [64, 1], "parameter": true, "requires_grad": true}
+    an int8 tensor whose values are all in [-8, 7] (8da4w's 4-bit weights) is stored
+    packed, two values per byte: TENSOR + {"encoding": "int4"}, manifest version 2
 
 Why this layout (see shared/MEASUREMENTS.md): consecutive lowering stages keep
 the same weights, so a store that keys blobs by digest writes each weight once
@@ -95,6 +97,9 @@ STORE_RULE = "lowerflow reads the store without running code"
 PROGRAM_FORMAT = "lowerflow.exported_program"
 #: Bumped whenever the bytes written for the same program change.
 PROGRAM_FORMAT_VERSION = 1
+#: The version of a manifest holding a packed tensor (``"encoding": "int4"``, see
+#: :func:`tensor_to_blob`): a reader that knows only version 1 refuses it, never misreads it.
+PACKED_FORMAT_VERSION = 2
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -182,7 +187,10 @@ def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dic
     The metadata's ``"blob"`` is the digest of the bytes.  Strides of dense tensors
     (e.g. channels-last) are kept; other layouts are stored contiguous.  The bytes
     are a read-only view of the tensor's memory (:func:`tensor_memory`), not a copy:
-    serializing a program holds no second copy of its weights.
+    serializing a program holds no second copy of its weights.  Except an int8 tensor
+    whose values all fit 4 bits (an 8da4w weight, its zero points): its bytes are
+    :func:`pack_nibbles`'s, half its size, and ``"encoding": "int4"`` says so (the store
+    keeps an 8da4w program's weights in half the bytes; reading gives the same tensor).
     """
     if not isinstance(tensor, torch.Tensor):
         raise SerializationError(f"{name}: expected a tensor, got {type(tensor).__name__}")
@@ -195,7 +203,8 @@ def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dic
     dense = t.permute(order) if order is not None else t.contiguous()
     if order is None:
         t = dense
-    data = tensor_memory(dense)
+    packed = pack_nibbles(dense)
+    data = tensor_memory(dense if packed is None else packed)
     meta = {
         "blob": blob_digest(data),
         "dtype": str(t.dtype).removeprefix("torch."),
@@ -204,7 +213,44 @@ def tensor_to_blob(tensor: torch.Tensor, *, name: str = "<tensor>") -> tuple[dic
         "parameter": isinstance(tensor, torch.nn.Parameter),
         "requires_grad": bool(tensor.requires_grad),
     }
+    if packed is not None:
+        meta["encoding"] = INT4
     return meta, data
+
+
+#: ``"encoding"`` of a tensor stored two 4-bit values per byte (:func:`pack_nibbles`).
+INT4 = "int4"
+
+
+def pack_nibbles(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A dense int8 ``tensor``'s values in memory order, two per byte (value + 8: the first of
+    each pair in the high nibble; an odd count padded with a 0 nibble), or None unless every
+    value is in [-8, 7]::
+
+        int8 [-8, 7, 0, -1, 3]  ->  uint8 [0x0f, 0x87, 0xb0]
+    """
+    if tensor.dtype != torch.int8 or tensor.numel() < 2:
+        return None
+    flat = tensor.reshape(-1)
+    low, high = torch.aminmax(flat)
+    if int(low) < -8 or int(high) > 7:
+        return None
+    nibbles = flat.view(torch.uint8) + 8  # wraps: -8 -> 0, 7 -> 15
+    if nibbles.numel() % 2:
+        nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
+    return (nibbles[0::2] << 4) | nibbles[1::2]
+
+
+def unpack_nibbles(data: bytes, numel: int) -> bytearray:
+    """:func:`pack_nibbles` undone: the ``numel`` int8 values' bytes, in a new buffer."""
+    packed = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    buffer = bytearray(numel)
+    if numel:
+        values = torch.frombuffer(buffer, dtype=torch.uint8)
+        values[0::2] = packed >> 4
+        values[1::2] = (packed & 0x0F)[:numel // 2]
+        values.sub_(8)  # wraps back: 0 -> -8 as int8
+    return buffer
 
 
 def tensor_memory(tensor: torch.Tensor) -> memoryview:
@@ -229,6 +275,12 @@ def tensor_from_blob(meta: Mapping[str, Any], data: bytes, *, name: str = "<tens
     numel = 1
     for s in shape:
         numel *= s
+    encoding = meta.get("encoding")
+    if encoding is not None:
+        if encoding != INT4 or dtype != torch.int8 or len(data) != (numel + 1) // 2:
+            raise SerializationError(f"{name}: {len(data)} bytes are not a {meta['dtype']} tensor of shape {shape} "
+                                     f"encoded {encoding!r}")
+        data = unpack_nibbles(data, numel)
     if len(data) != numel * dtype.itemsize or len(stride) != len(shape):
         raise SerializationError(
             f"{name}: {len(data)} bytes do not hold a {meta['dtype']} tensor of shape {shape}"
@@ -310,6 +362,10 @@ def serialize_program(
         "example_inputs": _example_inputs_to_json(ep.example_inputs, add),
         "blobs": sorted(blobs),
     }
+    leaves = (manifest["example_inputs"] or {}).get("leaves", [])
+    tensors = [*manifest["state_dict"].values(), *manifest["constants"].values(), *(x["tensor"] for x in leaves if "tensor" in x)]
+    if any("encoding" in meta for meta in tensors):
+        manifest["version"] = PACKED_FORMAT_VERSION  # else as before: other programs' bytes (and keys) stay
     kept = placeholder_meta_of(ep.graph)
     if kept:  # absent otherwise: the bytes of every other program stay as they were
         manifest["placeholder_meta"] = kept
@@ -359,9 +415,9 @@ def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], byt
 
 
 def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[dict, dict]:
-    if obj.get("version") != PROGRAM_FORMAT_VERSION:
+    if obj.get("version") not in (PROGRAM_FORMAT_VERSION, PACKED_FORMAT_VERSION):
         raise SerializationError(
-            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION}"
+            f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION} or {PACKED_FORMAT_VERSION}"
         )
 
     def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:

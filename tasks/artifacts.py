@@ -5,9 +5,11 @@ the next stage in this process reads the object, not the store."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -16,10 +18,12 @@ from lowering.program import strip_debug_metadata
 from lowering.serialize import canonical_json
 
 from .live import LIVE
+from .model_spec import ModelSpec
 from .store import ArtifactRef, ArtifactStore
 
 
-def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> ArtifactRef:
+def put_program(store: ArtifactStore, program: torch.export.ExportedProgram,
+                files: Callable[[memoryview], list[tuple[str, int]]] | None = None) -> ArtifactRef:
     """Store a program (plain or holding lowered modules): blobs once by content, then its manifest.
 
     Debug metadata (source lines, module paths) is dropped first, so the bytes,
@@ -29,13 +33,80 @@ def put_program(store: ArtifactStore, program: torch.export.ExportedProgram) -> 
     object kept live must be what reading the digest back gives, or the next
     stage would see another target's tags on a program whose digest is the
     untagged one's (issue 7: reference's tags on the program xnnpack partitioned).
+    ``files``: where its weights also are, outside the store (:func:`checkpoint_ranges`).
     """
     strip_debug_metadata(program)
-    ref = store.put_program(program, keep_stack_traces=False)
+    ref = store.put_program(program, keep_stack_traces=False, files=files)
     for node in program.graph.nodes:
         node.meta.pop(TAG, None)
     LIVE.put(ref, program)
     return ref
+
+
+#: Bytes per element of safetensors' dtypes.
+_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+#: ``(path, offset, transpose)`` where a blob's bytes may be: see :func:`checkpoint_ranges`.
+Candidate = tuple[str, int, "tuple[int, int, int] | None"]
+
+
+def checkpoint_ranges(model: str) -> Callable[[memoryview], list[Candidate]] | None:
+    """Where a weight's bytes may be in the safetensors files of the hf: model ``model`` (a
+    local directory): ``find(blob) -> [(path, offset, transpose)]``, the tensors of the blob's
+    size whose first elements are the blob's, as they are (``transpose`` None) or transposed
+    (``(rows, cols, itemsize)``: export folds a linear's ``weight.t()`` into a constant
+    ``weight#t``).  The store hashes a candidate before it keeps a blob as it
+    (:meth:`ArtifactStore.keep_in_file`).  An fp32 checkpoint's tensors are what the exported
+    program holds, so its weights are not stored twice (issue 27).  None for other models."""
+    spec = ModelSpec.parse(model)
+    directory = Path(spec.location).expanduser()
+    if spec.kind != "hf" or not directory.is_dir():
+        return None
+    by_size: dict[int, list[tuple[str, int, list[int], int]]] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for offset, size, shape, itemsize in safetensors_tensors(path):
+            by_size.setdefault(size, []).append((str(path), offset, shape, itemsize))
+
+    def find(blob: memoryview) -> list[Candidate]:
+        found: list[Candidate] = []
+        for path, offset, shape, itemsize in by_size.get(blob.nbytes, ()):
+            rows, cols = (shape[0], blob.nbytes // itemsize // shape[0]) if len(shape) == 2 and shape[0] else (0, 0)
+            # element i of the transpose is element (i, 0) of the matrix: rows of it, cols apart
+            picks = {"as it is": [(0, min(64, blob.nbytes))],
+                     "transposed": [(i * cols * itemsize, itemsize) for i in range(min(rows, 8))] if rows > 1 < cols else []}
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                for how, spots in picks.items():
+                    want = bytes(blob[:sum(n for _, n in spots)])
+                    got = b""
+                    for at, n in spots:
+                        f.seek(offset + at)
+                        got += f.read(n)
+                    if spots and got == want:
+                        found.append((path, offset, None if how == "as it is" else (rows, cols, itemsize)))
+        return found
+
+    return find if by_size else None
+
+
+def safetensors_tensors(path: str | os.PathLike) -> list[tuple[int, int, list[int], int]]:
+    """``(offset in the file, size, shape, itemsize)`` of each tensor of a safetensors file (none
+    if it is not one)."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(length)) if 0 < length <= 100_000_000 else None
+    except (OSError, ValueError):
+        return []
+    tensors = []
+    for name, info in header.items() if isinstance(header, dict) else ():
+        if name == "__metadata__" or not isinstance(info, dict) or info.get("dtype") not in _ITEMSIZE:
+            continue
+        begin, end = info.get("data_offsets") or (0, 0)
+        shape = info.get("shape")
+        if isinstance(begin, int) and isinstance(end, int) and end > begin and isinstance(shape, list):
+            tensors.append((8 + length + begin, end - begin, shape, _ITEMSIZE[info["dtype"]]))
+    return sorted(tensors)
 
 
 def get_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.ExportedProgram:
@@ -62,8 +133,6 @@ def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:
 
 
 def get_doc(store: ArtifactStore, ref: ArtifactRef) -> Any:
-    import json
-
     return LIVE.get(ref, lambda: _from_jsonable(json.loads(store.get_bytes(ref))))
 
 

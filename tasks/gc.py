@@ -20,7 +20,8 @@ The rule (what ``lowerflow gc STORE [--keep-days N] [--dry-run]`` removes):
 * **Removed**: objects and cache records that are neither, and quarantined objects
   older than ``keep_days``.  An object kept as a window of a bigger one (``windows/``:
   a weight blob inside an emitted ``.pte``) counts as an object, and keeps that bigger
-  object while it is in use.  Records go before objects, so no record is ever
+  object while it is in use; one kept as a range of a file outside the store (an hf:
+  checkpoint's weights) counts as an object too (its window goes, never the file).  Records go before objects, so no record is ever
   left naming a removed object.  The record of a check of an object now gone
   (``checked/``: :mod:`tasks.store`, "Checked objects") goes too, and a memo (``memo/``:
   an hf: model's remembered description) unused for ``keep_days`` (a hit refreshes it).
@@ -197,7 +198,7 @@ def window_containers(store: ArtifactStore, live: set[str]) -> set[str]:
         digest = "".join(path.rsplit("/", 2)[-2:])
         if digest in live:
             window = store.window(digest)
-            if window is not None:
+            if window is not None and "object" in window:  # a file window's file is not the store's
                 containers.add(str(window["object"]))
     return containers
 

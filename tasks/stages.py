@@ -68,7 +68,8 @@ from lowering.to_backend import lower_control_flow_submodules, submodule_lowered
 from lowering.verify import verify as verify_pte, verify_call_sequence, verify_quick
 from lowering.verify_executorch import with_data
 
-from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
+from .artifacts import (checkpoint_ranges, get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte,
+                        put_program)
 from .bind import bind_from_tables, bind_methods_from_tables
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE, release_live, take_program
@@ -149,7 +150,9 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
                                 strict=loaded.strict, keep=keep, fold_constants=fold)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
-    result = {"program": put_program(store, program), "mutated_buffers": mutated_buffers(program)}
+    # an hf: checkpoint's weights are kept as ranges of its files, not stored again (tasks/store.py, "windows")
+    result = {"program": put_program(store, program, files=checkpoint_ranges(model)),
+              "mutated_buffers": mutated_buffers(program)}
     if external_weights:
         result["weights"] = loaded.fingerprint.parts.get("weights")
         result["folded"] = put_doc(store, folded_recipes(program), "folded")

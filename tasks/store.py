@@ -6,7 +6,7 @@ Layout under the store's root URL (a local directory, ``s3://bucket/prefix``,
     <root>/objects/ab/cdef0123...      every artifact, named by the sha256 of its bytes
     <root>/outputs/<name>              named outputs, e.g. outputs/mlp/reference.pte
     <root>/quarantine/<sha256>.<time>  objects that failed their digest check, moved aside
-    <root>/windows/ab/cdef0123...      objects kept as a range of a bigger object (see "windows")
+    <root>/windows/ab/cdef0123...      objects kept as a range of a bigger object or of a file (see "windows")
     <root>/checked/ab/cdef0123...      a local store: the stamp of the file an object's digest was checked on
 
 Tasks pass :class:`ArtifactRef` values (uri, sha256, size, kind): small, JSON-able,
@@ -57,7 +57,7 @@ import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import fsspec
 
@@ -173,8 +173,8 @@ class ArtifactStore:
         if size is not None and size != view.nbytes:
             self._quarantine(path, digest)
             size = None
-        if size is None and self._window_size(digest) == view.nbytes:
-            self._touch(self.window_path(digest))  # kept as a window of a bigger object
+        if size is None and self._window_size(digest) == view.nbytes and self._window_holds(digest):
+            self._touch(self.window_path(digest))  # kept as a window of a bigger object (or of a file)
         elif size is None:
             self._write_atomic(path, view)
             self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
@@ -255,7 +255,7 @@ class ArtifactStore:
         stamp = self._file_stamp(sha256)
         if self.checked(sha256, stamp):
             return
-        if stamp is None or _file_digest(f"{self.root}/{stamp['file']}", stamp["window"]) != sha256:
+        if stamp is None or _file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
             self.read_object(sha256, what=what)  # elsewhere, or the error it raises (quarantined)
         if stamp is not None and self._file_stamp(sha256) == stamp:  # unchanged while it was hashed
             self._record_check(sha256, stamp)
@@ -299,8 +299,8 @@ class ArtifactStore:
 
     def _file_stamp(self, sha256: str) -> dict | None:
         """The stamp of the local file holding the object (its window's container for a
-        window): path within the store, size, mtime_ns, ctime_ns, inode, device, and the
-        window; None elsewhere or when absent."""
+        window): path within the store (absolute for a file window), size, mtime_ns,
+        ctime_ns, inode, device, and the window; None elsewhere or when absent."""
         if not self.is_local:
             return None
         path, window = self.object_path(sha256), None
@@ -308,13 +308,12 @@ class ArtifactStore:
             window = self.window(sha256)
             if window is None:
                 return None
-            path = self.object_path(str(window["object"]))
-        try:
-            st = os.stat(path)
-        except OSError:
+            path = self._window_source(window)
+        stamp = _path_stamp(path)
+        if stamp is None:
             return None
-        return {"file": posixpath.relpath(path, self.root), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev, "window": window}
+        inside = window is None or "object" in window
+        return {"file": posixpath.relpath(path, self.root) if inside else path, **stamp, "window": window}
 
     # ------------------------------------------------------------------ named outputs
 
@@ -441,14 +440,23 @@ class ArtifactStore:
 
     # ------------------------------------------------------------------ programs
 
-    def put_program(self, ep: "ExportedProgram", *, keep_stack_traces: bool = True) -> ArtifactRef:
+    def put_program(self, ep: "ExportedProgram", *, keep_stack_traces: bool = True,
+                    files: "Callable[[memoryview], Iterable[tuple[str, int, Any]]] | None" = None) -> ArtifactRef:
         """Store a program (plain, or holding lowered modules) as its manifest plus one
-        object per blob (weights stored once)."""
+        object per blob (weights stored once).  ``files(blob)``: where a blob's bytes may
+        also be in a local file outside the store, as ``(path, offset)`` candidates (an hf:
+        checkpoint's tensors, :func:`tasks.artifacts.checkpoint_ranges`), and ``(rows, cols,
+        itemsize)`` if transposed: a blob whose range there hashes to its digest is kept as a
+        window of that file (:meth:`keep_in_file`)."""
         from lowering.serialize import serialize_any
 
         serialized = serialize_any(ep, keep_stack_traces=keep_stack_traces)
         for digest, data in serialized.blobs.items():  # views of the program's tensors, hashed once
-            self._put_digested(digest, byte_view(data), "blob")
+            view = byte_view(data)
+            candidates = files(view) if files is not None and not self.has(digest) else ()
+            if not any(self.keep_in_file(digest, path, offset, view.nbytes, transpose)
+                       for path, offset, transpose in candidates):
+                self._put_digested(digest, view, "blob")
         return self.put_bytes(serialized.manifest, "program")
 
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
@@ -470,18 +478,68 @@ class ArtifactStore:
     # ``{"object": digest, "offset": n, "size": n}``) replaces its file, and reads of it
     # read that range of the bigger object (digest-checked as ever).  Garbage collection
     # keeps the bigger object while a window of it is in use (tasks.gc).
+    #
+    # A *file window* ``{"file": absolute path, "offset": n, "size": n}`` (a local store
+    # only) keeps an object as a range of a file outside the store: the export stage's
+    # weights inside the hf: checkpoint they were loaded from.  The file is not the
+    # store's: it is never written, moved or quarantined; a range that no longer hashes to
+    # the object's digest (the file rewritten, moved or removed) makes the object missing
+    # (its window dropped: the stage that wrote it runs again), never a wrong byte.
 
     def window_path(self, sha256: str) -> str:
         """Filesystem path of the window of the object named ``sha256``."""
         return f"{self.root}/windows/{sha256[:2]}/{sha256[2:]}"
 
     def window(self, sha256: str) -> dict | None:
-        """The window ``{"object", "offset", "size"}`` the object ``sha256`` is kept as, or None."""
+        """The window ``{"object" | "file", "offset", "size"[, "transpose"]}`` the object ``sha256``
+        is kept as, or None."""
         try:
             doc = json.loads(self.fs.cat_file(self.window_path(sha256)))
         except (FileNotFoundError, ValueError):
             return None
-        return doc if isinstance(doc, dict) and {"object", "offset", "size"} <= set(doc) else None
+        return doc if _is_window(doc) else None
+
+    def _window_source(self, doc: dict) -> str:
+        """The path of what the window ``doc`` is a range of (an object, or a local file)."""
+        return self.object_path(str(doc["object"])) if "object" in doc else str(doc["file"])
+
+    def keep_in_file(self, sha256: str, path: str, offset: int, size: int,
+                     transpose: tuple[int, int, int] | None = None) -> bool:
+        """Keep the object ``sha256`` as the range ``[offset, offset + size)`` of the local
+        file ``path`` (outside the store) if that range hashes to ``sha256`` and the object is
+        not stored otherwise; returns whether it is now kept so.  A local store only.
+        ``transpose=(rows, cols, itemsize)``: the object is the transpose of the range read as
+        a ``rows x cols`` matrix (an exported program's folded ``weight#t`` of a checkpoint's
+        ``weight``)."""
+        if not self.is_local or self._object_size(sha256) is not None:
+            return False
+        path = os.path.realpath(path)
+        doc = {"file": path, "offset": int(offset), "size": int(size)}
+        if transpose is not None:
+            doc["transpose"] = [int(n) for n in transpose]
+        before = _path_stamp(path)
+        if before is None or not _is_window(doc) or _file_digest(path, doc) != sha256:
+            return False
+        self._write_atomic(self.window_path(sha256), json.dumps(doc, sort_keys=True).encode())
+        stamp = self._file_stamp(sha256)
+        if stamp is not None and {k: stamp[k] for k in before} == before:  # unchanged while it was hashed
+            self._record_check(sha256, stamp)
+        else:
+            self._forget_check(sha256)
+        return True
+
+    def _window_holds(self, sha256: str) -> bool:
+        """Whether the window ``sha256`` still holds its bytes: always for a window of an
+        object (the store's own, digest-checked when read); for a file window, the file
+        checked unchanged since, or its range hashing to ``sha256`` (else the window is dropped)."""
+        doc = self.window(sha256)
+        if doc is None or "object" in doc:
+            return doc is not None
+        try:
+            self._check_object(sha256, "object")
+        except StoreError:
+            return False
+        return True
 
     def keep_as_windows(self, container: ArtifactRef, windows: Iterable[tuple[int, int]], data: bytes) -> int:
         """Each stored object whose bytes are ``data[offset:offset + size]`` (``data``: the
@@ -518,11 +576,11 @@ class ArtifactStore:
         return freed
 
     def _window_size(self, sha256: str) -> int | None:
-        """The size of the window ``sha256`` when the object it is a window of is there."""
+        """The size of the window ``sha256`` when what it is a window of is there."""
         doc = self.window(sha256)
         if doc is None:
             return None
-        held = self._size(self.object_path(str(doc["object"])))
+        held = self._size(self._window_source(doc))
         if held is None or int(doc["offset"]) + int(doc["size"]) > held:
             return None
         return int(doc["size"])
@@ -532,20 +590,28 @@ class ArtifactStore:
         return size if size is not None else self._window_size(sha256)
 
     def _read_window(self, sha256: str, what: str) -> bytes | None:
-        """The bytes of the window ``sha256``, digest-checked; None when it is not a window."""
+        """The bytes of the window ``sha256``, digest-checked; None when it is not a window.
+        A file window that is gone or no longer holds the bytes is dropped: ArtifactMissing."""
         doc = self.window(sha256)
         if doc is None:
             return None
-        start = int(doc["offset"])
+        start, source = int(doc["offset"]), self._window_source(doc)
+        of = f"object {doc['object']}" if "object" in doc else f"file {source}"
         try:
-            data = self.fs.cat_file(self.object_path(str(doc["object"])), start=start, end=start + int(doc["size"]))
+            data = _transposed(self.fs.cat_file(source, start=start, end=start + int(doc["size"])), doc)
         except FileNotFoundError:
-            raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url} (a window of "
-                                  f"object {doc['object']}, which is gone)") from None
-        if sha256_hex(data) != sha256:
-            raise ArtifactCorrupt(f"{what} {sha256} in store {self.url} is corrupt: its window of object "
-                                  f"{doc['object']} hashes to {sha256_hex(data)}")
-        return data
+            data = None
+        if data is not None and sha256_hex(data) == sha256:
+            return data
+        if "file" in doc:  # not the store's file: what it holds now is not this object
+            self._forget_check(sha256)
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.window_path(sha256))
+        if data is None or "file" in doc:
+            changed = "which is gone" if data is None else "which no longer holds its bytes"
+            raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url} (a window of {of}, {changed})")
+        raise ArtifactCorrupt(f"{what} {sha256} in store {self.url} is corrupt: its window of {of} "
+                              f"hashes to {sha256_hex(data)}")
 
     def _release_windows(self, container: str, path: str) -> None:
         """Every window of the object ``container`` (its file at ``path``) whose range still
@@ -554,7 +620,7 @@ class ArtifactStore:
         for window_path in self._window_files():
             digest = "".join(window_path.rsplit("/", 2)[-2:])
             doc = self.window(digest)
-            if doc is None or doc["object"] != container:
+            if doc is None or doc.get("object") != container:
                 continue
             start = int(doc["offset"])
             try:
@@ -656,14 +722,51 @@ def byte_view(data: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+def _is_window(doc: Any) -> bool:
+    """Whether ``doc`` is a window: ``offset``, ``size`` and one of ``object`` / ``file``; a
+    ``transpose`` ``[rows, cols, itemsize]`` of that size (a file window's)."""
+    if not isinstance(doc, dict) or not {"offset", "size"} <= set(doc) or len({"object", "file"} & set(doc)) != 1:
+        return False
+    shape = doc.get("transpose")
+    return shape is None or (isinstance(shape, list) and len(shape) == 3 and all(type(n) is int and n > 0 for n in shape)
+                             and shape[0] * shape[1] * shape[2] == doc["size"])
+
+
+def _transposed(data: bytes, window: dict | None) -> bytes | bytearray:
+    """``data`` (a window's range), transposed as its window's ``transpose`` says (else as it is)."""
+    shape = (window or {}).get("transpose")
+    if not shape:
+        return data
+    import numpy as np
+
+    rows, cols, itemsize = shape
+    dtype = np.dtype({1: "u1", 2: "u2", 4: "u4", 8: "u8"}.get(itemsize, f"V{itemsize}"))
+    out = bytearray(len(data))
+    np.copyto(np.frombuffer(out, dtype).reshape(cols, rows), np.frombuffer(data, dtype).reshape(rows, cols).T)
+    return out
+
+
+def _path_stamp(path: str) -> dict | None:
+    """A local file's size, mtime_ns, ctime_ns, inode and device (as in a check's stamp); None if absent."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+            "dev": st.st_dev}
+
+
 def _file_digest(path: str, window: dict | None = None, chunk: int = 16 * 2**20) -> str | None:
-    """The sha256 of a local file (of the range ``window`` names), read in chunks: a big
-    object is hashed without being held; None when it is missing or short."""
+    """The sha256 of a local file (of the range ``window`` names, transposed if it says so),
+    read in chunks: a big object is hashed without being held; None when it is missing or short."""
     start, size = (int(window["offset"]), int(window["size"])) if window else (0, None)
     digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
             f.seek(start)
+            if window and window.get("transpose"):  # held once: a transpose reads all of it
+                data = f.read(size)
+                return sha256_hex(_transposed(data, window)) if len(data) == size else None
             left = os.fstat(f.fileno()).st_size - start if size is None else size
             while left > 0:
                 data = f.read(min(chunk, left))

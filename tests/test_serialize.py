@@ -248,20 +248,47 @@ def test_bad_manifests_are_rejected():
         torch.tensor([True, False, True]),
         torch.arange(6, dtype=torch.int64).reshape(2, 3),
         torch.arange(4, dtype=torch.int8),
+        torch.tensor([-9, 0, 7], dtype=torch.int8),
+        torch.tensor([[-8, 7, 0], [-1, 3, 5]], dtype=torch.int8).t(),
         torch.linspace(-1, 1, 10).to(torch.bfloat16),
         torch.linspace(-1, 1, 10).to(torch.float16),
         torch.randn(2, 3, 4, 5, generator=torch.Generator().manual_seed(0)).to(memory_format=torch.channels_last),
         torch.arange(12.0).reshape(3, 4).t(),
     ],
-    ids=["f32", "scalar_f64", "empty", "bool", "i64", "i8", "bf16", "f16", "channels_last", "transposed"],
+    ids=["f32", "scalar_f64", "empty", "bool", "i64", "i8", "i8_wide", "i4_transposed_odd", "bf16", "f16",
+         "channels_last", "transposed"],
 )
 def test_tensor_blobs_keep_dtype_shape_values_and_dense_strides(tensor):
     meta, data = tensor_to_blob(tensor)
-    assert meta["blob"] == blob_digest(data) and len(data) == tensor.numel() * tensor.element_size()
+    four_bits = tensor.dtype == torch.int8 and tensor.numel() > 1 and -8 <= int(tensor.min()) and int(tensor.max()) <= 7
+    assert meta.get("encoding") == ("int4" if four_bits else None)  # two values a byte (an 8da4w weight)
+    size = (tensor.numel() + 1) // 2 if four_bits else tensor.numel() * tensor.element_size()
+    assert meta["blob"] == blob_digest(data) and len(data) == size
     back = tensor_from_blob(meta, data)
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     assert back.stride() == tensor.stride()
     assert torch.equal(back, tensor)
+
+
+def test_a_program_of_4_bit_weights_stores_them_packed_and_reads_them_back_bit_for_bit():
+    """8da4w's int8 weights in [-8, 7] are stored two a byte, in a manifest of version 2 (a
+    reader of version 1 refuses it); a program without such a tensor is written as before."""
+    ep, inputs = edge_program("mlp")
+    plain = read_manifest(serialize_program(ep).manifest)
+    assert plain["version"] == 1 and not any("encoding" in m for m in plain["state_dict"].values())
+    quantized = copy.deepcopy(ep)
+    name = next(n for n, t in quantized.state_dict.items() if t.dim() == 2)
+    weight = quantized.state_dict[name]
+    values = torch.randint(-8, 8, weight.shape, generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    quantized.state_dict[name] = torch.nn.Parameter(values, requires_grad=False)
+    s = serialize_program(quantized)
+    manifest = read_manifest(s.manifest)
+    assert manifest["version"] == 2 and manifest["state_dict"][name]["encoding"] == "int4"
+    assert len(s.blobs[manifest["state_dict"][name]["blob"]]) == values.numel() // 2
+    back = deserialize_program(s.manifest, s.get_blob).state_dict[name]
+    assert back.dtype == torch.int8 and torch.equal(back, values)
+    with pytest.raises(SerializationError, match="encoded 'int4'"):  # unpacked bytes under a packed tensor's meta
+        tensor_from_blob(manifest["state_dict"][name], values.numpy().tobytes())
 
 
 def test_tensor_blob_details():
