@@ -223,11 +223,15 @@ INT4 = "int4"
 
 
 def pack_nibbles(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A dense int8 ``tensor``'s values in memory order, two per byte (value + 8: the first of
-    each pair in the high nibble; an odd count padded with a 0 nibble), or None unless every
+    """A dense int8 ``tensor``'s values in memory order, two per byte (value + 8, the first of
+    each pair in the low nibble; an odd count padded with a 0 nibble), or None unless every
     value is in [-8, 7]::
 
-        int8 [-8, 7, 0, -1, 3]  ->  uint8 [0x0f, 0x87, 0xb0]
+        int8 [-8, 7, 0, -1, 3]  ->  uint8 [0xf0, 0x78, 0x0b]
+
+    The layout XNNPACK takes 4-bit weights in (``lowering.backends.xnnpack.ops.quantized.pack_int4``,
+    rows of even length): a quantized program's ``[N, K]`` weight is then the bytes its ``.pte``
+    holds, which the store keeps once (``tasks.artifacts.put_pte``).
     """
     if tensor.dtype != torch.int8 or tensor.numel() < 2:
         return None
@@ -238,18 +242,18 @@ def pack_nibbles(tensor: torch.Tensor) -> torch.Tensor | None:
     nibbles = flat.view(torch.uint8) + 8  # wraps: -8 -> 0, 7 -> 15
     if nibbles.numel() % 2:
         nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
-    return (nibbles[0::2] << 4) | nibbles[1::2]
+    return nibbles[0::2] | (nibbles[1::2] << 4)
 
 
 def unpack_nibbles(data: bytes, numel: int) -> bytearray:
     """:func:`pack_nibbles` undone: the ``numel`` int8 values' bytes, in a new buffer."""
-    packed = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-    buffer = bytearray(numel)
-    if numel:
-        values = torch.frombuffer(buffer, dtype=torch.uint8)
-        values[0::2] = packed >> 4
-        values[1::2] = (packed & 0x0F)[:numel // 2]
-        values.sub_(8)  # wraps back: 0 -> -8 as int8
+    import numpy as np
+
+    packed, buffer = np.frombuffer(data, dtype=np.uint8), bytearray(numel)
+    values = np.frombuffer(buffer, dtype=np.uint8)
+    values[0::2] = packed & 0x0F
+    values[1::2] = (packed >> 4)[:numel // 2]
+    values -= np.uint8(8)  # wraps back: 0 -> 248, -8 as int8
     return buffer
 
 

@@ -122,6 +122,82 @@ def test_gc_after_new_weights_removes_the_old_program_and_its_blobs(prefect_api,
     assert all(r["cached"] for r in third["targets"]["portable"]["stages"])
 
 
+def _stored_windows(store_dir: Path) -> dict[str, dict]:
+    return {"".join(p.parts[-2:]): json.loads(p.read_text()) for p in (store_dir / "windows").rglob("*") if p.is_file()}
+
+
+def test_an_8da4w_lowering_stores_its_weights_about_once_and_a_moved_checkpoint_only_exports_again(
+        prefect_api, tmp_path):
+    """8da4w: the fp32 export's weights are ranges of the checkpoint (its linears' folded
+    ``weight#t`` transposed ranges), the quantized program's 4-bit weights are stored packed,
+    the .pte's bytes once: the store holds at most 1.5x the program (session 17: 4.1x on
+    SmolLM2-135M).  A cached rerun hits; the checkpoint moved elsewhere (same bytes, so the
+    same fingerprint) makes the export's windows missing: export runs again, the rest hits."""
+    import shutil
+
+    from flows.lower_model import lower_model
+    from tasks import stages
+
+    def lower(directory: Path) -> dict:
+        stages.LIVE.clear()
+        done = lower_model(f"hf:{directory}", ["xnnpack"], str(store_dir), hf=dict(HF), quantize={"recipe": "8da4w"},
+                           verify="off")
+        return {r["stage"]: r["cached"] for r in done["targets"]["xnnpack"]["stages"]}, done["targets"]["xnnpack"]["pte"]
+
+    store_dir = tmp_path / "store"
+    first = _llama(tmp_path / "a" / "llama", 0)
+    ran, pte = lower(first)
+    assert not any(ran.values())
+    windows = _stored_windows(store_dir)
+    assert any(w.get("transpose") for w in windows.values()) and any("file" in w for w in windows.values())
+    assert _store_bytes(store_dir) <= 1.5 * pte["size"] + 256 * 1024, (_store_bytes(store_dir), pte["size"])
+    cached, again = lower(first)
+    assert all(cached.values()) and again == pte, cached
+
+    second = tmp_path / "b" / "llama"
+    shutil.copytree(first, second)
+    shutil.rmtree(tmp_path / "a")
+    moved, again = lower(second)
+    assert again == pte
+    assert [stage for stage, hit in moved.items() if not hit] == ["export"], moved
+    store = ArtifactStore(str(store_dir))
+    for digest, window in _stored_windows(store_dir).items():  # every window reads back, none into the old copy
+        assert str(tmp_path / "a") not in window.get("file", "")
+        assert len(store.read_object(digest)) == window["size"]
+
+
+def test_gc_after_new_weights_reclaims_the_old_8da4w_lowering_with_its_checkpoint_windows(prefect_api, tmp_path):
+    """New weights saved over the checkpoint: the old export's windows into it no longer hold
+    their bytes; ``lowerflow gc`` removes them with the old quantized program and .pte, and the
+    new lowering stays whole and fully cached."""
+    from flows.lower_model import lower_model
+    from tasks import stages
+    from tasks.gc import collect
+
+    directory, store_dir = tmp_path / "llama", tmp_path / "store"
+
+    def lower() -> dict:
+        stages.LIVE.clear()
+        return lower_model(f"hf:{directory}", ["xnnpack"], str(store_dir), hf=dict(HF), quantize={"recipe": "8da4w"},
+                           verify="off")
+
+    _llama(directory, 0)
+    old_windows = _stored_windows(store_dir) if lower() else {}
+    _llama(directory, 1)
+    second = lower()
+    new = second["targets"]["xnnpack"]["pte"]
+    store = ArtifactStore(str(store_dir))
+    report = collect(store, keep_days=0)
+    stale = {d for d, w in old_windows.items() if "file" in w} - set(_stored_windows(store_dir))
+    assert stale and stale <= set(report.removed_objects), report.summary()
+    for digest, window in _stored_windows(store_dir).items():  # what is left reads back
+        assert len(store.read_object(digest)) == window["size"]
+    assert _store_bytes(store_dir) <= 1.5 * new["size"] + 256 * 1024, _store_bytes(store_dir)
+    third = lower()
+    assert all(r["cached"] for r in third["targets"]["xnnpack"]["stages"])
+    assert third["targets"]["xnnpack"]["pte"] == new
+
+
 def test_windows_read_back_digest_checked_and_a_missing_program_makes_the_blob_missing(tmp_path):
     """The store's contract for a window: read as the object it replaced; storing the same
     bytes again writes nothing while its program is there, and writes the object again
@@ -152,3 +228,51 @@ def test_windows_read_back_digest_checked_and_a_missing_program_makes_the_blob_m
         store.read_object(ref.sha256)
     store.put_bytes(blob, "blob")
     assert Path(store.object_path(ref.sha256)).read_bytes() == blob
+
+
+def test_file_windows_read_a_checkpoints_ranges_and_a_changed_file_makes_the_object_missing(tmp_path):
+    """An object kept as a range of a file outside the store (``keep_in_file``: an hf:
+    checkpoint's tensor, as it is or transposed) reads back digest-checked; the file is never
+    the store's: changed or removed, the object is missing (the stage that wrote it runs
+    again), never corrupt, and the file is left as it is."""
+    import hashlib
+
+    from tasks.store import ArtifactMissing
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    plain, matrix = os.urandom(4096), torch.randn(8, 16)
+    transposed = matrix.t().contiguous().numpy().tobytes()
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"header" + plain + matrix.numpy().tobytes())
+    digest = {name: hashlib.sha256(b).hexdigest() for name, b in (("plain", plain), ("t", transposed))}
+    assert not store.keep_in_file(digest["plain"], str(checkpoint), 5, len(plain))  # not those bytes
+    assert store.keep_in_file(digest["plain"], str(checkpoint), 6, len(plain))
+    assert store.keep_in_file(digest["t"], str(checkpoint), 6 + len(plain), len(transposed), (8, 16, 4))
+    assert not (tmp_path / "store" / "objects").exists()
+    ref = store.put_bytes(transposed, "blob")  # held by the window: nothing written
+    assert not Path(store.object_path(ref.sha256)).exists() and store.exists(ref)
+    assert store.read_object(digest["plain"]) == plain and store.read_object(digest["t"]) == transposed
+    store.verify(ref)
+    assert store.checked(digest["t"])  # the file's stamp: a cached rerun does not hash it again
+    # the bytes also in a stored program: the window points into the program instead
+    program = store.put_bytes(b"pte!" + plain, "pte")
+    store.keep_as_windows(program, [(4, len(plain))], b"pte!" + plain)
+    assert store.window(digest["plain"])["object"] == program.sha256
+
+    data = bytearray(checkpoint.read_bytes())
+    data[-1] ^= 0xFF  # the checkpoint rewritten in place, same size
+    checkpoint.write_bytes(bytes(data))
+    with pytest.raises(ArtifactMissing, match="no longer holds its bytes"):
+        store.verify(ref)
+    assert checkpoint.read_bytes() == bytes(data) and store.window(digest["t"]) is None
+    assert not list((tmp_path / "store").glob("quarantine/*"))
+    store.put_bytes(transposed, "blob")  # stored again: now an object of its own
+    assert Path(store.object_path(ref.sha256)).read_bytes() == transposed
+
+    other = os.urandom(2048)
+    checkpoint.write_bytes(other)
+    assert store.keep_in_file(hashlib.sha256(other).hexdigest(), str(checkpoint), 0, len(other))
+    checkpoint.unlink()
+    assert not store.has(hashlib.sha256(other).hexdigest())
+    with pytest.raises(ArtifactMissing, match="which is gone"):
+        store.read_object(hashlib.sha256(other).hexdigest())
