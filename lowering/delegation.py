@@ -88,7 +88,7 @@ def named_data_key(data: bytes) -> str:
 
 def named_blob(data: Any) -> bytes | memoryview:
     """A blob of named data as a lowered module keeps it: bytes, or a read-only memoryview
-    (a weight tensor's memory, :func:`lowering.serialize.tensor_memory`) as it is, so a
+    (a weight tensor's memory, :func:`lowering.tensor_blobs.tensor_memory`) as it is, so a
     weight is not copied until the ``.pte`` is joined; anything else copied to bytes."""
     if isinstance(data, bytes) or (isinstance(data, memoryview) and data.readonly):
         return data

@@ -158,7 +158,7 @@ def _from_jsonable(doc: Any) -> Any:
 
 def put_blob(store: ArtifactStore, blob: Any, kind: str = "named_data") -> ArtifactRef:
     """Store a blob of named data and keep it live: mostly a view of a weight of the
-    partition's program (:func:`lowering.serialize.tensor_memory`), so adjust reads it
+    partition's program (:func:`lowering.tensor_blobs.tensor_memory`), so adjust reads it
     without a second copy of the weight."""
     ref = store.put_bytes(blob, kind)
     LIVE.put(ref, blob)

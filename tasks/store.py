@@ -44,6 +44,12 @@ corrupt).  So a cached rerun stats its objects instead of re-reading them (SmolL
   on Linux >= 6.13, whose ext4/xfs/btrfs/tmpfs give a change after a stat of the file
   a later ctime; one kernel tick, a few ms, before).
   ``LOWERFLOW_STORE_REHASH=1`` ignores the records (every check hashes, as before).
+
+Why one room: objects, windows (of objects and of files) and check records are one
+namespace whose rules every method keeps together (a put consults windows, a stamp covers
+a window's container, a quarantine frees the windows of what it moves, a window that no
+longer holds its bytes is dropped with its record); split, each half would reach into the
+other's private helpers.
 """
 
 from __future__ import annotations

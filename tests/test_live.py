@@ -11,7 +11,7 @@ import torch
 from examples.models import MODELS
 from lowering.export import export
 from lowering.program import copy_program
-from lowering.serialize import tensor_memory
+from lowering.tensor_blobs import tensor_memory
 from lowering.verify import fresh_copy
 from tasks.live import LiveObjects
 from tasks.store import ArtifactRef

@@ -218,7 +218,7 @@ def test_named_data_equal_to_a_constant_is_a_window_onto_it():
 def test_weights_are_written_from_views_and_read_back_as_views_of_the_file():
     """The emitter hands serialize views of the program's tensors (constants, named data):
     the file is the same as from bytes, and reading it copies no weight (views of the file)."""
-    from lowering.serialize import tensor_memory
+    from lowering.tensor_blobs import tensor_memory
 
     tied = torch.arange(2560, dtype=torch.float32)
     own = torch.full((24,), 7.0)

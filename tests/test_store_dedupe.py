@@ -122,6 +122,23 @@ def test_gc_after_new_weights_removes_the_old_program_and_its_blobs(prefect_api,
     assert all(r["cached"] for r in third["targets"]["portable"]["stages"])
 
 
+def ran_keys(store_dir: Path) -> dict[str, str]:
+    """``{stage: cache key}`` of the published manifest of the one model in ``store_dir``."""
+    (manifest,) = (store_dir / "outputs").glob("*/manifest.json")
+    return {r["stage"]: r["key"] for r in json.loads(manifest.read_text())["targets"]["xnnpack"]["stages"]}
+
+
+def _result(store: ArtifactStore, keys: dict[str, str], stage: str) -> dict:
+    """The stage's cached result, its refs as JSON objects."""
+    from tasks.cache import records_location
+
+    records_fs, records_dir = records_location(store)
+    record = json.loads(records_fs.cat_file(f"{records_dir}/{keys[stage]}"))
+    result = json.loads(record["result"]) if isinstance(record["result"], str) else record["result"]
+    return {k: v["__lowerflow_artifact__"] if isinstance(v, dict) and "__lowerflow_artifact__" in v else v
+            for k, v in result.items()}
+
+
 def _stored_windows(store_dir: Path) -> dict[str, dict]:
     return {"".join(p.parts[-2:]): json.loads(p.read_text()) for p in (store_dir / "windows").rglob("*") if p.is_file()}
 
@@ -151,6 +168,11 @@ def test_an_8da4w_lowering_stores_its_weights_about_once_and_a_moved_checkpoint_
     windows = _stored_windows(store_dir)
     assert any(w.get("transpose") for w in windows.values()) and any("file" in w for w in windows.values())
     assert _store_bytes(store_dir) <= 1.5 * pte["size"] + 256 * 1024, (_store_bytes(store_dir), pte["size"])
+    store = ArtifactStore(str(store_dir))
+    quantized = json.loads(store.read_object(_result(store, ran_keys(store_dir), "quantize")["program"]["sha256"]))
+    packed = [m["blob"] for name, m in quantized["constants"].items() if m.get("encoding") == "int4"
+              and "_q_weight" in name]  # the 4-bit weights (their zero points are packed too)
+    assert packed and all(store.window(b)["object"] == pte["sha256"] for b in packed)  # XNNPACK's bytes, kept once
     cached, again = lower(first)
     assert all(cached.values()) and again == pte, cached
 
@@ -160,7 +182,6 @@ def test_an_8da4w_lowering_stores_its_weights_about_once_and_a_moved_checkpoint_
     moved, again = lower(second)
     assert again == pte
     assert [stage for stage, hit in moved.items() if not hit] == ["export"], moved
-    store = ArtifactStore(str(store_dir))
     for digest, window in _stored_windows(store_dir).items():  # every window reads back, none into the old copy
         assert str(tmp_path / "a") not in window.get("file", "")
         assert len(store.read_object(digest)) == window["size"]

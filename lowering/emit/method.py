@@ -27,7 +27,7 @@ from ..pte.format import blob_key
 from ..delegation import same_blob
 from ..pte.scalar_types import DTYPE_TO_SCALAR_TYPE
 from ..quant_ops import out_schema
-from ..serialize import tensor_memory
+from ..tensor_blobs import tensor_memory
 from ..stock_ops.check import check_program_ops
 from .control_flow import emit_control_flow
 from .evalues import (

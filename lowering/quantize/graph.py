@@ -142,7 +142,7 @@ def value_digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's dtype, shape and bytes (row-major)."""
     import hashlib
 
-    from ..serialize import tensor_memory
+    from ..tensor_blobs import tensor_memory
 
     data = tensor.detach().contiguous()
     digest = hashlib.sha256(f"{data.dtype}{list(tensor.shape)}".encode())

@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
 from ...delegation import named_data_key, same_blob
-from ...serialize import tensor_memory
+from ...tensor_blobs import tensor_memory
 from . import payload as P
 from .generated import xnngraph_generated as fbx
 from .payload import QUANT_TYPES, per_tensor_quant
