@@ -150,9 +150,11 @@ def run_export(store: ArtifactStore, model: str, fingerprint: str, options: dict
                                 strict=loaded.strict, keep=keep, fold_constants=fold)
         page_out_module(loaded.module)  # weights mapped from a checkpoint: not read again until verify
     # The buffers it mutates: a model of several methods must not share them (lowering.methods).
-    # an hf: checkpoint's weights are kept as ranges of its files, not stored again (tasks/store.py, "windows")
-    result = {"program": put_program(store, program, files=checkpoint_ranges(model)),
-              "mutated_buffers": mutated_buffers(program)}
+    # An hf: checkpoint's weights are kept as ranges of its files, not stored again (tasks/store.py, "windows"):
+    # a new checkpoint is a new key.  Not with external_weights: keyed on the structure, this program keeps
+    # the weights it was exported with (what bind_weights compares tonight's with) after the checkpoint changes.
+    files = None if external_weights else checkpoint_ranges(model)
+    result = {"program": put_program(store, program, files=files), "mutated_buffers": mutated_buffers(program)}
     if external_weights:
         result["weights"] = loaded.fingerprint.parts.get("weights")
         result["folded"] = put_doc(store, folded_recipes(program), "folded")
