@@ -115,6 +115,13 @@ def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple]
     return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
 
 
+def emit_bound_ptd(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
+                   previous: bytes, runtime_ops: Any = None) -> bytes:
+    """The ``.ptd`` of the delegated ``program`` bound to ``bindings`` (every delegate preprocessed
+    again); raises :class:`NotWeightsOnly` unless its ``.pte`` is ``previous`` byte for byte."""
+    return _emit_bound(program, bindings, memory_plan, previous, runtime_ops)[1]
+
+
 def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,
                 runtime_ops: Any, timings: dict | None = None) -> tuple[ExportedProgram, bytes]:
     """(``program`` bound to ``bindings`` (:func:`rebound_program`), its ``.ptd``); its ``.pte``
