@@ -342,7 +342,7 @@ def _fold(recipe: tuple, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
     args, kwargs = torch.utils._pytree.tree_map(value, (args, kwargs), is_leaf=_is_weight)
     with torch.no_grad():
-        return op(*args, **kwargs).contiguous().clone()
+        return op(*args, **kwargs).clone(memory_format=torch.contiguous_format)  # one copy, row-major
 
 
 def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tensor]) -> ExportedProgram:
