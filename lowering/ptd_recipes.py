@@ -96,22 +96,23 @@ def _import(where: tuple[str, str]):
     return getattr(importlib.import_module(where[0]), where[1])
 
 
-def entry_bytes(recipe: dict, bindings: Mapping[str, torch.Tensor]) -> bytes:
-    """The bytes ``recipe`` gives on ``bindings`` (target -> tensor)."""
+def entry_bytes(recipe: dict, bindings: Mapping[str, torch.Tensor]) -> bytes | memoryview:
+    """The bytes ``recipe`` gives on ``bindings`` (target -> tensor): a view of a tensor's memory
+    where they are one (not copied again)."""
     fn = recipe["fn"]
     if fn == "tensor":
-        return bytes(tensor_memory(view_of(recipe, bindings).contiguous()))
+        return tensor_memory(view_of(recipe, bindings).contiguous())
     if fn == "view":
         tensor = view_of(recipe, bindings)
         if recipe.get("pack"):
             return bytes(_import(PACKS[recipe["pack"]])(tensor))
-        return bytes(tensor_memory(tensor.to(getattr(torch, recipe["dtype"])).contiguous()))
+        return tensor_memory(tensor.to(getattr(torch, recipe["dtype"])).contiguous())
     if fn == "fixed":
         return base64.b64decode(recipe["data"])
     if fn in FUNCTIONS:
         tensor = _import(FUNCTIONS[fn])(recipe, {k: view_of(v, bindings) if isinstance(v, dict) else None
                                                  for k, v in recipe["args"].items()})
-        return bytes(tensor_memory(tensor.to(getattr(torch, recipe["dtype"])).contiguous()))
+        return tensor_memory(tensor.to(getattr(torch, recipe["dtype"])).contiguous())
     raise NotWeightsOnly(f"a .ptd recipe of unknown kind {fn!r} (recorded by another version): bind again")
 
 

@@ -342,7 +342,12 @@ def _fold(recipe: tuple, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
     args, kwargs = torch.utils._pytree.tree_map(value, (args, kwargs), is_leaf=_is_weight)
     with torch.no_grad():
-        return op(*args, **kwargs).clone(memory_format=torch.contiguous_format)  # one copy, row-major
+        out = op(*args, **kwargs)
+    weights = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+    if out.is_contiguous() and out.untyped_storage().data_ptr() not in weights:
+        return out  # a copy already (permute_copy): not a second one
+    return out.clone(memory_format=torch.contiguous_format)  # a view of a weight: its own row-major copy
 
 
 def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tensor]) -> ExportedProgram:
