@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -162,10 +163,17 @@ def flow_nights(hidden: int, layers: int, models: list[str] | None = None) -> li
     """Night 1 (cold) and night 2 (a retrain) through the flow, per row of :data:`FLOW_ROWS`; the
     CPU ratios.  Night 2 starts with nothing live (``tasks.live.LIVE`` cleared), as a new
     night's process does: it reads last night's programs from the store."""
+    work = Path(tempfile.mkdtemp(prefix="bench-external-flow-"))
+    try:
+        return _flow_nights(work, hidden, layers, models)
+    finally:  # every night's store: hundreds of MB per row
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None) -> list[float]:
     from flows.lower_model import lower_model
     from tasks.live import LIVE
 
-    work = Path(tempfile.mkdtemp(prefix="bench-external-flow-"))
     (work / "retrained.py").write_text(FLOW_FACTORIES.format(bench=str(Path(__file__).parent), hidden=hidden,
                                                              layers=layers))
     ratios = []
