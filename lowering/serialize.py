@@ -73,8 +73,12 @@ from torch.utils import _pytree as pytree
 from .control_flow_graph import iter_scopes
 from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .quant_ops import register_quantized_ops
+from . import tensor_blobs
 from .tensor_blobs import SerializationError, blob_digest, tensor_from_blob, tensor_to_blob
 from .untrusted import check_program_bytes
+
+#: A tensor's memory as bytes: at home in :mod:`lowering.tensor_blobs`, still importable from here.
+tensor_memory = tensor_blobs.tensor_memory
 
 class _Serde:
     """torch's JSON serde (``torch._export.serde.serialize``), imported on first use: it
