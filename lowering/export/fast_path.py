@@ -31,7 +31,12 @@ from torch.utils import _pytree as pytree
 from .cleanups import ASSERT_OPS, REMOVABLE_KINDS, remove_asserts, replace_view_ops_with_copies
 from .decompose import decompose_to_core, decomposition_tables
 from .fallback import Fallback
-from .functionalize import functionalize_mutations, remove_buffer_copies, rewrite_tensor_constant_ops
+from .functionalize import (
+    functionalize_mutations,
+    is_aliasing_call,
+    remove_buffer_copies,
+    rewrite_tensor_constant_ops,
+)
 
 
 def fast_core_aten(exported: ExportedProgram, kept: Any = None) -> ExportedProgram:
@@ -135,8 +140,6 @@ def _view_of_written(node: torch.fx.Node) -> bool:
     """Whether ``node`` writes a tensor in place and a view reads its result.  With symbolic
     shapes the slow path's functionalization puts such a view where it is read, not where
     it was taken; the fast path would keep it in place (another node order, other bytes)."""
-    from .functionalize import is_aliasing_call
-
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
     return node.target._schema.is_mutable and any(is_aliasing_call(u) for u in node.users)
