@@ -192,7 +192,8 @@ def bind_methods(run, records: list[dict], inputs: dict, planned: dict, emitted:
 def record(bound: dict) -> dict:
     """The target's ``weights_only`` record of a ``bind_weights`` result."""
     return {"bind_weights": "rebound" if bound["rebound"] else "as exported",
-            **({"quantized": bound["quantized"]} if "quantized" in bound else {})}
+            **({"quantized": bound["quantized"]} if "quantized" in bound else {}),
+            **({"ptd": bound["ptd_from"]} if "ptd_from" in bound else {})}
 
 
 def report_line(record: dict) -> str:

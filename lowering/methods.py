@@ -46,7 +46,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
+from torch.export.graph_signature import InputKind, OutputKind
 
 from .delegation import SHARED_STATE
 from .errors import EmitError, LoweringError
@@ -101,13 +101,14 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]],
 
     if not methods:
         raise MethodError("methods: a program needs at least one method")
+    initial_read = state_read_first({name: program for name, (program, _) in methods.items()})
     built = []
     for name in method_order(methods):
         check_method_name(name)
         program, plan = methods[name]
         try:
             built.append((name, build_pte(program, plan, runtime_ops=runtime_ops,
-                                          external_weights=external_weights)))
+                                          external_weights=external_weights, initial_read=initial_read)))
         except EmitError as exc:
             raise type(exc)(f"method {name!r}: {exc}") from exc
     merged = merge_methods(built)
@@ -117,6 +118,29 @@ def build_methods_pte(methods: Mapping[str, tuple[ExportedProgram, Any]],
     for name in method_order(constants or {}):
         merged.program.executionPlan.append(constant_plan(check_method_name(name), constants[name]))
     return merged
+
+
+def state_read_first(programs: Mapping[str, ExportedProgram]) -> set[str]:
+    """The mutable buffers (FQNs) whose initial value some method may read.
+
+    A buffer every method using it writes before reading (a KV cache:
+    :func:`lowering.mutating_ops.write_first_buffers`) is not among them, so the
+    ``.pte`` stores no initial value for it, as for a program of one method::
+
+        forward: update_cache(k_cache) -> custom_sdpa(k_cache)   get_max_seq_len: constant
+        -> set()                      (the caches' zeros are not stored)
+        prefill: update_cache(cache) ...   reset: reads cache    -> {"cache"}
+    """
+    from .mutating_ops import write_first_buffers
+
+    read = set()
+    for program in programs.values():
+        signature = program.graph_signature
+        mutations = {s.arg.name for s in signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION}
+        written_first = write_first_buffers(program.graph, mutations)
+        read.update(spec.target for spec in signature.input_specs
+                    if spec.kind == InputKind.BUFFER and spec.arg.name not in written_first)
+    return read
 
 
 def merge_methods(methods: list[tuple[str, PteData]]) -> PteData:

@@ -115,6 +115,13 @@ def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple]
     return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
 
 
+def emit_bound_ptd(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
+                   previous: bytes, runtime_ops: Any = None) -> bytes:
+    """The ``.ptd`` of the delegated ``program`` bound to ``bindings`` (every delegate preprocessed
+    again); raises :class:`NotWeightsOnly` unless its ``.pte`` is ``previous`` byte for byte."""
+    return _emit_bound(program, bindings, memory_plan, previous, runtime_ops)[1]
+
+
 def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,
                 runtime_ops: Any, timings: dict | None = None) -> tuple[ExportedProgram, bytes]:
     """(``program`` bound to ``bindings`` (:func:`rebound_program`), its ``.ptd``); its ``.pte``
@@ -335,7 +342,12 @@ def _fold(recipe: tuple, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
 
     args, kwargs = torch.utils._pytree.tree_map(value, (args, kwargs), is_leaf=_is_weight)
     with torch.no_grad():
-        return op(*args, **kwargs).contiguous().clone()
+        out = op(*args, **kwargs)
+    weights = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
+    if out.is_contiguous() and out.untyped_storage().data_ptr() not in weights:
+        return out  # a copy already (permute_copy): not a second one
+    return out.clone(memory_format=torch.contiguous_format)  # a view of a weight: its own row-major copy
 
 
 def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tensor]) -> ExportedProgram:

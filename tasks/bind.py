@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .artifacts import get_doc, get_program, get_program_tables
+from .artifacts import get_doc, get_program, get_program_tables, put_doc
 from .store import ArtifactRef, ArtifactStore
 
 
@@ -13,28 +13,73 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
                      module: Any, recipe: dict | None, reference: ArtifactRef | None, derived: ArtifactRef | None,
                      runtime_ops: list[str] | None) -> dict | None:
     """:func:`tasks.stages.run_bind_weights` reading the tables of the exported and quantized
-    programs, not their graphs (:func:`lowering.rebind.rebind_stored`; ``plan``: the memory plan
+    programs, not their graphs (:func:`lowering.rebind.stored_bindings`; ``plan``: the memory plan
     the program was emitted with): the stage's result (the new ``.ptd`` stored) but its
     ``seconds``, ``{"fallback": why}``, or None (the quantize pass must run again: bind on the
-    programs)."""
+    programs).  The ``.ptd`` is written from emit's recipes (:func:`replayed`) where they hold,
+    else by binding the emitted program again (its graph read, every delegate preprocessed, the
+    ``.pte`` emitted again and compared)."""
     from lowering.export.folding import folded_from_json
-    from lowering.rebind import NotWeightsOnly, rebind_stored
+    from lowering.rebind import NotWeightsOnly, emit_bound_ptd, stored_bindings
 
-    emitted_program = get_program(store, program)  # first: a portable target's is the exported one (then live)
+    replay = emitted.get("recipes") is not None
+    emitted_program = None if replay else get_program(store, program)  # first: a portable target's is live
     quantized = None
     if recipe and reference is not None and derived is not None:
         state_dict, constants = get_program_tables(store, reference)
         quantized = {**state_dict, **constants}
     try:
-        ptd = rebind_stored(store.get_bytes(emitted["pte"]), plan, emitted_program,
-                            get_program_tables(store, exported["program"]),
-                            folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
-                            quantized=quantized, derived=get_doc(store, derived) if quantized is not None else None,
-                            mutated=exported.get("mutated_buffers", ()), runtime_ops=runtime_ops)
+        bindings = stored_bindings(get_program_tables(store, exported["program"]),
+                                   folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
+                                   quantized=quantized, derived=get_doc(store, derived) if quantized is not None
+                                   else None, mutated=exported.get("mutated_buffers", ()))
+        if bindings is None:
+            return None
+        ptd = replayed(store, emitted, bindings) if replay else None
+        how = "replayed" if ptd is not None else "rebound"
+        if ptd is None:
+            ptd = emit_bound_ptd(emitted_program or get_program(store, program), bindings, plan,
+                                 store.get_bytes(emitted["pte"]), runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return None if ptd is None else {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True,
-                                     **({"quantized": "weights"} if recipe else {})}
+    return {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True, "ptd_from": how,
+            **({"quantized": "weights"} if recipe else {})}
+
+
+def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> bytes | None:
+    """The ``.ptd`` of ``bindings`` written from the recipes emit recorded (``emitted["recipes"]``,
+    :mod:`lowering.ptd_recipes`), or None where they do not hold (unproven, another weight dtype,
+    a pinned weight changed): then the program is bound again."""
+    from lowering.ptd_recipes import replay
+    from lowering.rebind import NotWeightsOnly
+
+    try:
+        return replay(get_doc(store, emitted["recipes"]), bindings)
+    except NotWeightsOnly:
+        return None
+
+
+def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, constants: dict | None,
+                   runtime_ops: list[str] | None) -> dict:
+    """Emit's ``{"recipes": ref}``: how each entry of ``ptd`` derives from the weights of the
+    program ``pte`` (:func:`lowering.ptd_recipes.record_recipes`, checked on perturbed weights),
+    what a retrain's bind writes its ``.ptd`` from.  ``methods``: ``{name: (delegated program,
+    memory plan)}``; one entry, None as its name: a program of one method (``constants``: a
+    program of several methods' constant methods)."""
+    from lowering.ptd_recipes import record_recipes as record, tables_of
+    from lowering.rebind import emit_bound_ptd, rebind_stored_methods
+
+    tables: dict = {}
+    for program, _ in methods.values():
+        for name, tensor in tables_of(program).items():
+            tables.setdefault(name, tensor)
+    if list(methods) == [None]:
+        program, plan = methods[None]
+        doc = record(lambda bindings: emit_bound_ptd(program, bindings, plan, pte, runtime_ops), tables, ptd)
+    else:
+        doc = record(lambda bindings: rebind_stored_methods(pte, methods, constants or {},
+                                                            {m: bindings for m in methods}, runtime_ops), tables, ptd)
+    return {"recipes": put_doc(store, doc, "ptd_recipes")}
 
 
 def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict, plans: dict, emitted: dict,
@@ -45,7 +90,8 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
     from lowering.export.folding import folded_from_json
     from lowering.rebind import NotWeightsOnly, rebind_stored_methods, stored_bindings
 
-    programs = {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}  # first, as above
+    replay = emitted.get("recipes") is not None
+    programs = None if replay else {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
     bindings = {}
     try:
         for method, done in exported.items():
@@ -60,9 +106,17 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
                 mutated=done.get("mutated_buffers", ()))
             if bindings[method] is None:
                 return None
-        ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
-                                    runtime_ops=runtime_ops)
+        merged: dict = {}
+        for tables in bindings.values():
+            for name, tensor in tables.items():
+                merged.setdefault(name, tensor)
+        ptd = replayed(store, emitted, merged) if replay else None
+        how = "replayed" if ptd is not None else "rebound"
+        if ptd is None:
+            programs = programs or {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
+            ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
+                                        runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True,
+    return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}

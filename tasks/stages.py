@@ -69,7 +69,7 @@ from lowering.verify import verify as verify_pte, verify_call_sequence, verify_q
 from lowering.verify_executorch import with_data
 
 from .artifacts import get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte, put_program
-from .bind import bind_from_tables, bind_methods_from_tables
+from .bind import bind_from_tables, bind_methods_from_tables, record_recipes
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE, release_live, take_program
 from .model_spec import live_model
@@ -89,7 +89,7 @@ STAGE_VERSIONS = {
     "adjust": "2",
     "memory_plan": "2",
     "emit": "1",
-    "emit_methods": "1",
+    "emit_methods": "2",  # 2: a KV cache every method writes before reading stores no initial value (issue 27)
     "bind_weights": "1",
     "bind_weights_methods": "1",
     "verify": "4",  # 4: a quantized program's tolerance grows with how far its nudged reference moves (issue 27)
@@ -598,17 +598,21 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
     leaves it out: :data:`STAGE_OPTIONAL`).  ``external_weights``: the weights go to a
     ``.ptd`` (``"ptd"`` in the result; :mod:`lowering.external`)."""
     _begin("emit")
-    built = build_pte(get_program(store, program), get_memory_plan(store, plan), runtime_ops=runtime_ops,
-                      external_weights=bool(external_weights))
-    return _emitted(store, built, bool(external_weights))
+    delegated, memory_plan = get_program(store, program), get_memory_plan(store, plan)
+    built = build_pte(delegated, memory_plan, runtime_ops=runtime_ops, external_weights=bool(external_weights))
+    return _emitted(store, built, bool(external_weights), {None: (delegated, memory_plan)}, None, runtime_ops)
 
 
-def _emitted(store: ArtifactStore, built, external_weights: bool) -> dict:
-    """Store an emitted program: ``{"pte": ref}``, and ``"ptd"`` with external weights."""
+def _emitted(store: ArtifactStore, built, external_weights: bool, methods: dict, constants: dict | None,
+             runtime_ops: list[str] | None) -> dict:
+    """Store an emitted program: ``{"pte": ref}``, and with external weights ``"ptd"`` and
+    ``"recipes"``, how a retrain's ``.ptd`` is written (:func:`tasks.bind.record_recipes`;
+    ``methods``: ``{name: (delegated program, plan)}``, None as the name of a program of one)."""
     pte, ptd = program_files(built, external_weights)
     result = {"pte": put_pte(store, pte)}
     if ptd is not None:
         result["ptd"] = store.put_bytes(ptd, "ptd")
+        result.update(record_recipes(store, methods, pte, ptd, constants, runtime_ops))
     return result
 
 
@@ -623,11 +627,10 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     ``runtime_ops``, ``external_weights``: as :func:`run_emit`'s (one ``.ptd`` for every method).
     """
     _begin("emit_methods")
-    built = build_methods_pte({
-        name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
-        for name, entry in methods.items()
-    }, constants, runtime_ops=runtime_ops, external_weights=bool(external_weights))
-    return _emitted(store, built, bool(external_weights))
+    programs = {name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
+                for name, entry in methods.items()}
+    built = build_methods_pte(programs, constants, runtime_ops=runtime_ops, external_weights=bool(external_weights))
+    return _emitted(store, built, bool(external_weights), programs, constants, runtime_ops)
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",

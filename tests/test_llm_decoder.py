@@ -245,3 +245,45 @@ def test_custom_program_stores_no_initial_cache_bytes():
     assert len(caches) == 4 and len({t.dataBufferIdx for t in caches}) == 1
     zeros = bytes(data.mutable_data[caches[0].dataBufferIdx])
     assert len(zeros) >= MAX_SEQ_LEN * 2 * 16 * 4 and not any(zeros)  # one cache's fp32 zeros
+
+
+def _plan(data, name: str):
+    return next(p for p in data.program.executionPlan if p.name in (name, name.encode()))
+
+
+class _PeekCache(torch.nn.Module):
+    """A method that reads ``key_cache_0`` before any call of it writes the cache."""
+
+    def __init__(self, cache: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("key_cache_0", cache.clone())
+
+    def forward(self, x):
+        return self.key_cache_0.sum() + x
+
+
+def test_a_runner_program_of_several_methods_stores_no_initial_cache_bytes(tmp_path):
+    # The LLM runner's program: forward and constant methods (as hf: text-generation lowers it).
+    # Its caches live in the state arena (mem_id 2) of a program of several methods, and still
+    # need no stored zeros: forward writes them before it reads them, and no other method reads them.
+    module = decoder_module(hf_model("llama"), max_seq_len=MAX_SEQ_LEN)
+    example, dynamic_shapes = decoder_example(MAX_SEQ_LEN)
+    methods = {"forward": (module, example, dynamic_shapes), "get_max_seq_len": MAX_SEQ_LEN, "use_kv_cache": True}
+    result = lowering.lower_methods(methods, partitioner=XnnpackPartitioner())
+    data = deserialize(result.pte)
+    plan = _plan(data, "forward")
+    caches = [v.val for v in plan.values if getattr(v.val, "allocationInfo", None) is not None
+              and list(v.val.sizes) == [1, MAX_SEQ_LEN, 2, 16]]
+    assert len(caches) == 4 and {t.allocationInfo.memoryId for t in caches} == {2}
+    assert all(t.dataBufferIdx == 0 for t in caches) and not data.mutable_data
+    torch.testing.assert_close(run_executorch(result.pte, tmp_path), run_eager(module), atol=1e-5, rtol=1e-4)
+    # Another method reading a cache first (shared state): that cache's zeros are stored again.
+    peek = _PeekCache(module.key_cache_0)
+    shared = lowering.lower_methods({**methods, "peek": (peek, (torch.ones(()),), None)},
+                                    partitioner=XnnpackPartitioner(), share_mutable_buffers=True)
+    data = deserialize(shared.pte)
+    plan = _plan(data, "forward")
+    caches = [v.val for v in plan.values if getattr(v.val, "allocationInfo", None) is not None
+              and list(v.val.sizes) == [1, MAX_SEQ_LEN, 2, 16] and v.val.dataBufferIdx != 0]
+    assert len(caches) == 1  # key_cache_0 (as eager left it above); the three others still store nothing
+    assert bytes(data.mutable_data[caches[0].dataBufferIdx]) == peek.key_cache_0.numpy().tobytes()

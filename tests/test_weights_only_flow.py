@@ -53,6 +53,22 @@ def cond():
     return _weights(models.CondLinear), (torch.rand(4, 16) + 0.1,)
 
 
+class _Shifted(torch.nn.Module):
+    """A linear and an int64 buffer a retrain changes (not perturbed by the .ptd recipes' check)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 8)
+        self.register_buffer("shift", torch.randint(0, 1000, (8,)))
+
+    def forward(self, x):
+        return self.fc(x) + self.shift
+
+
+def shifted():
+    return _weights(_Shifted), (torch.randn(4, 16),)
+
+
 def two_methods():
     model = _weights(models.CNN)
     return {"small": (model, (torch.randn(1, 3, 32, 32),)), "again": (model, (torch.randn(1, 3, 32, 32),))}
@@ -107,7 +123,10 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         assert entry["ok"], entry["error"]
         assert before["weights_only"] == {"bind_weights": "as exported"}
         # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass
-        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        # the .ptd written from emit's recipes (lowering/ptd_recipes.py); a recipe with verify on reads its
+        # quantized program whole (verify's reference) and binds it the slow way
+        assert entry["weights_only"] == {"bind_weights": "rebound",
+                                         **({"quantized": "weights"} if recipe else {"ptd": "replayed"})}
         assert entry["pte"]["sha256"] == before["pte"]["sha256"]  # last night's program, byte for byte
         library = cold(tmp_path, factory, target, recipe)
         assert published(entry["pte"]) == library.pte
@@ -123,10 +142,10 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
                                                       ("two_methods", ("xnnpack",), "8da4w")])
 def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monkeypatch, fresh_stages, factory,
                                                                  targets, recipe):
-    """Verify off, nothing live (what a new night's process has): bind_weights reads the graph of
-    the program it emits again and only the tables of the exported and quantized programs
-    (lowering.rebind.rebind_stored: reading a graph back is most of a read); same bytes as a cold
-    lowering."""
+    """Verify off, nothing live (what a new night's process has): bind_weights reads no graph, only
+    the tables of the exported and quantized programs (lowering.rebind.stored_bindings: reading a
+    graph back is most of a read), and writes the .ptd from the recipes emit recorded
+    (lowering/ptd_recipes.py): no preprocess, no emit; same bytes as a cold lowering."""
     from tasks.store import ArtifactStore
 
     manifest = retrain_fleet(tmp_path, factory, targets, verify=False, **({"quantize": recipe} if recipe else {}))
@@ -138,13 +157,38 @@ def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monke
     summary, ran = executions_during(lower_fleet, manifest)
     methods = 2 if factory == "two_methods" else 1
     assert dict(ran) == {"bind_weights" if methods == 1 else "bind_weights_methods": len(targets)}, dict(ran)
-    assert len(graphs) == methods * len(targets), graphs  # each target's delegated programs, nothing else
+    assert graphs == []  # no program's graph read back
     for target in targets:
         entry, before = summary["models"]["m"]["targets"][target], first["targets"][target]
-        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {}),
+                                         "ptd": "replayed"}
         assert entry["pte"]["sha256"] == before["pte"]["sha256"]
         library = cold(tmp_path, factory, target, recipe)
         assert published(entry["ptd"]) == library.ptd
+
+
+def test_what_the_recipes_cannot_replay_is_bound_the_slow_way(tmp_path, monkeypatch, fresh_stages):
+    """A retrain that changes a weight the recipes' check pinned (an int64 buffer): bind_weights
+    reads the emitted program and binds it again (its .pte emitted again and compared); the pair is
+    a cold lowering's, and verify runs it on both runtimes."""
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, "shifted", ("portable",))
+    first = lower_fleet(manifest)["models"]["m"]
+    fresh_stages.LIVE.clear()
+    (tmp_path / "seed.txt").write_text("2")
+    graphs, read = [], ArtifactStore.get_program
+    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
+    summary, ran = executions_during(lower_fleet, manifest)
+    entry, before = summary["models"]["m"]["targets"]["portable"], first["targets"]["portable"]
+    assert entry["ok"], entry["error"]
+    assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "ptd": "rebound"}
+    assert len(graphs) == 1  # the emitted program, read to bind it again
+    library = cold(tmp_path, "shifted", "portable")
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+    assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
+    assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
 
 
 def test_int8_static_is_lowered_fully_and_says_why(tmp_path):
@@ -172,7 +216,8 @@ def test_a_retrain_of_a_model_of_several_methods_binds_every_method(tmp_path, ta
         entry, before = second["targets"][target], first["targets"][target]
         assert entry["ok"], entry["error"]
         assert before["weights_only"] == {"bind_weights": "as exported"}
-        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {})}
+        assert entry["weights_only"] == {"bind_weights": "rebound",
+                                         **({"quantized": "weights"} if recipe else {"ptd": "replayed"})}
         library = cold(tmp_path, "two_methods", target, recipe)
         assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
         assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]

@@ -9,7 +9,7 @@ its plan into a program.
 from __future__ import annotations
 
 import operator
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from torch.export import ExportedProgram
@@ -70,7 +70,7 @@ def emit_program(exported_program: ExportedProgram, memory_plan: Any, *, runtime
 
 
 def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_ops: Any = None,
-              external_weights: bool = False) -> PteData:
+              external_weights: bool = False, initial_read: Collection[str] | None = None) -> PteData:
     """The program tables and data blobs, before serialization; every KernelCall's
     operator checked against the runtime profile ``runtime_ops``.
 
@@ -80,8 +80,14 @@ def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_op
     (the ``.ptd``), none into the ``.pte``.  The ``.pte`` then depends on the
     program's structure only: a retrain (same program, new weights) emits the same
     ``.pte`` bytes and a new ``.ptd``.
+
+    ``initial_read``: in a program of several methods, the mutable buffers (FQNs) whose
+    initial value some method may read (:func:`lowering.methods.state_read_first`); a
+    buffer this method writes before reading and no method reads first gets no stored
+    initial value.  None (one method alone): a buffer in the shared-state arena keeps it.
     """
-    emitter = MethodEmitter(exported_program, memory_plan, external_weights=external_weights)
+    emitter = MethodEmitter(exported_program, memory_plan, external_weights=external_weights,
+                            initial_read=initial_read)
     plan = emitter.emit()
     check_program_ops(emitter.operator_nodes, runtime_ops)
     program = schema.ProgramT()
@@ -100,8 +106,11 @@ def build_pte(exported_program: ExportedProgram, memory_plan: Any, *, runtime_op
 class MethodEmitter:
     """Builds one ExecutionPlan; holds the value table and data blobs while doing so."""
 
-    def __init__(self, ep: ExportedProgram, memory_plan: Any, external_weights: bool = False) -> None:
+    def __init__(self, ep: ExportedProgram, memory_plan: Any, external_weights: bool = False,
+                 initial_read: Collection[str] | None = None) -> None:
         self.ep = ep
+        #: Mutable buffers (FQNs) whose initial value a method may read; None: not known.
+        self.initial_read = None if initial_read is None else frozenset(initial_read)
         #: Weights as EXTERNAL tensors (key: FQN) bound from the .ptd (see :func:`build_pte`).
         self.external_weights = external_weights
         self.external: dict[str, PtdEntry] = {}
@@ -208,8 +217,11 @@ class MethodEmitter:
             # State: mutated here, or planned as state shared with another method.
             initial = self._state_tensor(spec.target)
             value = self.planned_tensor(node.name, node.meta["val"])
-            shared = self.values[value].val.allocationInfo.memoryId == SHARED_STATE_MEM_ID
-            if node.name not in self.write_first or shared:
+            if self.initial_read is None:
+                read_first = self.values[value].val.allocationInfo.memoryId == SHARED_STATE_MEM_ID
+            else:
+                read_first = spec.target in self.initial_read
+            if node.name not in self.write_first or read_first:
                 self.values[value].val.dataBufferIdx = self._add_mutable_data(initial)
             self.node_values[node] = value
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):

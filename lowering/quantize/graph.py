@@ -165,7 +165,7 @@ def derived_value(recipe: list, source: torch.Tensor, memo: dict | None = None) 
 
     kind = recipe[0]
     if kind == "t":
-        return source.t().detach().contiguous().clone()
+        return source.t().detach().clone(memory_format=torch.contiguous_format)  # one copy, row-major
     if kind == "q":
         block, qmin, qmax, index = recipe[2:]
         memo = {} if memo is None else memo

@@ -16,6 +16,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 
+from ... import ptd_recipes
 from ...delegation import named_data_key, same_blob
 from ...serialize import tensor_memory
 from . import payload as P
@@ -63,6 +64,7 @@ class GraphBuilder:
         self._alias_of: dict[torch.fx.Node, torch.fx.Node] = {}
         self.reshape_of: dict[torch.fx.Node, torch.fx.Node] = {}  # reshape node -> its input
         self._static_cache: dict[torch.fx.Node, torch.Tensor] = {}
+        self._derived: dict[int, tuple[torch.Tensor, dict]] = {}  # id -> (tensor, recipe): :meth:`derived`
         self.bn_folds: dict[torch.fx.Node, torch.fx.Node] = {}  # convolution -> its BatchNorm
         self.pad_folds: set[torch.fx.Node] = set()  # zero pads folded into the convolution after them
         self.weight_views: set[torch.fx.Node] = set()  # transposed runtime weights FC reads untransposed
@@ -172,18 +174,21 @@ class GraphBuilder:
             return value.tensorValue.datatype, value.quantParams
         return value.datatype, None
 
-    def blob(self, data: bytes, prefix: str = "", key: str | None = None) -> int:
+    def blob(self, data: bytes, prefix: str = "", key: str | None = None, recipe: dict | None = None) -> int:
         """The ``constant_data`` index of named data ``data``, stored once per key.
 
         The key is ``prefix`` + sha256 of the bytes (ExecuTorch's keying), or with
         :attr:`stable_keys` ``key`` (a name from the weight and its role, see
-        :meth:`constant_key`; None: the node being lowered and a count).
+        :meth:`constant_key`; None: the node being lowered and a count).  ``recipe``: how
+        ``data`` derives from the weights (:mod:`lowering.ptd_recipes`; noted only while a
+        program's recipes are recorded).
         """
         if self.stable_keys:
             key = key or self._node_key("scales" if prefix else "const")
             if key in self._constant_of_key and not same_blob(self.named_data[key], data):
                 raise XnnpackPreprocessError(
                     f"node {self._name()}: two different constants are both named {key!r} (external weights)")
+            ptd_recipes.note(key, recipe)
         else:
             key = prefix + named_data_key(data)
         if key not in self._constant_of_key:
@@ -203,9 +208,40 @@ class GraphBuilder:
         t = (t.to(torch.float32) if datatype == P.DATATYPE_FP32 else t).contiguous()
         if self.stable_keys and key is None:
             key = self.constant_key(tensor, t.dtype, datatype, packed=data is not None)
+        recipe = None
+        if self.stable_keys and ptd_recipes.recording():
+            packed = "int4" if data is not None and datatype in (P.DATATYPE_QCINT4, P.DATATYPE_QBINT4) else None
+            recipe = self.recipe(tensor, t.dtype, packed) if data is None or packed else None
         if data is None:
             data = tensor_memory(t)  # a view of the weight: the named data holds no second copy
-        return self.define(list(t.shape) or [1], datatype=datatype, quant=quant, constant=self.blob(data, key=key))
+        return self.define(list(t.shape) or [1], datatype=datatype, quant=quant,
+                           constant=self.blob(data, key=key, recipe=recipe))
+
+    def recipe(self, tensor: torch.Tensor, dtype: torch.dtype, pack: str | None = None) -> dict | None:
+        """How a constant's bytes derive from the weights (:mod:`lowering.ptd_recipes`): ``tensor``
+        (a view of a weight, or a tensor :meth:`derived` tagged) cast to ``dtype``, packed by
+        ``pack``; None when it is neither."""
+        found = self._weight_of_storage(tensor)
+        if found is not None:
+            return {"fn": "view", **ptd_recipes.view_spec(found[0], found[1], tensor), "dtype": str(dtype).replace(
+                "torch.", ""), "pack": pack}
+        tagged = self._derived.get(id(tensor))
+        if tagged is not None and tagged[0] is tensor and pack is None:
+            return {**tagged[1], "dtype": str(dtype).replace("torch.", "")}
+        return None
+
+    def derived(self, tensor: torch.Tensor, recipe: dict) -> torch.Tensor:
+        """``tensor``, noted as computed by ``recipe`` (``{"fn", "args": {role: view of a weight (the
+        tensor :meth:`recipe` reads it as) or None}, ...}``) while a program's recipes are recorded."""
+        if ptd_recipes.recording():
+            args = {}
+            for role, arg in recipe["args"].items():
+                found = self._weight_of_storage(arg) if arg is not None else None
+                if arg is not None and found is None:
+                    return tensor  # an argument that is no weight's view: no recipe
+                args[role] = ptd_recipes.view_spec(found[0], found[1], arg) if arg is not None else None
+            self._derived[id(tensor)] = (tensor, {**recipe, "args": args})
+        return tensor
 
     # ------------------------------------------------- stable keys (external weights)
 

@@ -18,7 +18,7 @@ from ..generated import xnngraph_generated as fbx
 from ..values import NCHW, NHWC, TO_NHWC, pair, shape
 from ..xnodes import reshape, transpose
 from . import quantized
-from .normalization import batch_norm_scale_shift
+from .normalization import scale_shift
 from .shape import pads
 
 if TYPE_CHECKING:
@@ -123,6 +123,51 @@ def _stable_keys(b: GraphBuilder, w_node, bias_node, bn) -> tuple[str | None, st
     return filter_key, bias_key
 
 
+#: A folded BatchNorm's static arguments (``batch_norm(x, weight, bias, mean, var, ...)``).
+BN_ROLES = ("bn_weight", "bn_bias", "bn_mean", "bn_var")
+
+
+def conv_constants(args: dict, one_d: bool, transposed: bool, groups: int, bn: bool, eps: float | None,
+                   exact: bool = True) -> tuple:
+    """``(filter, bias or None, kernel, group_in, group_out, depthwise)`` of a convolution whose static
+    ``args`` are ``weight`` ([O, I, (H,) W]), ``bias`` and a folded BatchNorm's (:data:`BN_ROLES`, with
+    ``bn``), in float64 where ``exact`` (not a quantized weight's integers); the filter in XNNPACK's layout::
+
+        OIHW -> OHWI;  depthwise -> [1, H, W, O];  transposed [g*in, out, H, W] -> [g*out, H, W, in]
+        with a BatchNorm:  filter * scale (per output channel),  bias * scale + shift
+    """
+    weight = args["weight"].double() if exact else args["weight"]
+    if one_d:
+        weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
+    bias = args["bias"].double() if args["bias"] is not None else None
+    if bn:
+        scale, shift = scale_shift(*(args[role] for role in BN_ROLES), eps)
+        weight = weight * scale.reshape(-1, 1, 1, 1)
+        bias = shift if bias is None else bias * scale + shift
+    kernel = weight.shape
+    if transposed:
+        group_in, group_out = kernel[0] // groups, kernel[1]
+    else:
+        group_in, group_out = kernel[1], kernel[0] // groups
+    depthwise = group_in == 1 and group_out % group_in == 0 and not transposed
+    filt = weight.permute(TO_NHWC)  # OIHW -> OHWI
+    if depthwise:
+        filt = filt.permute(3, 1, 2, 0)  # -> [1, H, W, O]
+    elif transposed:
+        # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
+        w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
+        filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
+    return filt, bias, kernel, group_in, group_out, depthwise
+
+
+def conv_recipe(recipe: dict, args: dict) -> torch.Tensor:
+    """A ``conv_filter`` / ``conv_bias`` recipe (:mod:`lowering.ptd_recipes`) on ``args`` (the
+    static arguments :func:`conv_constants` takes, as tonight's weights): the filter or bias."""
+    filt, bias, *_ = conv_constants(args, recipe["one_d"], recipe["transposed"], recipe["groups"], recipe["bn"],
+                                    recipe["eps"])
+    return filt if recipe["fn"] == "conv_filter" else bias
+
+
 def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     """Conv2d / DepthwiseConv2d / ConvTranspose2d in NHWC, filter OHWI ([1,H,W,O] depthwise).
     A 1-D convolution is a 2-D one over [N, 1, L, C] (H = 1), reshaped in and out."""
@@ -140,28 +185,14 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
         x_node = x_node.args[0]
     transposed, output_padding, groups = bool(node.args[6]), pair(node.args[7]), int(node.args[8])
     qweight = b.qplan.weights.get(w_node) if b.qplan.quantized(node) else None
-    weight = qweight.data if qweight is not None else b.static_tensor(w_node).double()
-    if one_d:
-        weight = weight.unsqueeze(2)  # [O, I, K] -> [O, I, 1, K]
-    bias = b.static_tensor(bias_node).double() if bias_node is not None else None
     bn = b.bn_folds.get(node) if qweight is None else None
-    if bn is not None:
-        scale, shift = batch_norm_scale_shift(b, bn)
-        weight = weight * scale.reshape(-1, 1, 1, 1)
-        bias = shift if bias is None else bias * scale + shift
-    kernel = weight.shape
-    if transposed:
-        group_in, group_out = kernel[0] // groups, kernel[1]
-    else:
-        group_in, group_out = kernel[1], kernel[0] // groups
-    depthwise = group_in == 1 and group_out % group_in == 0 and not transposed
-    filt = weight.permute(TO_NHWC)  # OIHW -> OHWI
-    if depthwise:
-        filt = filt.permute(3, 1, 2, 0)  # -> [1, H, W, O]
-    elif transposed:
-        # [groups*in, out, H, W] -> [groups*out, H, W, in]: per group, swap in and out.
-        w = weight.reshape(groups, group_in, group_out, kernel[2], kernel[3])
-        filt = w.permute(0, 2, 3, 4, 1).reshape(groups * group_out, kernel[2], kernel[3], group_in)
+    args = {"weight": qweight.data if qweight is not None else b.static_tensor(w_node),
+            "bias": b.static_tensor(bias_node) if bias_node is not None else None,
+            **{role: b.static_tensor(a) if bn is not None and a is not None else None
+               for role, a in zip(BN_ROLES, bn.args[1:5] if bn is not None else (None,) * 4)}}
+    config = {"one_d": one_d, "transposed": transposed, "groups": groups, "bn": bn is not None,
+              "eps": float(bn.args[6]) if bn is not None else None}
+    filt, bias, kernel, group_in, group_out, depthwise = conv_constants(args, **config, exact=qweight is None)
     if node in b.qplan.dynamic:  # quantized per image at run time; fp32 bias and result
         x = quantized.dynamic_input(b, b.qplan.dynamic[node], None, NHWC)
         filter_id = quantized.weight_constant(b, qweight, filt)
@@ -174,8 +205,9 @@ def lower_conv(b: GraphBuilder, node: torch.fx.Node) -> None:
     else:
         x = _conv1d_input(b, x_node) if one_d else b.get(x_node, NHWC)
         filter_key, bias_key = _stable_keys(b, w_node, bias_node, bn)
-        filter_id = b.constant(filt.float(), key=filter_key)
-        bias_id = b.constant(bias.float(), key=bias_key) if bias is not None else P.INVALID_ID
+        filter_id = b.constant(b.derived(filt.float(), {"fn": "conv_filter", **config, "args": args}), key=filter_key)
+        bias_id = b.constant(b.derived(bias.float(), {"fn": "conv_bias", **config, "args": args}), key=bias_key) \
+            if bias is not None else P.INVALID_ID
     out = b.define([shape(node)[0], 1, shape(node)[2], shape(node)[1]]) if one_d else b.output(node, NHWC)
     body = fbx._XNNNodeConvT()
     body.paddingTop, body.paddingRight, body.paddingBottom, body.paddingLeft = top, right, bottom, left

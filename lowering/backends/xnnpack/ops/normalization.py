@@ -86,7 +86,12 @@ def lower_layer_norm(b: GraphBuilder, node: torch.fx.Node) -> None:
 def batch_norm_scale_shift(b: GraphBuilder, bn: torch.fx.Node) -> tuple[torch.Tensor, torch.Tensor]:
     """``y = x * scale + shift`` per channel."""
     weight, bias, mean, var = (b.static_tensor(a) if a is not None else None for a in bn.args[1:5])
-    eps = float(bn.args[6])
+    return scale_shift(weight, bias, mean, var, float(bn.args[6]))
+
+
+def scale_shift(weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A BatchNorm's ``(scale, shift)`` (float64) from its affine parameters and statistics."""
     inv = torch.rsqrt(var.double() + eps)
     scale = inv if weight is None else weight.double() * inv
     shift = -mean.double() * scale

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .... import ptd_recipes
 from .. import payload as P
 from ..payload import per_tensor_quant
 from ..generated import xnngraph_generated as fbx
@@ -158,7 +159,7 @@ def weight_constant(b: GraphBuilder, w: QWeight, data: torch.Tensor, channel_dim
     if w.kind == "channel":
         quant = fbx.PerChannelQuantT()
         quant.scale, quant.channelDim = [], channel_dim
-        quant.scaleBufferIdx, quant.numScales = _scale_blob(b, w.scales.to(torch.float32), w), w.scales.numel()
+        quant.scaleBufferIdx, quant.numScales = _scale_blob(b, w.scales, w, dtype=torch.float32), w.scales.numel()
         if w.bits == 4:  # a 4-bit row whose length is no multiple of 32 (blockwise needs one)
             return b.constant(data, datatype=P.DATATYPE_QCINT4, quant=quant, data=pack_int4(data))
         return b.constant(data, datatype=P.DATATYPE_QCINT8, quant=quant)
@@ -167,7 +168,7 @@ def weight_constant(b: GraphBuilder, w: QWeight, data: torch.Tensor, channel_dim
     group = data.shape[1] // scales.shape[1]
     quant = fbx.PerChannelGroupQuantT()
     quant.scale, quant.channelDim, quant.groupSize = [], 0, group
-    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales.to(torch.bfloat16), w), scales.numel()
+    quant.scaleBufferIdx, quant.numScales = _scale_blob(b, scales, w, dtype=torch.bfloat16), scales.numel()
     return b.constant(data, datatype=P.DATATYPE_QBINT4, quant=quant, data=pack_int4(data))
 
 
@@ -182,11 +183,15 @@ def pack_int4(data: torch.Tensor) -> bytes:
     return (u[:, 0::2] | (u[:, 1::2] << np.uint8(4))).tobytes()
 
 
-def _scale_blob(b: GraphBuilder, scales: torch.Tensor, w: QWeight, role: str = "scales") -> int:
-    """The named data of a weight's scales (key ``scale_`` + sha256; stable: ``<weight>#scales``)."""
-    data = scales.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def _scale_blob(b: GraphBuilder, scales: torch.Tensor, w: QWeight, role: str = "scales",
+                dtype: torch.dtype | None = None) -> int:
+    """The named data of a weight's scales (key ``scale_`` + sha256; stable: ``<weight>#scales``),
+    stored as ``dtype`` (None: as they are)."""
+    stored = scales.to(dtype) if dtype is not None else scales
+    data = stored.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     owner = b.weight_name(w.data) if b.stable_keys else None
-    return b.blob(data, prefix="scale_", key=f"{owner}#{role}" if owner else None)
+    recipe = b.recipe(scales, stored.dtype) if owner and ptd_recipes.recording() else None
+    return b.blob(data, prefix="scale_", key=f"{owner}#{role}" if owner else None, recipe=recipe)
 
 
 def static_bias(b: GraphBuilder, bias: torch.Tensor, w: QWeight, x_params: QParams) -> int:
