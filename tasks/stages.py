@@ -80,7 +80,7 @@ from .torch_lock import TORCH_LOCK
 
 #: Bump a stage's version when its code changes what it produces.
 STAGE_VERSIONS = {
-    "export": "3",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops); 3: inverse permutes cancel
+    "export": "4",  # 2: ops the stock runtime lacks are decomposed (lowering.stock_ops); 3: inverse permutes cancel; 4: symbolic shapes take the fast path (other node names, same .pte)
     "quantize": "1",
     "partition": "5",  # 4: a shared constant's copy keeps shared_with_top_level in the store; 5: ExecuTorch's partitioners see a no-op clone as its _clone_dim_order (adapter.retarget_dim_order)
     "lower_control_flow": "1",

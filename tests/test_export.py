@@ -284,12 +284,75 @@ def test_fast_path_falls_back_when_it_must_and_stays_correct(model, inputs, path
         assert torch.equal(a, b)
 
 
-def test_dynamic_shapes_fall_back():
+def _symbolic_metas(program) -> list:
+    """:func:`_metas` with sizes as text (symbols of two exports are not comparable)."""
+    return [(op, tuple(map(str, shape)), tuple(map(str, stride)), dtype)
+            for op, shape, stride, dtype in _metas(program)]
+
+
+def test_dynamic_shapes_take_the_fast_path():
     model, inputs = MODELS["mlp"]()
     batch = torch.export.Dim("batch", min=2, max=16)
-    program = export(model, inputs, dynamic_shapes=({0: batch},))
-    assert _path(program).startswith("slow: symbolic shapes")
+    program = export(copy.deepcopy(model), inputs, dynamic_shapes=({0: batch},))
+    slow = export(copy.deepcopy(model), inputs, dynamic_shapes=({0: batch},), fast=False)
+    assert _path(program) == "fast"
+    assert _ops(program) == _ops(slow)
+    assert _signature(program) == _signature(slow)
+    assert _symbolic_metas(program) == _symbolic_metas(slow)
+    assert program.range_constraints and "s" in str(program.graph_module.code)  # still symbolic
     torch.testing.assert_close(program.module()(torch.ones(5, 64)), model(torch.ones(5, 64)))
+    assert lower(program).pte == lower(slow).pte
+
+
+class _DynamicCacheView(torch.nn.Module):
+    """A buffer written in place at dynamic positions, then read through a view."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(16, 4))
+
+    def forward(self, x, pos):
+        written = self.cache.index_copy_(0, pos, x)
+        return written.transpose(0, 1).sum(1) + x.sum(0)
+
+
+def test_dynamic_shapes_and_a_view_of_a_written_buffer_fall_back():
+    # With symbolic shapes, run_decompositions moves such a view to where it is read;
+    # the fast path would keep it in place (same numbers, another node order).
+    seq = torch.export.Dim("seq", min=1, max=15)
+    inputs = (torch.randn(3, 4), torch.tensor([0, 1, 2]))
+    shapes = ({0: seq}, {0: seq})
+    program = export(_DynamicCacheView(), inputs, dynamic_shapes=shapes)
+    slow = export(_DynamicCacheView(), inputs, dynamic_shapes=shapes, fast=False)
+    assert _path(program).startswith("slow: symbolic shapes and a view of 'index_copy_'")
+    assert lower(program).pte == lower(slow).pte
+
+
+def test_text_generation_decoder_takes_the_fast_path_with_the_same_bytes():
+    """An hf decoder with ExecuTorch's custom ops (symbolic sequence length, KV caches
+    written by ``llama::update_cache``, made ``auto_functionalized_v2`` as functionalization
+    does): the same program as run_decompositions gives, without retracing it."""
+    transformers = pytest.importorskip("transformers")
+    from lowering.backends.xnnpack import XnnpackPartitioner
+    from lowering.llm import decoder_example, decoder_module
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64)
+    hf = transformers.Qwen2ForCausalLM(config).eval()
+    example, shapes = decoder_example(24)
+    programs = {fast: export(decoder_module(hf, max_seq_len=24, attn="custom"), example, dynamic_shapes=shapes,
+                             fast=fast) for fast in (True, False)}
+    fast, slow = programs[True], programs[False]
+    assert _path(fast) == "fast"
+    assert _ops(fast) == _ops(slow)
+    assert _ops(fast)["auto_functionalized_v2"] == 4  # 2 layers x (keys, values)
+    assert _signature(fast) == _signature(slow)
+    assert _symbolic_metas(fast) == _symbolic_metas(slow)
+    assert [str(n.target) for n in fast.graph.nodes] == [str(n.target) for n in slow.graph.nodes]
+    for partitioner in (None, XnnpackPartitioner()):
+        assert lower(fast, partitioner=partitioner).pte == lower(slow, partitioner=partitioner).pte
 
 
 def test_fast_path_can_be_switched_off(monkeypatch):

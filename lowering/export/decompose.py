@@ -82,27 +82,49 @@ def decompose_to_core(graph: torch.fx.Graph, fake_mode: Any, table: Mapping,
         %addmm = aten.addmm.default(%p_b, %x, %permute)
     """
     preserved = _preserved_ops()
+    symbols: dict[Any, torch.fx.Node] = {}
     count = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is operator.getitem:
+        if node.op == "placeholder" or not isinstance(node.meta.get("val"), torch.SymInt):
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue  # getitem, auto_functionalized_v2 (functionalize_mutations')
+        elif _symbolic_scalar(node):
+            symbols.setdefault(node.meta["val"].node.expr, node)
             continue
         op = node.target
         if kept is not None and kept(node):
             node.meta[KEPT] = True
             continue
         if _needs_decomposition(op, table, preserved) or stock_decomposition(op) is not None:
-            _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table)
+            _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table, symbols)
             count += 1
         elif not _keeps(op):
             raise Fallback(f"op {op} at {node.name!r} is neither core ATen nor decomposable")
     return count
 
 
+def _symbolic_scalar(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes a SymInt the edge form keeps: a dynamic size
+    (``sym_size.int``) or a tensor's value (``item``, made ``_local_scalar_dense``, its
+    CompositeImplicitAutograd decomposition, in place: the same unbacked symbol).
+    Decompositions that need the value read this node; anything else computing one
+    raises ``Fallback``."""
+    if node.op != "call_function":
+        raise Fallback(f"symbolic value of {node.op} node {node.name!r}")
+    if node.target is torch.ops.aten.item.default:
+        node.target = torch.ops.aten._local_scalar_dense.default
+    if node.target not in (torch.ops.aten.sym_size.int, torch.ops.aten._local_scalar_dense.default):
+        raise Fallback(f"symbolic value computed by {node.target} at {node.name!r}")
+    return True
+
+
 def decompose_nodes(graph: torch.fx.Graph, nodes: list[torch.fx.Node], fake_mode: Any, table: Mapping) -> None:
     """Decompose each of ``nodes`` (whatever its op) as :func:`decompose_to_core` would."""
     preserved = _preserved_ops()
+    symbols = {n.meta["val"].node.expr: n for n in graph.nodes
+               if n.op == "call_function" and isinstance(n.meta.get("val"), torch.SymInt)}
     for node in nodes:
-        _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table)
+        _splice(graph, node, _trace_for_stock_runtime(node, fake_mode, table), preserved, table, symbols)
 
 
 def decompose_kept(program: ExportedProgram, still_kept: Callable[[torch.fx.Node], bool]) -> int:
@@ -155,6 +177,8 @@ def _keeps(op: torch._ops.OpOverload) -> bool:
         return False
     if op.namespace in QUANT_NAMESPACES:  # a quantized program's q/dq ops: what the backends match
         return True
+    if op.namespace not in ("aten", "prims"):  # a custom op (llama::custom_sdpa): as run_decompositions leaves it
+        return True
     # ``*_copy`` views are the edge form already (a program re-exported from an edge graph,
     # as the quantize stage does).
     return torch.Tag.core in op.tags or torch.Tag.view_copy in op.tags or op in _preserved_ops()
@@ -169,7 +193,7 @@ def _trace_op(node: torch.fx.Node, fake_mode: Any, table: Mapping) -> torch.fx.G
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.fx.Node)]
     fakes = [leaves[i].meta["val"] for i in positions]
-    if not all(isinstance(f, torch.Tensor) for f in fakes):
+    if not all(isinstance(f, (torch.Tensor, torch.SymInt)) for f in fakes):
         raise Fallback(f"non-tensor node input of {node.target} at {node.name!r}")
 
     def call(*tensors):
@@ -186,7 +210,7 @@ def _trace_op(node: torch.fx.Node, fake_mode: Any, table: Mapping) -> torch.fx.G
     # Only the traced graph is read, never run: a lazy GraphModule skips the
     # Python code generation (~1.5 ms per trace).
     with fake_mode, torch.no_grad(), enable_python_dispatcher(), _use_lazy_graph_module(True):
-        fakes = [f.detach() if f.requires_grad else f for f in fakes]
+        fakes = [f.detach() if isinstance(f, torch.Tensor) and f.requires_grad else f for f in fakes]
         return make_fx(call, decomposition_table=table)(*fakes)
 
 
@@ -196,12 +220,15 @@ def _splice(
     traced: torch.fx.GraphModule,
     preserved: set,
     table: Mapping,
+    symbols: Mapping[Any, torch.fx.Node],
 ) -> None:
     """Put ``traced``'s nodes in place of ``node``; its users read the traced outputs.
 
     New nodes inherit ``node``'s meta (module stack, stack trace, ...) with
     their own ``val``.  A tuple-returning ``node`` must only be read through
-    ``getitem``; those getitems are replaced by the matching outputs.
+    ``getitem``; those getitems are replaced by the matching outputs.  A traced
+    node computing a SymInt (a dynamic size: ``sym_size.int(%arg0_1, 1)``) is not copied:
+    its users read the node of ``symbols`` (``{sympy expression: node}``) computing the same.
     """
     inputs = [leaf for leaf in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(leaf, torch.fx.Node)]
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -216,6 +243,12 @@ def _splice(
             if sub.op == "output":
                 result = torch.fx.node.map_arg(sub.args[0], lambda n: env[n])
                 break
+            if isinstance(sub.meta.get("val"), torch.SymInt):
+                known = symbols.get(sub.meta["val"].node.expr)
+                if known is None:
+                    raise Fallback(f"decomposition of {node.target} computes {sub.meta['val']}")
+                env[sub] = known
+                continue
             if sub.op != "call_function" or not (
                 sub.target is operator.getitem or isinstance(sub.target, torch._ops.OpOverload)
             ):

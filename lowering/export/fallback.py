@@ -1,8 +1,8 @@
 """Stage 1's fallback: when the fast path gives up, and the slow path it falls back to.
 
 The fast path (:mod:`lowering.export.fast_path`) raises :class:`Fallback`, with
-the reason, for whatever it does not handle: higher-order ops, symbolic
-shapes, get_attr / call_module nodes, mutations through views or of user
+the reason, for whatever it does not handle: higher-order ops,
+get_attr / call_module nodes, mutations through views or of user
 inputs / parameters / constants, ops it does not know, a decomposition that
 itself mutates or makes constants.  The slow path, :func:`slow_core_aten`, is
 ``ExportedProgram.run_decompositions()`` (a full retrace with

@@ -2,10 +2,12 @@
 
 :func:`fast_core_aten` rewrites only the nodes that need it: an in-place op on
 a buffer or on an unaliased intermediate becomes its functional variant
-(:mod:`lowering.export.functionalize`); each op that the default table (or its
+(:mod:`lowering.export.functionalize`; a custom op writing a buffer becomes
+``auto_functionalized_v2``); each op that the default table (or its
 CompositeImplicitAutograd kernel) decomposes is traced alone and spliced in
 its place (:mod:`lowering.export.decompose`); then the clean-ups
-(:mod:`lowering.export.cleanups`).  A program it does not handle raises
+(:mod:`lowering.export.cleanups`).  Shapes may be symbolic (a dynamic dim): the
+decompositions read their sizes from the graph's ``sym_size`` nodes.  A program it does not handle raises
 :class:`~lowering.export.fallback.Fallback` (:func:`_check_fast_path_applies`
 says which, up front).
 """
@@ -29,7 +31,12 @@ from torch.utils import _pytree as pytree
 from .cleanups import ASSERT_OPS, REMOVABLE_KINDS, remove_asserts, replace_view_ops_with_copies
 from .decompose import decompose_to_core, decomposition_tables
 from .fallback import Fallback
-from .functionalize import functionalize_mutations, remove_buffer_copies, rewrite_tensor_constant_ops
+from .functionalize import (
+    functionalize_mutations,
+    is_aliasing_call,
+    remove_buffer_copies,
+    rewrite_tensor_constant_ops,
+)
 
 
 def fast_core_aten(exported: ExportedProgram, kept: Any = None) -> ExportedProgram:
@@ -108,14 +115,15 @@ def _check_fast_path_applies(exported: ExportedProgram) -> None:
     sig = exported.graph_signature
     if sig.backward_signature is not None:
         raise Fallback("joint (training) graph")
-    if exported.range_constraints:
-        raise Fallback("symbolic shapes (range constraints)")
     kinds = [s.kind for s in sig.input_specs]
     if any(k not in (InputKind.USER_INPUT, *REMOVABLE_KINDS) for k in kinds):
         raise Fallback("inputs other than user inputs, parameters, buffers and tensor constants")
     if any(s.kind not in (OutputKind.USER_OUTPUT, OutputKind.BUFFER_MUTATION) for s in sig.output_specs):
         raise Fallback("outputs other than user outputs and buffer mutations")
+    symbolic = bool(exported.range_constraints)
     for node in exported.graph.nodes:
+        if symbolic and _view_of_written(node):
+            raise Fallback(f"symbolic shapes and a view of {node.name!r}, written in place")
         if node.op in ("get_attr", "call_module"):
             raise Fallback(f"{node.op} node {node.name!r} (higher-order op or submodule)")
         if node.op == "call_function" and not (
@@ -124,12 +132,23 @@ def _check_fast_path_applies(exported: ExportedProgram) -> None:
             raise Fallback(f"node {node.name!r} calls {node.target} (not an ATen op)")
         if node.op == "output" or (node.op == "call_function" and node.target in ASSERT_OPS):
             continue
-        if node.meta.get("val") is None or not _static_value(node.meta["val"]):
-            raise Fallback(f"node {node.name!r} has a symbolic or missing meta['val']")
+        if node.meta.get("val") is None or not _fake_value(node.meta["val"]):
+            raise Fallback(f"node {node.name!r} has no FakeTensor meta['val']")
 
 
-def _static_value(val: Any) -> bool:
-    """Whether ``val`` is a FakeTensor (or a tree of them) with static shapes."""
+def _view_of_written(node: torch.fx.Node) -> bool:
+    """Whether ``node`` writes a tensor in place and a view reads its result.  With symbolic
+    shapes the slow path's functionalization puts such a view where it is read, not where
+    it was taken; the fast path would keep it in place (another node order, other bytes)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return node.target._schema.is_mutable and any(is_aliasing_call(u) for u in node.users)
+
+
+def _fake_value(val: Any) -> bool:
+    """Whether ``val`` is a FakeTensor, a SymInt, or a tree of them; a size may be symbolic
+    (a dynamic dim: a SymInt the graph computes, e.g. with ``sym_size``, and decompositions
+    read it there, :func:`lowering.export.decompose.decompose_to_core`)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     leaves = pytree.tree_leaves(val)
@@ -139,9 +158,7 @@ def _static_value(val: Any) -> bool:
         if isinstance(leaf, torch.Tensor):
             if not isinstance(leaf, FakeTensor):
                 return False
-            if any(not isinstance(s, int) for s in (*leaf.shape, *leaf.stride(), leaf.storage_offset())):
-                return False
-        elif isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        elif isinstance(leaf, (torch.SymFloat, torch.SymBool)):
             return False
     return True
 

@@ -140,7 +140,10 @@ def _same_view(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 
 def _constant_value(program: ExportedProgram, node: torch.fx.Node, spec_of) -> torch.Tensor:
-    """Run ``node`` on the real parameter / constant tensors; a dense copy."""
+    """Run ``node`` on the real parameter / constant tensors; a dense copy.
+
+    A ``*_copy`` op returns a new contiguous tensor already: copied again only when it
+    is not (a second copy of every folded weight cost ~2.5 s on Qwen2.5-0.5B's 168)."""
 
     def real(arg: torch.fx.Node) -> torch.Tensor:
         target = spec_of[arg].target
@@ -149,7 +152,12 @@ def _constant_value(program: ExportedProgram, node: torch.fx.Node, spec_of) -> t
 
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), real)
     with torch.no_grad():
-        return node.target(*args, **kwargs).contiguous().clone()
+        value = node.target(*args, **kwargs)
+    storages = {a.untyped_storage().data_ptr() for a in pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor)}
+    if value.is_contiguous() and value.untyped_storage().data_ptr() not in storages:
+        return value
+    return value.contiguous().clone()
 
 
 def _first_user_input(graph: torch.fx.Graph, spec_of) -> torch.fx.Node | None:

@@ -87,9 +87,10 @@ def functionalize_mutations(
             continue
         if not node.target._schema.is_mutable:
             continue
-        functional = _functional_variant(node.target)
-        mutated = node.args[0] if node.args else None
-        if functional is None or not isinstance(mutated, torch.fx.Node):
+        custom = node.target.namespace != "aten"
+        functional = None if custom else _functional_variant(node.target)
+        mutated = _custom_mutated_arg(node) if custom else node.args[0] if node.args else None
+        if (functional is None and not custom) or not isinstance(mutated, torch.fx.Node):
             raise Fallback(f"in-place op {node.target} at {node.name!r}")
         root = root_of.get(mutated, mutated)
         if root.op == "placeholder":
@@ -98,18 +99,25 @@ def functionalize_mutations(
                 raise Fallback(f"{node.target} at {node.name!r} mutates a non-buffer input")
         elif not _is_functional_call(mutated):
             raise Fallback(f"{node.target} at {node.name!r} mutates the output of {mutated.target}")
-        if any(_is_aliasing_call(u) for u in mutated.users if u is not node):
+        if any(is_aliasing_call(u) for u in mutated.users if u is not node):
             raise Fallback(f"{node.target} at {node.name!r} mutates a tensor that has views")
-        with graph.inserting_before(node):
-            new = graph.create_node("call_function", functional, node.args, node.kwargs, name=functional._opname)
-        new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-        with fake_mode:
-            new.meta["val"] = functional(*_vals(node.args), **_vals(node.kwargs))
+        if custom:
+            new = _auto_functionalized(graph, node, mutated, fake_mode)
+        else:
+            with graph.inserting_before(node):
+                new = graph.create_node("call_function", functional, node.args, node.kwargs,
+                                        name=functional._opname)
+            new.meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+            with fake_mode:
+                new.meta["val"] = functional(*_vals(node.args), **_vals(node.kwargs))
         order[new] = order[node]
+        if custom:
+            order[new.args[0]] = order[node]  # the auto_functionalized_v2 call reads the old value
         for user in list(mutated.users):
             if user is not node and user is not new and order[user] > order[node]:
                 user.replace_input_with(mutated, new)
-        node.replace_all_uses_with(new)
+        if not custom:
+            node.replace_all_uses_with(new)
         graph.erase_node(node)
         root_of[new] = root
         if root.op == "placeholder":
@@ -164,6 +172,60 @@ def remove_buffer_copies(graph: torch.fx.Graph, output_specs: list[OutputSpec]) 
     return count
 
 
+def _custom_mutated_arg(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The one tensor a custom op (not ATen) writes, passed by position; None otherwise."""
+    written = [i for i, a in enumerate(node.target._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+    if len(written) != 1 or node.kwargs or written[0] >= len(node.args):
+        return None
+    if any(r.alias_info is not None for r in node.target._schema.returns):
+        return None
+    return node.args[written[0]]
+
+
+def _auto_functionalized(graph: torch.fx.Graph, node: torch.fx.Node, mutated: torch.fx.Node,
+                         fake_mode: Any) -> torch.fx.Node:
+    """What functionalization makes of a custom op writing one whole tensor (not a view):
+    an ``auto_functionalized_v2`` call and a ``getitem`` of the new value, which is returned;
+    a ``getitem`` of the op's own result replaces ``node`` where it is read.
+
+    Before::
+
+        %update_cache = llama.update_cache.default(%value, %b_key_cache_0, %start_pos)
+
+    After::
+
+        %auto_functionalized_v2 = higher_order.auto_functionalized_v2(llama.update_cache.default,
+            value=%value, start_pos=%start_pos, _cache_base_index=0, _all_bases=[%b_key_cache_0])
+        %getitem_1 = getitem(%auto_functionalized_v2, 1)    # the cache's new value
+    """
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized_v2
+
+    schema = node.target._schema
+    kwargs: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else arg.default_value
+        if value is not mutated:
+            kwargs[arg.name] = value
+        else:
+            name = arg.name
+    kwargs[f"_{name}_base_index"] = 0
+    kwargs["_all_bases"] = [mutated]
+    meta = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
+    with graph.inserting_before(node):
+        call = graph.create_node("call_function", auto_functionalized_v2, (node.target,), kwargs,
+                                 name="auto_functionalized_v2")
+        with fake_mode:
+            call.meta = {**meta, "val": auto_functionalized_v2(node.target, **_vals(kwargs))}
+        if node.users:
+            result = graph.create_node("call_function", operator.getitem, (call, 0), name="getitem")
+            result.meta = {**meta, "val": call.meta["val"][0]}
+            node.replace_all_uses_with(result)
+        new = graph.create_node("call_function", operator.getitem, (call, 1), name="getitem")
+        new.meta = {**meta, "val": call.meta["val"][1]}
+    return new
+
+
 def _functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """``aten.add.Tensor`` for ``aten.add_.Tensor``: same arguments, only ``self`` written."""
     schema = op._schema
@@ -186,7 +248,7 @@ def _functional_variant(op: torch._ops.OpOverload) -> torch._ops.OpOverload | No
     return functional
 
 
-def _is_aliasing_call(node: torch.fx.Node) -> bool:
+def is_aliasing_call(node: torch.fx.Node) -> bool:
     """Whether ``node`` returns (or may return) an alias of an input."""
     if node.op != "call_function":
         return False
@@ -206,7 +268,7 @@ def _is_functional_call(node: torch.fx.Node) -> bool:
     return (
         isinstance(node.target, torch._ops.OpOverload)
         and not node.target._schema.is_mutable
-        and not _is_aliasing_call(node)
+        and not is_aliasing_call(node)
     )
 
 
