@@ -137,6 +137,21 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         assert runtimes == {"lowerflow", "executorch"}, entry["verify"]
 
 
+def retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest):
+    """Night 1, then night 2 on new weights with nothing live (a new night's process), counting
+    the programs whose graph night 2 reads back: (night 1's model summary, night 2's summary,
+    the stages it ran, the refs read)."""
+    from tasks.store import ArtifactStore
+
+    first = lower_fleet(manifest)["models"]["m"]
+    fresh_stages.LIVE.clear()
+    (tmp_path / "seed.txt").write_text("2")
+    graphs, read = [], ArtifactStore.get_program
+    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
+    summary, ran = executions_during(lower_fleet, manifest)
+    return first, summary, ran, graphs
+
+
 @pytest.mark.parametrize("factory, targets, recipe", [("cnn", ("portable", "xnnpack"), None),
                                                       ("mlp", ("xnnpack",), "8da4w"),
                                                       ("two_methods", ("xnnpack",), "8da4w")])
@@ -146,15 +161,8 @@ def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monke
     the tables of the exported and quantized programs (lowering.rebind.stored_bindings: reading a
     graph back is most of a read), and writes the .ptd from the recipes emit recorded
     (lowering/ptd_recipes.py): no preprocess, no emit; same bytes as a cold lowering."""
-    from tasks.store import ArtifactStore
-
     manifest = retrain_fleet(tmp_path, factory, targets, verify=False, **({"quantize": recipe} if recipe else {}))
-    first = lower_fleet(manifest)["models"]["m"]
-    fresh_stages.LIVE.clear()
-    (tmp_path / "seed.txt").write_text("2")
-    graphs, read = [], ArtifactStore.get_program
-    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
-    summary, ran = executions_during(lower_fleet, manifest)
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
     methods = 2 if factory == "two_methods" else 1
     assert dict(ran) == {"bind_weights" if methods == 1 else "bind_weights_methods": len(targets)}, dict(ran)
     assert graphs == []  # no program's graph read back
@@ -171,15 +179,8 @@ def test_what_the_recipes_cannot_replay_is_bound_the_slow_way(tmp_path, monkeypa
     """A retrain that changes a weight the recipes' check pinned (an int64 buffer): bind_weights
     reads the emitted program and binds it again (its .pte emitted again and compared); the pair is
     a cold lowering's, and verify runs it on both runtimes."""
-    from tasks.store import ArtifactStore
-
     manifest = retrain_fleet(tmp_path, "shifted", ("portable",))
-    first = lower_fleet(manifest)["models"]["m"]
-    fresh_stages.LIVE.clear()
-    (tmp_path / "seed.txt").write_text("2")
-    graphs, read = [], ArtifactStore.get_program
-    monkeypatch.setattr(ArtifactStore, "get_program", lambda store, ref: graphs.append(ref) or read(store, ref))
-    summary, ran = executions_during(lower_fleet, manifest)
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
     entry, before = summary["models"]["m"]["targets"]["portable"], first["targets"]["portable"]
     assert entry["ok"], entry["error"]
     assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
