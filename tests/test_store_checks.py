@@ -11,6 +11,7 @@ quarantined as before (tasks/store.py, "Checked objects").  Bytes read are count
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -122,6 +123,45 @@ def test_a_window_is_checked_by_its_container_and_the_range(tmp_path):
     _overwrite_keeping_times(store.object_path(program.sha256), 4 + SIZE // 3, b"\x00\x00\x00")
     assert not store.checked(ref.sha256)
     with pytest.raises(ArtifactCorrupt, match="window"):
+        store.verify(ref)
+
+
+def test_a_window_stays_checked_while_its_container_is_after_a_link_moves_its_stamp(tmp_path):
+    """A hard link to the container (``lowerflow lower -o``, a published output, then either
+    removed) moves its ctime: the container stays checked (the link is the store's) and so do
+    its windows, without reading them; a window record pointing elsewhere in the container,
+    or a container edited through the link, is hashed again and caught."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    store.keep_as_windows(program, [(4, SIZE)], container)
+    out = tmp_path / "out.pte"
+    store.copy_out(program, str(out))
+    out.unlink()  # moves the container's ctime again, outside the store
+    assert store.checked(program.sha256) is False  # its own record is stale: hashed once, then trusted
+    store.verify(program)
+    assert store.checked(program.sha256) and store.checked(ref.sha256) and verify_reads(store, ref) < 4096
+    store.copy_out(program, str(out))
+    _overwrite_keeping_times(str(out), 4 + SIZE // 2, b"\x00\x00\x00")
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt, match="window"):
+        store.verify(ref)
+
+
+def test_a_moved_window_record_is_not_trusted(tmp_path):
+    """The record of a window names its range: the same container, another range, is hashed."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    store.keep_as_windows(program, [(4, SIZE)], container)
+    with open(store.window_path(ref.sha256), "w") as f:  # one byte later: other bytes
+        json.dump({"object": program.sha256, "offset": 5, "size": SIZE}, f, sort_keys=True)
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt):
         store.verify(ref)
 
 
