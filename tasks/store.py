@@ -263,6 +263,19 @@ class ArtifactStore:
         stamp = self._file_stamp(sha256)
         if self.checked(sha256, stamp):
             return
+        if self._follows_container(sha256, stamp):  # hash the whole object once, not each window
+            container = str(stamp["window"]["object"])
+            try:
+                self._check_object(container, f"container of {what}")
+            except ArtifactMissing:
+                pass  # the window is read alone below
+            except ArtifactCorrupt as exc:  # quarantined: the window has its own file if it was intact
+                if self._file_stamp(sha256) is None:
+                    raise ArtifactCorrupt(f"{what} {sha256} in store {self.url} is corrupt: its window of object "
+                                          f"{container} is in a corrupt object ({exc})") from None
+            stamp = self._file_stamp(sha256)
+            if self.checked(sha256, stamp):
+                return
         if stamp is None or _file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
             self.read_object(sha256, what=what)  # elsewhere, or the error it raises (quarantined)
         if stamp is not None and self._file_stamp(sha256) == stamp:  # unchanged while it was hashed
@@ -275,19 +288,28 @@ class ArtifactStore:
         stamp = stamp if stamp is not None else self._file_stamp(sha256)
         if stamp is None or os.environ.get(REHASH_ENV, "") not in ("", "0"):
             return False
-        try:
-            with open(self.checked_path(sha256), "rb") as f:
-                record = json.loads(f.read())
-        except (OSError, ValueError):
-            return False
+        record = self._check_record(sha256)
         if record == stamp:
             return True
-        # A window of an object (not of an outside file) whose bytes hashed to its name in that
-        # same range of that same object: the object's bytes are its name's, so while it is
-        # checked the window's are too (a link to the object moves its ctime, not its bytes).
-        window = stamp.get("window")
-        return (isinstance(record, dict) and bool(window) and "object" in window and record.get("window") == window
-                and record.get("file") == stamp.get("file") and self.checked(str(window["object"])))
+        return self._follows_container(sha256, stamp, record) and self.checked(str(stamp["window"]["object"]))
+
+    def _follows_container(self, sha256: str, stamp: dict | None, record: Any = ...) -> bool:
+        """Whether the object is a window of an object (not of an outside file) whose bytes
+        hashed to its name in that same range of that same object, as its check record says:
+        the object's bytes are its name's, so while that object is checked the window's are
+        too (a link to the object moves its ctime, never its bytes)."""
+        window = (stamp or {}).get("window")
+        record = self._check_record(sha256) if record is ... else record
+        return (bool(window) and "object" in window and isinstance(record, dict) and record.get("window") == window
+                and record.get("file") == stamp.get("file"))
+
+    def _check_record(self, sha256: str) -> Any:
+        """The recorded stamp of the object's last check (None without one)."""
+        try:
+            with open(self.checked_path(sha256), "rb") as f:
+                return json.loads(f.read())
+        except (OSError, ValueError):
+            return None
 
     def checked_path(self, sha256: str) -> str:
         """Filesystem path of the record of the object ``sha256``'s last check."""
