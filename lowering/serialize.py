@@ -213,6 +213,41 @@ def serialize_program(
     return Serialized(canonical_json(manifest), blobs)
 
 
+def with_new_tables(manifest: bytes, tables: Mapping[str, torch.Tensor], kept: Any = ()) -> Serialized | None:
+    """The :func:`serialize_program` manifest of the program ``manifest`` names with every
+    ``state_dict`` / ``constants`` entry taken from ``tables`` (same dtype and shape; its
+    parameter flags kept), without reading its graph: the graph blob, example inputs and
+    placeholder metadata stay.  ``kept``: entries that keep their stored value (a mutated
+    buffer).  The blobs returned are the new tensors'.  None when an entry has no new value
+    or another dtype or shape (or another manifest format).  Bytes as :func:`serialize_program`
+    writes them for that program with those tables (the same graph JSON)::
+
+        {"graph": G, "state_dict": {"w": W1}, ...}  +  {"w": w2}  ->  {"graph": G, "state_dict": {"w": W2}, ...}
+    """
+    obj = read_manifest(manifest)
+    if obj["format"] != PROGRAM_FORMAT:
+        return None
+    blobs: dict[str, bytes] = {}
+    for table in ("state_dict", "constants"):
+        for name, meta in obj[table].items():
+            new = tables.get(name)
+            if new is None:
+                if name in kept:
+                    continue
+                return None
+            if str(new.dtype).removeprefix("torch.") != meta["dtype"] or list(new.shape) != meta["shape"]:
+                return None
+            new_meta, data = tensor_to_blob(new, name=f"{table} entry {name!r}")
+            new_meta.update(parameter=meta["parameter"], requires_grad=meta["requires_grad"])
+            blobs[new_meta["blob"]] = data
+            obj[table][name] = new_meta
+    leaves = (obj.get("example_inputs") or {}).get("leaves", [])
+    metas = [*obj["state_dict"].values(), *obj["constants"].values(), *(x["tensor"] for x in leaves if "tensor" in x)]
+    obj["blobs"] = sorted({obj["graph"], *(meta["blob"] for meta in metas)})
+    obj["version"] = PACKED_FORMAT_VERSION if any("encoding" in meta for meta in metas) else PROGRAM_FORMAT_VERSION
+    return Serialized(canonical_json(obj), blobs)
+
+
 def placeholder_meta_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
     """``{placeholder name: {key: value}}`` for the :data:`KEPT_PLACEHOLDER_META` keys set.
 

@@ -174,8 +174,9 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
     as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
     ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
-    byte-identical); ``"reference"``: the quantized program with them (verify's; None unless
-    ``references``, false when verify does not run: storing a program costs seconds).  ``derived``:
+    byte-identical), or, where the stored tables suffice, :func:`tasks.bind.bind_from_tables`;
+    ``"reference"``: the quantized program with them (verify's; None unless ``references``,
+    false when verify does not run).  ``derived``:
     how the quantize stage computed its constants (then only the weights are quantized again).  When they
     cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
     lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
@@ -189,11 +190,10 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
-    if not (recipe and references):  # no quantized program to store for verify: only the emitted graph is read
-        done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
-                                recipe, reference, derived, runtime_ops)
-        if done is not None:  # else the quantize pass must run again: on the programs
-            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
+    done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
+                            recipe, reference, derived, runtime_ops, references=references)
+    if done is not None:  # else the quantize pass must run again: on the programs
+        return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     # (what the store does not keep in a program: how export folded views, how quantize derived constants;
     # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
     source = get_program(store, exported["program"])
@@ -241,12 +241,11 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
         return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
     start = time.perf_counter()
     modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
-    if not (recipe and references):  # no quantized programs to store for verify: only the emitted graphs are read
-        plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
-        done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
-                                        quantized, derived, runtime_ops)
-        if done is not None:  # else the quantize pass must run again: on the programs
-            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
+    plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
+    done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
+                                    quantized, derived, runtime_ops, references=references)
+    if done is not None:  # else the quantize pass must run again: on the programs
+        return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     sources, before = {}, {}
     for method, done in exported.items():
         sources[method] = get_program(store, done["program"])

@@ -122,11 +122,10 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         entry, before = second["targets"][target], first["targets"][target]
         assert entry["ok"], entry["error"]
         assert before["weights_only"] == {"bind_weights": "as exported"}
-        # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass
-        # the .ptd written from emit's recipes (lowering/ptd_recipes.py); a recipe with verify on reads its
-        # quantized program whole (verify's reference) and binds it the slow way
-        assert entry["weights_only"] == {"bind_weights": "rebound",
-                                         **({"quantized": "weights"} if recipe else {"ptd": "replayed"})}
+        # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass;
+        # the .ptd written from emit's recipes (lowering/ptd_recipes.py), verify's reference from the tables
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {}),
+                                         "ptd": "replayed"}
         assert entry["pte"]["sha256"] == before["pte"]["sha256"]  # last night's program, byte for byte
         library = cold(tmp_path, factory, target, recipe)
         assert published(entry["pte"]) == library.pte
@@ -173,6 +172,29 @@ def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monke
         assert entry["pte"]["sha256"] == before["pte"]["sha256"]
         library = cold(tmp_path, factory, target, recipe)
         assert published(entry["ptd"]) == library.ptd
+
+
+def test_a_quantized_retrain_with_verify_on_writes_its_reference_from_the_tables(tmp_path, monkeypatch,
+                                                                                 fresh_stages):
+    """Verify on (the flow's default), 8da4w, nothing live: bind_weights reads no graph; verify's
+    quantized reference (last night's quantized program with tonight's weights, written from its
+    tables: lowering.serialize.with_new_tables) is a cold lowering's quantized program byte for
+    byte, and the only graph night 2 reads is verify's, of it; the pair runs on both runtimes."""
+    from tasks.artifacts import put_program
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, "mlp", ("xnnpack",), quantize="8da4w")
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
+    entry, before = summary["models"]["m"]["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "quantized": "weights", "ptd": "replayed"}
+    library = cold(tmp_path, "mlp", "xnnpack", "8da4w")
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+    assert published(entry["ptd"]) == library.ptd
+    reference = put_program(ArtifactStore(str(tmp_path / "cold")), library.quantized_program)
+    assert [ref.sha256 for ref in graphs] == [reference.sha256]  # verify's reference, and nothing else
+    assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
 
 
 def test_what_the_recipes_cannot_replay_is_bound_the_slow_way(tmp_path, monkeypatch, fresh_stages):
