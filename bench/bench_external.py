@@ -15,14 +15,15 @@ this run, against this run's cold lowering).
 model cold into an empty store, night 2 the retrain (same code, new weights) with the same
 store, each a ``lower_model`` flow run with verify off (what lowering costs; the load and fingerprint of
 the model, the same both nights, are in both) and nothing live (night 2 reads last night's programs
-from the store, as a new process does), for an MLP (``examples.models.MLP``), the CNN, a transformers
+from the store, as a new process does), for an MLP (``examples.models.MLP``), a larger MLP (``mlp_large``:
+8 linears 1024 wide), the CNN, a transformers
 BERT encoder and a Llama decoder (a factory: logits of a prompt, no KV cache) of ``--hidden`` x
 ``--layers``, and the same Llama as an ``hf:`` text-generation program (forward with its KV cache +
 constant methods; the retrain is ``save_pretrained`` of new weights into the same directory), each on
 portable fp32, xnnpack fp32 and xnnpack 8da4w: wall and CPU seconds of this process (the ratio is
 judged in CPU seconds: the machine may be shared).
 
-    python bench/bench_external.py [--hidden 256] [--layers 4] [--flow [--models mlp cnn bert llama hf-llama]]
+    python bench/bench_external.py [--hidden 256] [--layers 4] [--flow [--models mlp mlp_large cnn bert llama hf-llama]]
 
 OpenMP's idle threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared
 machine a spinning thread waiting for a descheduled one counts CPU seconds that are no work
@@ -40,6 +41,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see the docstring
 
@@ -108,16 +110,24 @@ import sys
 import torch
 import transformers
 
-sys.path.insert(0, {bench!r})
-import bench_external
-
 
 def _seed():
     return int((pathlib.Path(__file__).parent / "seed.txt").read_text())
 
 
 def cnn():
+    sys.path.insert(0, {bench!r})  # imported here: a global would put lowerflow's own code in the fingerprint
+    import bench_external
+
     return bench_external.cnn(_seed())
+
+
+def mlp_large():
+    torch.manual_seed(_seed())
+    layers = [torch.nn.Linear(1024, 1024) if i % 2 == 0 else torch.nn.ReLU() for i in range(15)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10)).eval()
+    torch.manual_seed(0)
+    return model, (torch.randn(4, 1024),)
 
 
 def mlp():
@@ -155,8 +165,28 @@ def llama():
 
 
 #: The flow rows: (factory, target, recipe).
-FLOW_ROWS = [(factory, target, recipe) for factory in ("mlp", "cnn", "bert", "llama", "hf-llama")
+FLOW_ROWS = [(factory, target, recipe) for factory in ("mlp", "mlp_large", "cnn", "bert", "llama", "hf-llama")
              for target, recipe in (("portable", None), ("xnnpack", None), ("xnnpack", "8da4w"))]
+
+
+def empty_flow_run(runs: int = 3) -> tuple[float, float]:
+    """(CPU s of this process, wall s) of one run of a flow that does nothing, with the parameters
+    a night passes: the fixed cost every night pays (Prefect's flow run: create it, set its states,
+    validate its parameters) before its first stage.  The Prefect server's own CPU is not counted
+    (another process), nor in the nights'."""
+    from prefect import flow
+
+    @flow(name="lower-model-empty")
+    def empty(model: str, targets: list[str], store: str | None = None, verify: Any = True, quantize: Any = None,
+              external_weights: Any = None, hf: dict[str, Any] | None = None) -> dict:
+        return {}
+
+    arguments = dict(model="m", targets=["xnnpack"], store="s", verify=False, quantize=None, external_weights=True)
+    empty(**arguments)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for _ in range(runs):
+        empty(**arguments)
+    return (time.process_time() - start_cpu) / runs, (time.perf_counter() - start) / runs
 
 
 def flow_nights(hidden: int, layers: int, models: list[str] | None = None) -> list[float]:
@@ -180,6 +210,9 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
     # the Prefect server's start and the first imports: neither night's
     lower_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:mlp", ["xnnpack"],
                 store=str(work / "warm-up"), verify=False, quantize="8da4w", external_weights=True)
+    floor, floor_wall = empty_flow_run()
+    print(f"an empty flow run: CPU {floor:.3f} s, wall {floor_wall:.3f} s (every night pays it; 'floor' below: "
+          "it over the cold night's CPU)", flush=True)
     for factory, target, recipe in FLOW_ROWS:
         if models and factory not in models:
             continue
@@ -206,7 +239,7 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
         sized = factory in ("bert", "llama", "hf-llama")
         label = f"flow {factory}{'-%dx%d' % (hidden, layers) if sized else ''}/{target}" + (f"/{recipe}" if recipe else "")
         print(f"{label:<37} cold {seconds[0]:7.2f} s  retrain {seconds[1]:6.2f} s  ratio {seconds[1] / seconds[0]:5.3f}  "
-              f"CPU {cpu[0]:6.2f} / {cpu[1]:5.2f} s = {cpu[1] / cpu[0]:5.3f}  "
+              f"CPU {cpu[0]:6.2f} / {cpu[1]:5.2f} s = {cpu[1] / cpu[0]:5.3f} (floor {floor / cpu[0]:5.3f})  "
               f"(load+fingerprint {manifest['load_seconds']:.2f} s; ran {stages[1]}; {entry['weights_only']})  "
               f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
     return ratios
@@ -228,7 +261,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--flow", action="store_true", help="through the flow (cold night vs retrain night)")
-    parser.add_argument("--models", nargs="*", help="with --flow: only these factories (mlp cnn bert llama hf-llama)")
+    parser.add_argument("--models", nargs="*", help="with --flow: only these factories (mlp mlp_large cnn bert llama hf-llama)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, torch threads {torch.get_num_threads()}")
