@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import torch
 
 from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, serialize_ptd
-from .rebind import NotWeightsOnly
+from .rebind import NotWeightsOnly, with_partition_copies
 from .serialize import tensor_memory
 
 #: While a program's recipes are recorded: ``{key: recipe or None}`` (None: the backend
@@ -203,6 +203,7 @@ def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> b
 
     if record.get("version") != VERSION:
         raise NotWeightsOnly(record.get("unproven") or "the .ptd recipes were recorded by another version")
+    bindings = with_partition_copies(bindings, [*record["weights"], *record["pinned"]])
     for name, (dtype, shape) in record["weights"].items():
         tensor = bindings.get(name)
         if tensor is None:

@@ -378,8 +378,28 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
     return bound
 
 
+def with_partition_copies(bindings: Mapping[str, torch.Tensor], names: Any) -> Mapping[str, torch.Tensor]:
+    """``bindings`` (target -> tensor) and, for each of ``names`` that is a partition's copy of a
+    constant several partitions (or a partition and the program) share, the value of its original::
+
+        {"lm_head.weight": w}, ["lm_head.weight_dup_XnnpackBackend_3"]
+            -> {"lm_head.weight": w, "lm_head.weight_dup_XnnpackBackend_3": w}
+
+    (:func:`lowering.partition.duplicate_shared_constants` names the copy ``<target>_dup_<tag>``
+    after the exported program was stored: a tied embedding and LM head, say)."""
+    copies = {}
+    for name in names:
+        base, dup, _ = name.rpartition("_dup_")
+        while dup and name not in bindings and base not in bindings:  # a copy of a copy
+            base, dup, _ = base.rpartition("_dup_")
+        if dup and name not in bindings:
+            copies[name] = bindings[base]
+    return {**bindings, **copies} if copies else bindings
+
+
 def _swap(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], where: str) -> None:
     mutated = set(program.graph_signature.buffers_to_mutate.values())
+    bindings = with_partition_copies(bindings, [*program.state_dict, *program.constants])
     for table in (program.state_dict, program.constants):
         for name, old in list(table.items()):
             if name in mutated or not isinstance(old, torch.Tensor):

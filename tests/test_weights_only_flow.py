@@ -69,6 +69,24 @@ def shifted():
     return _weights(_Shifted), (torch.randn(4, 16),)
 
 
+class _Tied(torch.nn.Module):
+    """An embedding and a head that share one weight (a tied LM head): on xnnpack the head's
+    delegate gets a copy of it (lowering.partition.duplicate_shared_constants)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.emb(ids)))
+
+
+def tied():
+    return _weights(_Tied), (torch.randint(0, 32, (2, 5)),)
+
+
 def two_methods():
     model = _weights(models.CNN)
     return {"small": (model, (torch.randn(1, 3, 32, 32),)), "again": (model, (torch.randn(1, 3, 32, 32),))}
@@ -194,6 +212,25 @@ def test_a_quantized_retrain_with_verify_on_writes_its_reference_from_the_tables
     assert published(entry["ptd"]) == library.ptd
     reference = put_program(ArtifactStore(str(tmp_path / "cold")), library.quantized_program)
     assert [ref.sha256 for ref in graphs] == [reference.sha256]  # verify's reference, and nothing else
+    assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
+
+
+def test_a_weight_two_partitions_share_is_bound_to_each(tmp_path, monkeypatch, fresh_stages):
+    """A tied embedding and head (as SmolLM2's): the head's delegate holds a copy of the shared
+    weight under another name (``head.weight_dup_…``), which a retrain binds to the new weight too:
+    the .ptd from the recipes, a cold lowering's pair, verify on both runtimes."""
+    from lowering.pte.flat_tensor import deserialize_ptd
+
+    manifest = retrain_fleet(tmp_path, "tied", ("xnnpack",))
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
+    entry, before = summary["models"]["m"]["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "ptd": "replayed"}
+    library = cold(tmp_path, "tied", "xnnpack")
+    assert any("_dup_" in key for key in deserialize_ptd(library.ptd))  # the delegate's copy of the weight
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+    assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
     assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
 
 
