@@ -189,18 +189,18 @@ def empty_flow_run(runs: int = 3) -> tuple[float, float]:
     return (time.process_time() - start_cpu) / runs, (time.perf_counter() - start) / runs
 
 
-def flow_nights(hidden: int, layers: int, models: list[str] | None = None) -> list[float]:
+def flow_nights(hidden: int, layers: int, models: list[str] | None = None, checkpoint: str | None = None) -> list[float]:
     """Night 1 (cold) and night 2 (a retrain) through the flow, per row of :data:`FLOW_ROWS`; the
     CPU ratios.  Night 2 starts with nothing live (``tasks.live.LIVE`` cleared), as a new
     night's process does: it reads last night's programs from the store."""
     work = Path(tempfile.mkdtemp(prefix="bench-external-flow-"))
     try:
-        return _flow_nights(work, hidden, layers, models)
+        return _flow_nights(work, hidden, layers, models, checkpoint)
     finally:  # every night's store: hundreds of MB per row
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None) -> list[float]:
+def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None, checkpoint: str | None) -> list[float]:
     from flows.lower_model import lower_model
     from tasks.live import LIVE
 
@@ -213,7 +213,8 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
     floor, floor_wall = empty_flow_run()
     print(f"an empty flow run: CPU {floor:.3f} s, wall {floor_wall:.3f} s (every night pays it; 'floor' below: "
           "it over the cold night's CPU)", flush=True)
-    for factory, target, recipe in FLOW_ROWS:
+    rows = FLOW_ROWS if checkpoint is None else [("checkpoint", "xnnpack", None), *FLOW_ROWS]
+    for factory, target, recipe in rows:
         if models and factory not in models:
             continue
         store = work / f"store-{factory}-{target}-{recipe}"
@@ -222,8 +223,12 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
             (work / "seed.txt").write_text(seed)
             if factory == "hf-llama":  # the retrain: save_pretrained of new weights into the same directory
                 save_llama(work / "hf-llama", int(seed), hidden, layers)
+            if factory == "checkpoint":  # the retrain: the checkpoint's weights perturbed, in the same directory
+                checkpoint_weights(Path(checkpoint), work / "checkpoint", int(seed))
             spec, hf = (f"hf:{work / 'hf-llama'}", {"task": "text-generation", "max_seq_len": 64}) \
-                if factory == "hf-llama" else (f"{work / 'retrained.py'}:{factory}", None)
+                if factory == "hf-llama" else (f"hf:{work / 'checkpoint'}", {"task": "text-generation",
+                                                                             "max_seq_len": 1024}) \
+                if factory == "checkpoint" else (f"{work / 'retrained.py'}:{factory}", None)
             LIVE.clear()
             start, start_cpu = time.perf_counter(), time.process_time()
             manifest = lower_model(spec, [target], store=str(store), verify=False, quantize=recipe,
@@ -245,6 +250,30 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
     return ratios
 
 
+def checkpoint_weights(source: Path, directory: Path, seed: int) -> None:
+    """``directory``: the hf: checkpoint ``source`` (its config files, and its weights for seed 1;
+    for another seed, its weights ``x * 1.01 + N(0, 1e-3)``, a retrain's: another file)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(exist_ok=True)
+    for path in source.iterdir():
+        if path.suffix == ".json":
+            shutil.copy(path, directory / path.name)
+    for path in source.glob("*.safetensors"):
+        target = directory / path.name
+        target.unlink(missing_ok=True)
+        if seed == 1:
+            target.symlink_to(path)
+            continue
+        generator = torch.Generator().manual_seed(seed)
+        weights = {k: (v * 1.01 + torch.randn(v.shape, generator=generator).to(v.dtype) * 1e-3).contiguous()
+                   if v.is_floating_point() else v for k, v in load_file(path).items()}
+        save_file(weights, directory.parent / f"{path.stem}-{seed}.safetensors", metadata={"format": "pt"})
+        target.symlink_to(directory.parent / f"{path.stem}-{seed}.safetensors")
+
+
 def save_llama(directory: Path, seed: int, hidden: int, layers: int) -> None:
     """A random-weight Llama checkpoint of the bench's architecture (``seed``: its weights)."""
     import transformers
@@ -261,12 +290,15 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--flow", action="store_true", help="through the flow (cold night vs retrain night)")
+    parser.add_argument("--checkpoint", help="with --flow: also a real hf: text-generation checkpoint (a directory "
+                        "of safetensors), xnnpack fp32, max_seq_len 1024; its retrain perturbs its weights "
+                        "(rows: --models checkpoint)")
     parser.add_argument("--models", nargs="*", help="with --flow: only these factories (mlp mlp_large cnn bert llama hf-llama)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, torch threads {torch.get_num_threads()}")
     if args.flow:
-        worst = max(flow_nights(args.hidden, args.layers, args.models))
+        worst = max(flow_nights(args.hidden, args.layers, args.models, args.checkpoint))
         print(f"worst flow retrain / cold (CPU): {worst:.3f} (target <= 0.10): {'OK' if worst <= 0.10 else 'MISSED'}")
         return 0
     ratios = []

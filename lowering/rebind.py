@@ -115,6 +115,15 @@ def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple]
     return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
 
 
+def replaced_names(model: "torch.nn.Module | Mapping[str, torch.Tensor]", folded: Mapping[str, tuple]) -> frozenset:
+    """The entries of an exported program's tables whose values :func:`stored_bindings` (without a
+    recipe) takes from the weights of ``model`` alone: its parameters and buffers and the views
+    export folded of them (``folded``).  Their stored values need not be read (only the entries'
+    dtypes and shapes: :func:`lowering.serialize.deserialize_tables`'s ``skip``)."""
+    names = model.state_dict(keep_vars=True).keys() if isinstance(model, torch.nn.Module) else model.keys()
+    return frozenset(names) | frozenset(folded)
+
+
 def emit_bound_ptd(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
                    previous: bytes, runtime_ops: Any = None) -> bytes:
     """The ``.ptd`` of the delegated ``program`` bound to ``bindings`` (every delegate preprocessed

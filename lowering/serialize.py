@@ -74,7 +74,7 @@ from .control_flow_graph import iter_scopes
 from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .quant_ops import register_quantized_ops
 from . import tensor_blobs
-from .tensor_blobs import SerializationError, blob_digest, tensor_from_blob, tensor_to_blob
+from .tensor_blobs import DTYPES, SerializationError, blob_digest, tensor_from_blob, tensor_to_blob
 from .untrusted import check_program_bytes
 
 #: A tensor's memory as bytes: at home in :mod:`lowering.tensor_blobs`, still importable from here.
@@ -272,12 +272,15 @@ def apply_placeholder_meta(graph: torch.fx.Graph, kept: Mapping[str, Mapping[str
         placeholders[name].meta.update(meta)
 
 
-def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes],
+                       skip: Any = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(state_dict, constants)`` of a :func:`serialize_program` manifest, without reading
     its graph (torch's deserializer builds a fake tensor per node: most of a read's time):
-    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`)."""
+    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`).
+    ``skip``: entries whose bytes are not read (new weights replace them): each is a tensor on
+    the ``meta`` device, of its dtype, shape and stride (a parameter stays one)."""
     obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
-    return _tables(obj, _checked_blobs(get_blob))
+    return _tables(obj, _checked_blobs(get_blob), skip)
 
 
 def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], bytes]:
@@ -290,7 +293,7 @@ def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], byt
     return blob
 
 
-def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[dict, dict]:
+def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes], skip: Any = frozenset()) -> tuple[dict, dict]:
     if obj.get("version") not in (PROGRAM_FORMAT_VERSION, PACKED_FORMAT_VERSION):
         raise SerializationError(
             f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION} or {PACKED_FORMAT_VERSION}"
@@ -298,11 +301,19 @@ def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[
 
     def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
         return {
-            name: tensor_from_blob(meta, blob(meta["blob"], f"{what} {name!r}"), name=f"{what} {name!r}")
+            name: _meta_tensor(meta) if name in skip else
+            tensor_from_blob(meta, blob(meta["blob"], f"{what} {name!r}"), name=f"{what} {name!r}")
             for name, meta in table.items()
         }
 
     return tensors(obj["state_dict"], "state_dict entry"), tensors(obj["constants"], "constant")
+
+
+def _meta_tensor(meta: Mapping[str, Any]) -> torch.Tensor:
+    """The tensor ``meta`` describes, without its values (on the ``meta`` device)."""
+    tensor = torch.empty_strided(meta["shape"], meta["stride"], dtype=DTYPES[meta["dtype"]], device="meta")
+    return torch.nn.Parameter(tensor, requires_grad=bool(meta.get("requires_grad"))) if meta.get("parameter") \
+        else tensor
 
 
 def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:

@@ -21,7 +21,7 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
     ``.pte`` emitted again and compared).  ``references``: with a recipe, also verify's quantized
     program with tonight's weights (:func:`rebound_reference`: last night's with new tables)."""
     from lowering.export.folding import folded_from_json
-    from lowering.rebind import NotWeightsOnly, emit_bound_ptd, stored_bindings
+    from lowering.rebind import NotWeightsOnly, emit_bound_ptd, replaced_names, stored_bindings
 
     replay = emitted.get("recipes") is not None
     emitted_program = None if replay else get_program(store, program)  # first: a portable target's is live
@@ -30,10 +30,11 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
         state_dict, constants = get_program_tables(store, reference)
         quantized = {**state_dict, **constants}
     try:
-        bindings = stored_bindings(get_program_tables(store, exported["program"]),
-                                   folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
-                                   quantized=quantized, derived=get_doc(store, derived) if quantized is not None
-                                   else None, mutated=exported.get("mutated_buffers", ()))
+        folded = folded_from_json(get_doc(store, exported["folded"]))
+        skip = frozenset() if recipe else replaced_names(module, folded)  # a recipe checks the old weights
+        bindings = stored_bindings(get_program_tables(store, exported["program"], skip), folded, module,
+                                   quantize=recipe, quantized=quantized, derived=get_doc(store, derived)
+                                   if quantized is not None else None, mutated=exported.get("mutated_buffers", ()))
         if bindings is None:
             return None
         new_reference = None
@@ -110,7 +111,7 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
     ``plans``: each method's memory plan, ``modules``: each method's module; ``references``: as there,
     each method's)."""
     from lowering.export.folding import folded_from_json
-    from lowering.rebind import NotWeightsOnly, rebind_stored_methods, stored_bindings
+    from lowering.rebind import NotWeightsOnly, rebind_stored_methods, replaced_names, stored_bindings
 
     replay = emitted.get("recipes") is not None
     programs = None if replay else {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
@@ -121,9 +122,11 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
             if recipe and quantized and derived and derived.get(method) is not None:
                 state_dict, constants_ = get_program_tables(store, quantized[method])
                 tables = {**state_dict, **constants_}
+            folded = folded_from_json(get_doc(store, done["folded"]))
+            skip = frozenset() if recipe else replaced_names(modules[method], folded)
             bindings[method] = stored_bindings(
-                get_program_tables(store, done["program"]), folded_from_json(get_doc(store, done["folded"])),
-                modules[method], quantize=recipe, quantized=tables,
+                get_program_tables(store, done["program"], skip), folded, modules[method], quantize=recipe,
+                quantized=tables,
                 derived=get_doc(store, derived[method]) if tables is not None else None,
                 mutated=done.get("mutated_buffers", ()))
             if bindings[method] is None:
