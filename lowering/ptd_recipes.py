@@ -151,8 +151,9 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
     for a program of several methods) and whose cold ``.ptd`` is ``ptd``: ``{"version",
     "recipes": {key: recipe}, "layouts": {key: layout or None}, "weights": {name: [dtype, shape]},
     "pinned": {name: digest}}``, or ``{"unproven": why}``.  ``emit_again(bindings)``: the
-    ``.ptd`` of the program bound to ``bindings``, raising :class:`NotWeightsOnly` when its
-    ``.pte`` differs (:func:`lowering.rebind.emit_bound_ptd`)."""
+    ``.ptd`` of the program bound to ``bindings``, or its entries (key -> ``PtdEntry``, not
+    serialized: one copy of the weights less), raising :class:`NotWeightsOnly` when its
+    ``.pte`` differs (:func:`lowering.rebind.emit_bound_entries`)."""
     from .quantize.graph import value_digest
 
     changed = {name: perturbed(t) for name, t in tables.items()}
@@ -165,7 +166,8 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
         return {"unproven": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     finally:
         RECORDING.reset(token)
-    cold, other = deserialize_ptd(ptd), deserialize_ptd(ptd_p)
+    cold = deserialize_ptd(ptd)
+    other = deserialize_ptd(ptd_p) if isinstance(ptd_p, (bytes, bytearray, memoryview)) else ptd_p
     if set(cold) != set(other):
         return {"unproven": "the perturbed weights give a .ptd of other keys"}
     recipes, fixed = {}, 0

@@ -80,19 +80,21 @@ def rebind_stored(pte: bytes, memory_plan: Any, program: ExportedProgram, source
 
 
 def rebind_stored_methods(pte: bytes, methods: Mapping[str, tuple[ExportedProgram, Any]], constant_methods: Mapping,
-                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None) -> bytes:
+                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None,
+                          entries: bool = False) -> Any:
     """:func:`rebind_stored` of a program of several methods: ``methods`` ``{name: (delegated
     program, memory plan)}`` as emitted with ``constant_methods``, each bound to its
-    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``)."""
+    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``), or
+    with ``entries`` its entries unserialized (as :func:`emit_bound_entries`)."""
     from .external import program_files
     from .methods import build_methods_pte
 
     built = build_methods_pte({name: (rebound_program(program, bindings[name]), plan)
                                for name, (program, plan) in methods.items()},
                               dict(constant_methods), runtime_ops=runtime_ops, external_weights=True)
-    new_pte, ptd = program_files(built, True)
+    new_pte, ptd = program_files(built, not entries)
     _check_same(new_pte, pte)
-    return ptd
+    return built.external if entries else ptd
 
 
 def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple],
@@ -129,6 +131,19 @@ def emit_bound_ptd(program: ExportedProgram, bindings: Mapping[str, torch.Tensor
     """The ``.ptd`` of the delegated ``program`` bound to ``bindings`` (every delegate preprocessed
     again); raises :class:`NotWeightsOnly` unless its ``.pte`` is ``previous`` byte for byte."""
     return _emit_bound(program, bindings, memory_plan, previous, runtime_ops)[1]
+
+
+def emit_bound_entries(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
+                       previous: bytes, runtime_ops: Any = None) -> Mapping[str, Any]:
+    """:func:`emit_bound_ptd`'s ``.ptd`` as its entries (key -> :class:`~lowering.pte.flat_tensor.PtdEntry`),
+    not serialized: what the check of the ``.ptd`` recipes compares (:mod:`lowering.ptd_recipes`),
+    without the bytes of a second ``.ptd`` in memory."""
+    from .emit.method import build_pte
+    from .external import program_files
+
+    built = build_pte(rebound_program(program, bindings), memory_plan, runtime_ops=runtime_ops, external_weights=True)
+    _check_same(program_files(built, False)[0], previous)
+    return built.external
 
 
 def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,

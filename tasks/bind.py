@@ -53,7 +53,8 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
             **({"quantized": "weights"} if recipe else {})}
 
 
-def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: dict, mutated: Any = ()) -> ArtifactRef | None:
+def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: dict,
+                      mutated: Any = ()) -> ArtifactRef | None:
     """Verify's quantized program with tonight's weights: the stored quantized program
     ``reference`` with every table entry from ``bindings`` (the quantized program's tables
     again, :func:`lowering.rebind.requantized_tables`; ``mutated`` buffers keep their value),
@@ -89,7 +90,7 @@ def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, 
     memory plan)}``; one entry, None as its name: a program of one method (``constants``: a
     program of several methods' constant methods)."""
     from lowering.ptd_recipes import record_recipes as record, tables_of
-    from lowering.rebind import emit_bound_ptd, rebind_stored_methods
+    from lowering.rebind import emit_bound_entries, rebind_stored_methods
 
     tables: dict = {}
     for program, _ in methods.values():
@@ -97,16 +98,17 @@ def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, 
             tables.setdefault(name, tensor)
     if list(methods) == [None]:
         program, plan = methods[None]
-        doc = record(lambda bindings: emit_bound_ptd(program, bindings, plan, pte, runtime_ops), tables, ptd)
+        doc = record(lambda bindings: emit_bound_entries(program, bindings, plan, pte, runtime_ops), tables, ptd)
     else:
-        doc = record(lambda bindings: rebind_stored_methods(pte, methods, constants or {},
-                                                            {m: bindings for m in methods}, runtime_ops), tables, ptd)
+        doc = record(lambda bindings: rebind_stored_methods(
+            pte, methods, constants or {}, {m: bindings for m in methods}, runtime_ops, entries=True), tables, ptd)
     return {"recipes": put_doc(store, doc, "ptd_recipes")}
 
 
 def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict, plans: dict, emitted: dict,
                              modules: dict, constants: dict | None, recipe: dict | None, quantized: dict | None,
-                             derived: dict | None, runtime_ops: list[str] | None, references: bool = False) -> dict | None:
+                             derived: dict | None, runtime_ops: list[str] | None,
+                             references: bool = False) -> dict | None:
     """:func:`bind_from_tables` of a model of several methods (:func:`tasks.stages.run_bind_weights_methods`;
     ``plans``: each method's memory plan, ``modules``: each method's module; ``references``: as there,
     each method's)."""
