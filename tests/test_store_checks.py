@@ -11,7 +11,9 @@ quarantined as before (tasks/store.py, "Checked objects").  Bytes read are count
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +126,45 @@ def test_a_window_is_checked_by_its_container_and_the_range(tmp_path):
         store.verify(ref)
 
 
+def test_a_window_stays_checked_while_its_container_is_after_a_link_moves_its_stamp(tmp_path):
+    """A hard link to the container (``lowerflow lower -o``, a published output, then either
+    removed) moves its ctime: the container stays checked (the link is the store's) and so do
+    its windows, without reading them; a window record pointing elsewhere in the container,
+    or a container edited through the link, is hashed again and caught."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    store.keep_as_windows(program, [(4, SIZE)], container)
+    out = tmp_path / "out.pte"
+    store.copy_out(program, str(out))
+    out.unlink()  # moves the container's ctime again, outside the store
+    assert store.checked(program.sha256) is False  # its own record is stale: hashed once, then trusted
+    store.verify(program)
+    assert store.checked(program.sha256) and store.checked(ref.sha256) and verify_reads(store, ref) < 4096
+    store.copy_out(program, str(out))
+    _overwrite_keeping_times(str(out), 4 + SIZE // 2, b"\x00\x00\x00")
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt, match="window"):
+        store.verify(ref)
+
+
+def test_a_moved_window_record_is_not_trusted(tmp_path):
+    """The record of a window names its range: the same container, another range, is hashed."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    store.keep_as_windows(program, [(4, SIZE)], container)
+    with open(store.window_path(ref.sha256), "w") as f:  # one byte later: other bytes
+        json.dump({"object": program.sha256, "offset": 5, "size": SIZE}, f, sort_keys=True)
+    assert not store.checked(ref.sha256)
+    with pytest.raises(ArtifactCorrupt):
+        store.verify(ref)
+
+
 def test_other_stores_always_hash(tmp_path):
     store = ArtifactStore("memory://lowerflow-checks")
     ref = store.put_bytes(b"x" * 100, "blob")
@@ -146,18 +187,46 @@ def test_gc_removes_the_check_records_of_the_objects_it_removes(stored):
     assert store.checked(kept.sha256)
 
 
-def test_copy_out_leaves_a_file_that_holds_the_bytes_as_it_is_and_rewrites_any_other(tmp_path):
-    """``lowerflow lower -o`` of a rerun: the output file already holding the object's bytes
-    is hashed, not copied again (same inode and time); a file of other bytes, same size, is replaced."""
+def test_copy_out_links_the_object_and_leaves_a_file_that_holds_the_bytes_as_it_is(tmp_path):
+    """``lowerflow lower -o`` from a local store: the output is a hard link to the object
+    (no second copy), checked as the object is; a rerun finds it linked already and touches
+    nothing; an output written over in place (it is the object's file) is caught, never handed
+    out; a copied file holding the bytes is hashed, not copied again; other bytes are replaced."""
     store = ArtifactStore(str(tmp_path / "store"))
     ref = store.put_bytes(os.urandom(1 << 20), "pte")
     out = tmp_path / "out.pte"
     assert store.copy_out(ref, str(out)) == ref.size and out.read_bytes() == store.get_bytes(ref)
+    assert os.path.samefile(out, store.object_path(ref.sha256)) and store.checked(ref.sha256)
     before = os.stat(out)
-    os.utime(out, ns=(before.st_atime_ns, before.st_mtime_ns - 10**9))
-    store.copy_out(ref, str(out))
-    after = os.stat(out)
-    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns - 10**9)
-    out.write_bytes(bytes(ref.size))
-    store.copy_out(ref, str(out))
-    assert out.read_bytes() == store.get_bytes(ref) and os.stat(out).st_ino != before.st_ino
+    assert store.copy_out(ref, str(out)) == ref.size
+    assert os.stat(out).st_ino == before.st_ino and os.stat(out).st_ctime_ns == before.st_ctime_ns
+    out.write_bytes(bytes(ref.size))  # in place: the object's bytes
+    with pytest.raises(ArtifactCorrupt, match=ref.sha256):
+        store.copy_out(ref, str(out))
+    assert not os.path.exists(store.object_path(ref.sha256))  # quarantined
+    ref = store.put_bytes(os.urandom(1 << 20), "pte")
+    copied = tmp_path / "copied.pte"
+    copied.write_bytes(store.get_bytes(ref))  # e.g. copied by hand: same bytes, its own file
+    os.utime(copied, ns=(0, 10**9))
+    store.copy_out(ref, str(copied))
+    assert not os.path.samefile(copied, store.object_path(ref.sha256))
+    assert os.stat(copied).st_mtime_ns == 10**9  # left as it is
+    copied.write_bytes(bytes(ref.size))
+    store.copy_out(ref, str(copied))
+    assert copied.read_bytes() == store.get_bytes(ref) and os.path.samefile(copied, store.object_path(ref.sha256))
+
+
+def test_copy_out_to_another_filesystem_copies(tmp_path):
+    """Where a hard link cannot be made (/dev/shm is another filesystem), the bytes are copied."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem here")
+    store = ArtifactStore(str(tmp_path / "store"))
+    ref = store.put_bytes(os.urandom(1 << 16), "pte")
+    out = shm / f"lowerflow-copy-out-{os.getpid()}.pte"
+    try:
+        assert store.copy_out(ref, str(out)) == ref.size and out.read_bytes() == store.get_bytes(ref)
+        assert not os.path.samefile(out, store.object_path(ref.sha256))
+        assert not list(shm.glob(f"{out.name}.tmp-*"))
+    finally:
+        out.unlink(missing_ok=True)
