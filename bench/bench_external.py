@@ -13,16 +13,17 @@ this run, against this run's cold lowering).
 
 ``--flow``: the same through the flow (flows/weights_only.py): night 1 lowers the factory's
 model cold into an empty store, night 2 the retrain (same code, new weights) with the same
-store, each a ``lower_model`` flow run with verify off (what lowering costs; the load and fingerprint of
+store, each a ``lower_model`` flow run with verify off (``--verify``: on; off: what lowering costs; the load and fingerprint of
 the model, the same both nights, are in both) and nothing live (night 2 reads last night's programs
-from the store, as a new process does), for an MLP (``examples.models.MLP``), the CNN, a transformers
+from the store, as a new process does), for an MLP (``examples.models.MLP``), a larger MLP (``mlp_large``:
+8 linears 1024 wide), the CNN, a transformers
 BERT encoder and a Llama decoder (a factory: logits of a prompt, no KV cache) of ``--hidden`` x
 ``--layers``, and the same Llama as an ``hf:`` text-generation program (forward with its KV cache +
 constant methods; the retrain is ``save_pretrained`` of new weights into the same directory), each on
 portable fp32, xnnpack fp32 and xnnpack 8da4w: wall and CPU seconds of this process (the ratio is
 judged in CPU seconds: the machine may be shared).
 
-    python bench/bench_external.py [--hidden 256] [--layers 4] [--flow [--models mlp cnn bert llama hf-llama]]
+    python bench/bench_external.py [--hidden 256] [--layers 4] [--flow [--models mlp mlp_large cnn bert llama hf-llama]]
 
 OpenMP's idle threads wait passively here (``OMP_WAIT_POLICY=PASSIVE`` unless set): on a shared
 machine a spinning thread waiting for a descheduled one counts CPU seconds that are no work
@@ -40,6 +41,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP: see the docstring
 
@@ -108,16 +110,24 @@ import sys
 import torch
 import transformers
 
-sys.path.insert(0, {bench!r})
-import bench_external
-
 
 def _seed():
     return int((pathlib.Path(__file__).parent / "seed.txt").read_text())
 
 
 def cnn():
+    sys.path.insert(0, {bench!r})  # imported here: a global would put lowerflow's own code in the fingerprint
+    import bench_external
+
     return bench_external.cnn(_seed())
+
+
+def mlp_large():
+    torch.manual_seed(_seed())
+    layers = [torch.nn.Linear(1024, 1024) if i % 2 == 0 else torch.nn.ReLU() for i in range(15)]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10)).eval()
+    torch.manual_seed(0)
+    return model, (torch.randn(4, 1024),)
 
 
 def mlp():
@@ -155,22 +165,44 @@ def llama():
 
 
 #: The flow rows: (factory, target, recipe).
-FLOW_ROWS = [(factory, target, recipe) for factory in ("mlp", "cnn", "bert", "llama", "hf-llama")
+FLOW_ROWS = [(factory, target, recipe) for factory in ("mlp", "mlp_large", "cnn", "bert", "llama", "hf-llama")
              for target, recipe in (("portable", None), ("xnnpack", None), ("xnnpack", "8da4w"))]
 
 
-def flow_nights(hidden: int, layers: int, models: list[str] | None = None) -> list[float]:
+def empty_flow_run(runs: int = 3) -> tuple[float, float]:
+    """(CPU s of this process, wall s) of one run of a flow that does nothing, with the parameters
+    a night passes: the fixed cost every night pays (Prefect's flow run: create it, set its states,
+    validate its parameters) before its first stage.  The Prefect server's own CPU is not counted
+    (another process), nor in the nights'."""
+    from prefect import flow
+
+    @flow(name="lower-model-empty")
+    def empty(model: str, targets: list[str], store: str | None = None, verify: Any = True, quantize: Any = None,
+              external_weights: Any = None, hf: dict[str, Any] | None = None) -> dict:
+        return {}
+
+    arguments = dict(model="m", targets=["xnnpack"], store="s", verify=False, quantize=None, external_weights=True)
+    empty(**arguments)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    for _ in range(runs):
+        empty(**arguments)
+    return (time.process_time() - start_cpu) / runs, (time.perf_counter() - start) / runs
+
+
+def flow_nights(hidden: int, layers: int, models: list[str] | None = None, checkpoint: str | None = None,
+                verify: bool = False) -> list[float]:
     """Night 1 (cold) and night 2 (a retrain) through the flow, per row of :data:`FLOW_ROWS`; the
     CPU ratios.  Night 2 starts with nothing live (``tasks.live.LIVE`` cleared), as a new
     night's process does: it reads last night's programs from the store."""
     work = Path(tempfile.mkdtemp(prefix="bench-external-flow-"))
     try:
-        return _flow_nights(work, hidden, layers, models)
+        return _flow_nights(work, hidden, layers, models, checkpoint, verify)
     finally:  # every night's store: hundreds of MB per row
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None) -> list[float]:
+def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None, checkpoint: str | None,
+                 verify: bool) -> list[float]:
     from flows.lower_model import lower_model
     from tasks.live import LIVE
 
@@ -180,7 +212,11 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
     # the Prefect server's start and the first imports: neither night's
     lower_model(f"{Path(__file__).resolve().parents[1] / 'examples' / 'models.py'}:mlp", ["xnnpack"],
                 store=str(work / "warm-up"), verify=False, quantize="8da4w", external_weights=True)
-    for factory, target, recipe in FLOW_ROWS:
+    floor, floor_wall = empty_flow_run()
+    print(f"an empty flow run: CPU {floor:.3f} s, wall {floor_wall:.3f} s (every night pays it; 'floor' below: "
+          "it over the cold night's CPU)", flush=True)
+    rows = FLOW_ROWS if checkpoint is None else [("checkpoint", "xnnpack", None), *FLOW_ROWS]
+    for factory, target, recipe in rows:
         if models and factory not in models:
             continue
         store = work / f"store-{factory}-{target}-{recipe}"
@@ -189,11 +225,15 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
             (work / "seed.txt").write_text(seed)
             if factory == "hf-llama":  # the retrain: save_pretrained of new weights into the same directory
                 save_llama(work / "hf-llama", int(seed), hidden, layers)
+            if factory == "checkpoint":  # the retrain: the checkpoint's weights perturbed, in the same directory
+                checkpoint_weights(Path(checkpoint), work / "checkpoint", int(seed))
             spec, hf = (f"hf:{work / 'hf-llama'}", {"task": "text-generation", "max_seq_len": 64}) \
-                if factory == "hf-llama" else (f"{work / 'retrained.py'}:{factory}", None)
+                if factory == "hf-llama" else (f"hf:{work / 'checkpoint'}", {"task": "text-generation",
+                                                                             "max_seq_len": 1024}) \
+                if factory == "checkpoint" else (f"{work / 'retrained.py'}:{factory}", None)
             LIVE.clear()
             start, start_cpu = time.perf_counter(), time.process_time()
-            manifest = lower_model(spec, [target], store=str(store), verify=False, quantize=recipe,
+            manifest = lower_model(spec, [target], store=str(store), verify=verify, quantize=recipe,
                                    external_weights=True, hf=hf)
             seconds.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
@@ -206,10 +246,34 @@ def _flow_nights(work: Path, hidden: int, layers: int, models: list[str] | None)
         sized = factory in ("bert", "llama", "hf-llama")
         label = f"flow {factory}{'-%dx%d' % (hidden, layers) if sized else ''}/{target}" + (f"/{recipe}" if recipe else "")
         print(f"{label:<37} cold {seconds[0]:7.2f} s  retrain {seconds[1]:6.2f} s  ratio {seconds[1] / seconds[0]:5.3f}  "
-              f"CPU {cpu[0]:6.2f} / {cpu[1]:5.2f} s = {cpu[1] / cpu[0]:5.3f}  "
+              f"CPU {cpu[0]:6.2f} / {cpu[1]:5.2f} s = {cpu[1] / cpu[0]:5.3f} (floor {floor / cpu[0]:5.3f})  "
               f"(load+fingerprint {manifest['load_seconds']:.2f} s; ran {stages[1]}; {entry['weights_only']})  "
               f"loadavg {os.getloadavg()[0]:.1f}", flush=True)
     return ratios
+
+
+def checkpoint_weights(source: Path, directory: Path, seed: int) -> None:
+    """``directory``: the hf: checkpoint ``source`` (its config files, and its weights for seed 1;
+    for another seed, its weights ``x * 1.01 + N(0, 1e-3)``, a retrain's: another file)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    directory.mkdir(exist_ok=True)
+    for path in source.iterdir():
+        if path.suffix == ".json":
+            shutil.copy(path, directory / path.name)
+    for path in source.glob("*.safetensors"):
+        target = directory / path.name
+        target.unlink(missing_ok=True)
+        if seed == 1:
+            target.symlink_to(path)
+            continue
+        generator = torch.Generator().manual_seed(seed)
+        weights = {k: (v * 1.01 + torch.randn(v.shape, generator=generator).to(v.dtype) * 1e-3).contiguous()
+                   if v.is_floating_point() else v for k, v in load_file(path).items()}
+        save_file(weights, directory.parent / f"{path.stem}-{seed}.safetensors", metadata={"format": "pt"})
+        target.symlink_to(directory.parent / f"{path.stem}-{seed}.safetensors")
 
 
 def save_llama(directory: Path, seed: int, hidden: int, layers: int) -> None:
@@ -228,12 +292,17 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--flow", action="store_true", help="through the flow (cold night vs retrain night)")
-    parser.add_argument("--models", nargs="*", help="with --flow: only these factories (mlp cnn bert llama hf-llama)")
+    parser.add_argument("--checkpoint", help="with --flow: also a real hf: text-generation checkpoint (a directory "
+                        "of safetensors), xnnpack fp32, max_seq_len 1024; its retrain perturbs its weights "
+                        "(rows: --models checkpoint)")
+    parser.add_argument("--verify", action="store_true", help="with --flow: both nights verify (the flow's default; "
+                        "verify runs again on a retrain, so the ratio is higher)")
+    parser.add_argument("--models", nargs="*", help="with --flow: only these factories (mlp mlp_large cnn bert llama hf-llama)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     print(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, torch threads {torch.get_num_threads()}")
     if args.flow:
-        worst = max(flow_nights(args.hidden, args.layers, args.models))
+        worst = max(flow_nights(args.hidden, args.layers, args.models, args.checkpoint, args.verify))
         print(f"worst flow retrain / cold (CPU): {worst:.3f} (target <= 0.10): {'OK' if worst <= 0.10 else 'MISSED'}")
         return 0
     ratios = []

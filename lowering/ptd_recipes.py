@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import torch
 
 from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, serialize_ptd
-from .rebind import NotWeightsOnly
+from .rebind import NotWeightsOnly, with_partition_copies
 from .serialize import tensor_memory
 
 #: While a program's recipes are recorded: ``{key: recipe or None}`` (None: the backend
@@ -151,8 +151,9 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
     for a program of several methods) and whose cold ``.ptd`` is ``ptd``: ``{"version",
     "recipes": {key: recipe}, "layouts": {key: layout or None}, "weights": {name: [dtype, shape]},
     "pinned": {name: digest}}``, or ``{"unproven": why}``.  ``emit_again(bindings)``: the
-    ``.ptd`` of the program bound to ``bindings``, raising :class:`NotWeightsOnly` when its
-    ``.pte`` differs (:func:`lowering.rebind.emit_bound_ptd`)."""
+    ``.ptd`` of the program bound to ``bindings``, or its entries (key -> ``PtdEntry``, not
+    serialized: one copy of the weights less), raising :class:`NotWeightsOnly` when its
+    ``.pte`` differs (:func:`lowering.rebind.emit_bound_entries`)."""
     from .quantize.graph import value_digest
 
     changed = {name: perturbed(t) for name, t in tables.items()}
@@ -165,7 +166,8 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
         return {"unproven": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     finally:
         RECORDING.reset(token)
-    cold, other = deserialize_ptd(ptd), deserialize_ptd(ptd_p)
+    cold = deserialize_ptd(ptd)
+    other = deserialize_ptd(ptd_p) if isinstance(ptd_p, (bytes, bytearray, memoryview)) else ptd_p
     if set(cold) != set(other):
         return {"unproven": "the perturbed weights give a .ptd of other keys"}
     recipes, fixed = {}, 0
@@ -203,6 +205,7 @@ def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> b
 
     if record.get("version") != VERSION:
         raise NotWeightsOnly(record.get("unproven") or "the .ptd recipes were recorded by another version")
+    bindings = with_partition_copies(bindings, [*record["weights"], *record["pinned"]])
     for name, (dtype, shape) in record["weights"].items():
         tensor = bindings.get(name)
         if tensor is None:

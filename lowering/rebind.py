@@ -80,19 +80,21 @@ def rebind_stored(pte: bytes, memory_plan: Any, program: ExportedProgram, source
 
 
 def rebind_stored_methods(pte: bytes, methods: Mapping[str, tuple[ExportedProgram, Any]], constant_methods: Mapping,
-                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None) -> bytes:
+                          bindings: Mapping[str, Mapping[str, torch.Tensor]], runtime_ops: Any = None,
+                          entries: bool = False) -> Any:
     """:func:`rebind_stored` of a program of several methods: ``methods`` ``{name: (delegated
     program, memory plan)}`` as emitted with ``constant_methods``, each bound to its
-    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``)."""
+    :func:`stored_bindings`; the new ``.ptd`` (the ``.pte`` emitted again must be ``pte``), or
+    with ``entries`` its entries unserialized (as :func:`emit_bound_entries`)."""
     from .external import program_files
     from .methods import build_methods_pte
 
     built = build_methods_pte({name: (rebound_program(program, bindings[name]), plan)
                                for name, (program, plan) in methods.items()},
                               dict(constant_methods), runtime_ops=runtime_ops, external_weights=True)
-    new_pte, ptd = program_files(built, True)
+    new_pte, ptd = program_files(built, not entries)
     _check_same(new_pte, pte)
-    return ptd
+    return built.external if entries else ptd
 
 
 def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple],
@@ -115,11 +117,33 @@ def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple]
     return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
 
 
+def replaced_names(model: "torch.nn.Module | Mapping[str, torch.Tensor]", folded: Mapping[str, tuple]) -> frozenset:
+    """The entries of an exported program's tables whose values :func:`stored_bindings` (without a
+    recipe) takes from the weights of ``model`` alone: its parameters and buffers and the views
+    export folded of them (``folded``).  Their stored values need not be read (only the entries'
+    dtypes and shapes: :func:`lowering.serialize.deserialize_tables`'s ``skip``)."""
+    names = model.state_dict(keep_vars=True).keys() if isinstance(model, torch.nn.Module) else model.keys()
+    return frozenset(names) | frozenset(folded)
+
+
 def emit_bound_ptd(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
                    previous: bytes, runtime_ops: Any = None) -> bytes:
     """The ``.ptd`` of the delegated ``program`` bound to ``bindings`` (every delegate preprocessed
     again); raises :class:`NotWeightsOnly` unless its ``.pte`` is ``previous`` byte for byte."""
     return _emit_bound(program, bindings, memory_plan, previous, runtime_ops)[1]
+
+
+def emit_bound_entries(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any,
+                       previous: bytes, runtime_ops: Any = None) -> Mapping[str, Any]:
+    """:func:`emit_bound_ptd`'s ``.ptd`` as its entries (key -> :class:`~lowering.pte.flat_tensor.PtdEntry`),
+    not serialized: what the check of the ``.ptd`` recipes compares (:mod:`lowering.ptd_recipes`),
+    without the bytes of a second ``.ptd`` in memory."""
+    from .emit.method import build_pte
+    from .external import program_files
+
+    built = build_pte(rebound_program(program, bindings), memory_plan, runtime_ops=runtime_ops, external_weights=True)
+    _check_same(program_files(built, False)[0], previous)
+    return built.external
 
 
 def _emit_bound(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], memory_plan: Any, previous: bytes,
@@ -378,8 +402,28 @@ def rebound_program(program: ExportedProgram, bindings: Mapping[str, torch.Tenso
     return bound
 
 
+def with_partition_copies(bindings: Mapping[str, torch.Tensor], names: Any) -> Mapping[str, torch.Tensor]:
+    """``bindings`` (target -> tensor) and, for each of ``names`` that is a partition's copy of a
+    constant several partitions (or a partition and the program) share, the value of its original::
+
+        {"lm_head.weight": w}, ["lm_head.weight_dup_XnnpackBackend_3"]
+            -> {"lm_head.weight": w, "lm_head.weight_dup_XnnpackBackend_3": w}
+
+    (:func:`lowering.partition.duplicate_shared_constants` names the copy ``<target>_dup_<tag>``
+    after the exported program was stored: a tied embedding and LM head, say)."""
+    copies = {}
+    for name in names:
+        base, dup, _ = name.rpartition("_dup_")
+        while dup and name not in bindings and base not in bindings:  # a copy of a copy
+            base, dup, _ = base.rpartition("_dup_")
+        if dup and name not in bindings:
+            copies[name] = bindings[base]
+    return {**bindings, **copies} if copies else bindings
+
+
 def _swap(program: ExportedProgram, bindings: Mapping[str, torch.Tensor], where: str) -> None:
     mutated = set(program.graph_signature.buffers_to_mutate.values())
+    bindings = with_partition_copies(bindings, [*program.state_dict, *program.constants])
     for table in (program.state_dict, program.constants):
         for name, old in list(table.items()):
             if name in mutated or not isinstance(old, torch.Tensor):

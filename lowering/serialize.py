@@ -74,7 +74,7 @@ from .control_flow_graph import iter_scopes
 from .delegation import SHARED_STATE, SHARED_WITH_TOP_LEVEL
 from .quant_ops import register_quantized_ops
 from . import tensor_blobs
-from .tensor_blobs import SerializationError, blob_digest, tensor_from_blob, tensor_to_blob
+from .tensor_blobs import DTYPES, SerializationError, blob_digest, tensor_from_blob, tensor_to_blob
 from .untrusted import check_program_bytes
 
 #: A tensor's memory as bytes: at home in :mod:`lowering.tensor_blobs`, still importable from here.
@@ -213,6 +213,41 @@ def serialize_program(
     return Serialized(canonical_json(manifest), blobs)
 
 
+def with_new_tables(manifest: bytes, tables: Mapping[str, torch.Tensor], kept: Any = ()) -> Serialized | None:
+    """The :func:`serialize_program` manifest of the program ``manifest`` names with every
+    ``state_dict`` / ``constants`` entry taken from ``tables`` (same dtype and shape; its
+    parameter flags kept), without reading its graph: the graph blob, example inputs and
+    placeholder metadata stay.  ``kept``: entries that keep their stored value (a mutated
+    buffer).  The blobs returned are the new tensors'.  None when an entry has no new value
+    or another dtype or shape (or another manifest format).  Bytes as :func:`serialize_program`
+    writes them for that program with those tables (the same graph JSON)::
+
+        {"graph": G, "state_dict": {"w": W1}, ...}  +  {"w": w2}  ->  {"graph": G, "state_dict": {"w": W2}, ...}
+    """
+    obj = read_manifest(manifest)
+    if obj["format"] != PROGRAM_FORMAT:
+        return None
+    blobs: dict[str, bytes] = {}
+    for table in ("state_dict", "constants"):
+        for name, meta in obj[table].items():
+            new = tables.get(name)
+            if new is None:
+                if name in kept:
+                    continue
+                return None
+            if str(new.dtype).removeprefix("torch.") != meta["dtype"] or list(new.shape) != meta["shape"]:
+                return None
+            new_meta, data = tensor_to_blob(new, name=f"{table} entry {name!r}")
+            new_meta.update(parameter=meta["parameter"], requires_grad=meta["requires_grad"])
+            blobs[new_meta["blob"]] = data
+            obj[table][name] = new_meta
+    leaves = (obj.get("example_inputs") or {}).get("leaves", [])
+    metas = [*obj["state_dict"].values(), *obj["constants"].values(), *(x["tensor"] for x in leaves if "tensor" in x)]
+    obj["blobs"] = sorted({obj["graph"], *(meta["blob"] for meta in metas)})
+    obj["version"] = PACKED_FORMAT_VERSION if any("encoding" in meta for meta in metas) else PROGRAM_FORMAT_VERSION
+    return Serialized(canonical_json(obj), blobs)
+
+
 def placeholder_meta_of(graph: torch.fx.Graph) -> dict[str, dict[str, Any]]:
     """``{placeholder name: {key: value}}`` for the :data:`KEPT_PLACEHOLDER_META` keys set.
 
@@ -237,12 +272,15 @@ def apply_placeholder_meta(graph: torch.fx.Graph, kept: Mapping[str, Mapping[str
         placeholders[name].meta.update(meta)
 
 
-def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def deserialize_tables(manifest: bytes, get_blob: Callable[[str], bytes],
+                       skip: Any = frozenset()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """``(state_dict, constants)`` of a :func:`serialize_program` manifest, without reading
     its graph (torch's deserializer builds a fake tensor per node: most of a read's time):
-    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`)."""
+    what binding new weights to a stored program needs of its source (:mod:`lowering.rebind`).
+    ``skip``: entries whose bytes are not read (new weights replace them): each is a tensor on
+    the ``meta`` device, of its dtype, shape and stride (a parameter stays one)."""
     obj = read_manifest(manifest, expected_format=PROGRAM_FORMAT)
-    return _tables(obj, _checked_blobs(get_blob))
+    return _tables(obj, _checked_blobs(get_blob), skip)
 
 
 def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], bytes]:
@@ -255,7 +293,7 @@ def _checked_blobs(get_blob: Callable[[str], bytes]) -> Callable[[str, str], byt
     return blob
 
 
-def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[dict, dict]:
+def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes], skip: Any = frozenset()) -> tuple[dict, dict]:
     if obj.get("version") not in (PROGRAM_FORMAT_VERSION, PACKED_FORMAT_VERSION):
         raise SerializationError(
             f"manifest version {obj.get('version')!r} is not {PROGRAM_FORMAT_VERSION} or {PACKED_FORMAT_VERSION}"
@@ -263,11 +301,19 @@ def _tables(obj: Mapping[str, Any], blob: Callable[[str, str], bytes]) -> tuple[
 
     def tensors(table: Mapping[str, Any], what: str) -> dict[str, torch.Tensor]:
         return {
-            name: tensor_from_blob(meta, blob(meta["blob"], f"{what} {name!r}"), name=f"{what} {name!r}")
+            name: _meta_tensor(meta) if name in skip else
+            tensor_from_blob(meta, blob(meta["blob"], f"{what} {name!r}"), name=f"{what} {name!r}")
             for name, meta in table.items()
         }
 
     return tensors(obj["state_dict"], "state_dict entry"), tensors(obj["constants"], "constant")
+
+
+def _meta_tensor(meta: Mapping[str, Any]) -> torch.Tensor:
+    """The tensor ``meta`` describes, without its values (on the ``meta`` device)."""
+    tensor = torch.empty_strided(meta["shape"], meta["stride"], dtype=DTYPES[meta["dtype"]], device="meta")
+    return torch.nn.Parameter(tensor, requires_grad=bool(meta.get("requires_grad"))) if meta.get("parameter") \
+        else tensor
 
 
 def deserialize_program(manifest: bytes, get_blob: Callable[[str], bytes]) -> ExportedProgram:

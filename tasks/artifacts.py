@@ -113,16 +113,18 @@ def get_program(store: ArtifactStore, ref: ArtifactRef) -> torch.export.Exported
     return LIVE.get(ref, lambda: store.get_program(ref))
 
 
-def get_program_tables(store: ArtifactStore, ref: ArtifactRef) -> tuple[dict, dict]:
+def get_program_tables(store: ArtifactStore, ref: ArtifactRef, skip: Any = frozenset()) -> tuple[dict, dict]:
     """``(state_dict, constants)`` of a stored program: the live program's, else read from the
-    store without its graph (binding new weights needs no more of a program it does not emit)."""
+    store without its graph (binding new weights needs no more of a program it does not emit);
+    ``skip``: entries whose bytes are not read (tensors on the ``meta`` device: new weights
+    replace them, :func:`lowering.serialize.deserialize_tables`)."""
     from lowering.serialize import deserialize_tables
 
     program = LIVE.peek(ref)
     if program is not None:
         return program.state_dict, program.constants
     what = f"blob of program {ref.sha256[:12]}"  # as ArtifactStore.get_program reads them
-    return deserialize_tables(store.get_bytes(ref), lambda d: store.read_object_buffer(d, what=what))
+    return deserialize_tables(store.get_bytes(ref), lambda d: store.read_object_buffer(d, what=what), skip)
 
 
 def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:

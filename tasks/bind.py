@@ -11,16 +11,17 @@ from .store import ArtifactRef, ArtifactStore
 
 def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: Any, emitted: dict,
                      module: Any, recipe: dict | None, reference: ArtifactRef | None, derived: ArtifactRef | None,
-                     runtime_ops: list[str] | None) -> dict | None:
+                     runtime_ops: list[str] | None, references: bool = False) -> dict | None:
     """:func:`tasks.stages.run_bind_weights` reading the tables of the exported and quantized
     programs, not their graphs (:func:`lowering.rebind.stored_bindings`; ``plan``: the memory plan
     the program was emitted with): the stage's result (the new ``.ptd`` stored) but its
     ``seconds``, ``{"fallback": why}``, or None (the quantize pass must run again: bind on the
     programs).  The ``.ptd`` is written from emit's recipes (:func:`replayed`) where they hold,
     else by binding the emitted program again (its graph read, every delegate preprocessed, the
-    ``.pte`` emitted again and compared)."""
+    ``.pte`` emitted again and compared).  ``references``: with a recipe, also verify's quantized
+    program with tonight's weights (:func:`rebound_reference`: last night's with new tables)."""
     from lowering.export.folding import folded_from_json
-    from lowering.rebind import NotWeightsOnly, emit_bound_ptd, stored_bindings
+    from lowering.rebind import NotWeightsOnly, emit_bound_ptd, replaced_names, stored_bindings
 
     replay = emitted.get("recipes") is not None
     emitted_program = None if replay else get_program(store, program)  # first: a portable target's is live
@@ -29,12 +30,18 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
         state_dict, constants = get_program_tables(store, reference)
         quantized = {**state_dict, **constants}
     try:
-        bindings = stored_bindings(get_program_tables(store, exported["program"]),
-                                   folded_from_json(get_doc(store, exported["folded"])), module, quantize=recipe,
-                                   quantized=quantized, derived=get_doc(store, derived) if quantized is not None
-                                   else None, mutated=exported.get("mutated_buffers", ()))
+        folded = folded_from_json(get_doc(store, exported["folded"]))
+        skip = frozenset() if recipe else replaced_names(module, folded)  # a recipe checks the old weights
+        bindings = stored_bindings(get_program_tables(store, exported["program"], skip), folded, module,
+                                   quantize=recipe, quantized=quantized, derived=get_doc(store, derived)
+                                   if quantized is not None else None, mutated=exported.get("mutated_buffers", ()))
         if bindings is None:
             return None
+        new_reference = None
+        if quantized is not None and references:
+            new_reference = rebound_reference(store, reference, bindings, exported.get("mutated_buffers", ()))
+            if new_reference is None:
+                return None
         ptd = replayed(store, emitted, bindings) if replay else None
         how = "replayed" if ptd is not None else "rebound"
         if ptd is None:
@@ -42,8 +49,24 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
                                  store.get_bytes(emitted["pte"]), runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "reference": None, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_bytes(ptd, "ptd"), "reference": new_reference, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}
+
+
+def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: dict,
+                      mutated: Any = ()) -> ArtifactRef | None:
+    """Verify's quantized program with tonight's weights: the stored quantized program
+    ``reference`` with every table entry from ``bindings`` (the quantized program's tables
+    again, :func:`lowering.rebind.requantized_tables`; ``mutated`` buffers keep their value),
+    written without reading its graph (:func:`lowering.serialize.with_new_tables`); None when
+    an entry has no new value (then the program is bound the slow way)."""
+    from lowering.serialize import with_new_tables
+
+    serialized = with_new_tables(store.get_bytes(reference), bindings, kept=frozenset(mutated))
+    if serialized is None:
+        return None
+    store.put_blobs(serialized.blobs.values())
+    return store.put_bytes(serialized.manifest, "program")
 
 
 def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> bytes | None:
@@ -67,7 +90,7 @@ def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, 
     memory plan)}``; one entry, None as its name: a program of one method (``constants``: a
     program of several methods' constant methods)."""
     from lowering.ptd_recipes import record_recipes as record, tables_of
-    from lowering.rebind import emit_bound_ptd, rebind_stored_methods
+    from lowering.rebind import emit_bound_entries, rebind_stored_methods
 
     tables: dict = {}
     for program, _ in methods.values():
@@ -75,20 +98,22 @@ def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, 
             tables.setdefault(name, tensor)
     if list(methods) == [None]:
         program, plan = methods[None]
-        doc = record(lambda bindings: emit_bound_ptd(program, bindings, plan, pte, runtime_ops), tables, ptd)
+        doc = record(lambda bindings: emit_bound_entries(program, bindings, plan, pte, runtime_ops), tables, ptd)
     else:
-        doc = record(lambda bindings: rebind_stored_methods(pte, methods, constants or {},
-                                                            {m: bindings for m in methods}, runtime_ops), tables, ptd)
+        doc = record(lambda bindings: rebind_stored_methods(
+            pte, methods, constants or {}, {m: bindings for m in methods}, runtime_ops, entries=True), tables, ptd)
     return {"recipes": put_doc(store, doc, "ptd_recipes")}
 
 
 def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict, plans: dict, emitted: dict,
                              modules: dict, constants: dict | None, recipe: dict | None, quantized: dict | None,
-                             derived: dict | None, runtime_ops: list[str] | None) -> dict | None:
+                             derived: dict | None, runtime_ops: list[str] | None,
+                             references: bool = False) -> dict | None:
     """:func:`bind_from_tables` of a model of several methods (:func:`tasks.stages.run_bind_weights_methods`;
-    ``plans``: each method's memory plan, ``modules``: each method's module)."""
+    ``plans``: each method's memory plan, ``modules``: each method's module; ``references``: as there,
+    each method's)."""
     from lowering.export.folding import folded_from_json
-    from lowering.rebind import NotWeightsOnly, rebind_stored_methods, stored_bindings
+    from lowering.rebind import NotWeightsOnly, rebind_stored_methods, replaced_names, stored_bindings
 
     replay = emitted.get("recipes") is not None
     programs = None if replay else {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
@@ -99,12 +124,20 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
             if recipe and quantized and derived and derived.get(method) is not None:
                 state_dict, constants_ = get_program_tables(store, quantized[method])
                 tables = {**state_dict, **constants_}
+            folded = folded_from_json(get_doc(store, done["folded"]))
+            skip = frozenset() if recipe else replaced_names(modules[method], folded)
             bindings[method] = stored_bindings(
-                get_program_tables(store, done["program"]), folded_from_json(get_doc(store, done["folded"])),
-                modules[method], quantize=recipe, quantized=tables,
+                get_program_tables(store, done["program"], skip), folded, modules[method], quantize=recipe,
+                quantized=tables,
                 derived=get_doc(store, derived[method]) if tables is not None else None,
                 mutated=done.get("mutated_buffers", ()))
             if bindings[method] is None:
+                return None
+        new_references = None
+        if recipe and references:
+            new_references = {m: rebound_reference(store, quantized[m], bindings[m],
+                                                   exported[m].get("mutated_buffers", ())) for m in exported}
+            if None in new_references.values():
                 return None
         merged: dict = {}
         for tables in bindings.values():
@@ -118,5 +151,5 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
                                         runtime_ops=runtime_ops)
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "references": None, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_bytes(ptd, "ptd"), "references": new_references, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}

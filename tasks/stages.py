@@ -174,8 +174,9 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
     The weights ``exported`` holds: emit's ``.ptd`` and the quantize stage's ``reference``
     as they are.  Other weights: :func:`lowering.rebind.rebind_weights` (quantized again with
     ``recipe``, every delegate preprocessed again, the ``.pte`` emitted again and checked
-    byte-identical); ``"reference"``: the quantized program with them (verify's; None unless
-    ``references``, false when verify does not run: storing a program costs seconds).  ``derived``:
+    byte-identical), or, where the stored tables suffice, :func:`tasks.bind.bind_from_tables`;
+    ``"reference"``: the quantized program with them (verify's; None unless ``references``,
+    false when verify does not run).  ``derived``:
     how the quantize stage computed its constants (then only the weights are quantized again).  When they
     cannot be bound (:class:`~lowering.rebind.NotWeightsOnly`), ``{"fallback": why}``: the flow
     lowers the model again keyed on its weights.  ``model``, ``fingerprint`` (the model's),
@@ -189,11 +190,10 @@ def run_bind_weights(store: ArtifactStore, exported: dict, program: ArtifactRef,
         return {"ptd": emitted["ptd"], "reference": reference, "rebound": False}
     start = time.perf_counter()
     loaded = live_model(model, fingerprint, options)
-    if not (recipe and references):  # no quantized program to store for verify: only the emitted graph is read
-        done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
-                                recipe, reference, derived, runtime_ops)
-        if done is not None:  # else the quantize pass must run again: on the programs
-            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
+    done = bind_from_tables(store, exported, program, get_memory_plan(store, plan), emitted, loaded.module,
+                            recipe, reference, derived, runtime_ops, references=references)
+    if done is not None:  # else the quantize pass must run again: on the programs
+        return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     # (what the store does not keep in a program: how export folded views, how quantize derived constants;
     # set on the programs themselves, true of them wherever they are read; rebind copies what it changes)
     source = get_program(store, exported["program"])
@@ -241,12 +241,11 @@ def run_bind_weights_methods(store: ArtifactStore, exported: dict, methods: dict
         return {"ptd": emitted["ptd"], "references": quantized, "rebound": False}
     start = time.perf_counter()
     modules = {m: live_model(model, fingerprints[m], options).module for m in exported}
-    if not (recipe and references):  # no quantized programs to store for verify: only the emitted graphs are read
-        plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
-        done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
-                                        quantized, derived, runtime_ops)
-        if done is not None:  # else the quantize pass must run again: on the programs
-            return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
+    plans = {m: get_memory_plan(store, e["plan"]) for m, e in methods.items()}
+    done = bind_methods_from_tables(store, exported, methods, plans, emitted, modules, constants, recipe,
+                                    quantized, derived, runtime_ops, references=references)
+    if done is not None:  # else the quantize pass must run again: on the programs
+        return {**done, "seconds": round(time.perf_counter() - start, 4)} if "ptd" in done else done
     sources, before = {}, {}
     for method, done in exported.items():
         sources[method] = get_program(store, done["program"])
@@ -605,15 +604,18 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
     _begin("emit")
     delegated, memory_plan = get_program(store, program), get_memory_plan(store, plan)
     built = build_pte(delegated, memory_plan, runtime_ops=runtime_ops, external_weights=bool(external_weights))
-    return _emitted(store, built, bool(external_weights), {None: (delegated, memory_plan)}, None, runtime_ops)
+    files, built = program_files(built, bool(external_weights)), None  # its blobs: not held while recipes record
+    return _emitted(store, files, {None: (delegated, memory_plan)}, None, runtime_ops)
 
 
-def _emitted(store: ArtifactStore, built, external_weights: bool, methods: dict, constants: dict | None,
+def _emitted(store: ArtifactStore, files: tuple, methods: dict, constants: dict | None,
              runtime_ops: list[str] | None) -> dict:
-    """Store an emitted program: ``{"pte": ref}``, and with external weights ``"ptd"`` and
+    """Store an emitted program's ``files`` (:func:`lowering.external.program_files`: its
+    ``.pte`` and ``.ptd`` or None): ``{"pte": ref}``, and with external weights ``"ptd"`` and
     ``"recipes"``, how a retrain's ``.ptd`` is written (:func:`tasks.bind.record_recipes`;
-    ``methods``: ``{name: (delegated program, plan)}``, None as the name of a program of one)."""
-    pte, ptd = program_files(built, external_weights)
+    ``methods``: ``{name: (delegated program, plan)}``, None as the name of a program of one).
+    The emitted program itself is let go before (the recipes' check emits it once more)."""
+    pte, ptd = files
     result = {"pte": put_pte(store, pte)}
     if ptd is not None:
         result["ptd"] = store.put_bytes(ptd, "ptd")
@@ -635,7 +637,8 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     programs = {name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
                 for name, entry in methods.items()}
     built = build_methods_pte(programs, constants, runtime_ops=runtime_ops, external_weights=bool(external_weights))
-    return _emitted(store, built, bool(external_weights), programs, constants, runtime_ops)
+    files, built = program_files(built, bool(external_weights)), None  # its blobs: not held while recipes record
+    return _emitted(store, files, programs, constants, runtime_ops)
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",

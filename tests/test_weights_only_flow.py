@@ -69,6 +69,24 @@ def shifted():
     return _weights(_Shifted), (torch.randn(4, 16),)
 
 
+class _Tied(torch.nn.Module):
+    """An embedding and a head that share one weight (a tied LM head): on xnnpack the head's
+    delegate gets a copy of it (lowering.partition.duplicate_shared_constants)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 16)
+        self.head = torch.nn.Linear(16, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.emb(ids)))
+
+
+def tied():
+    return _weights(_Tied), (torch.randint(0, 32, (2, 5)),)
+
+
 def two_methods():
     model = _weights(models.CNN)
     return {"small": (model, (torch.randn(1, 3, 32, 32),)), "again": (model, (torch.randn(1, 3, 32, 32),))}
@@ -122,11 +140,10 @@ def test_a_retrain_runs_only_bind_weights(tmp_path, factory, targets, recipe):
         entry, before = second["targets"][target], first["targets"][target]
         assert entry["ok"], entry["error"]
         assert before["weights_only"] == {"bind_weights": "as exported"}
-        # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass
-        # the .ptd written from emit's recipes (lowering/ptd_recipes.py); a recipe with verify on reads its
-        # quantized program whole (verify's reference) and binds it the slow way
-        assert entry["weights_only"] == {"bind_weights": "rebound",
-                                         **({"quantized": "weights"} if recipe else {"ptd": "replayed"})}
+        # a recipe: only the weights quantized again (the quantize stage's recorded recipes), no graph pass;
+        # the .ptd written from emit's recipes (lowering/ptd_recipes.py), verify's reference from the tables
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {}),
+                                         "ptd": "replayed"}
         assert entry["pte"]["sha256"] == before["pte"]["sha256"]  # last night's program, byte for byte
         library = cold(tmp_path, factory, target, recipe)
         assert published(entry["pte"]) == library.pte
@@ -175,6 +192,48 @@ def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monke
         assert published(entry["ptd"]) == library.ptd
 
 
+def test_a_quantized_retrain_with_verify_on_writes_its_reference_from_the_tables(tmp_path, monkeypatch,
+                                                                                 fresh_stages):
+    """Verify on (the flow's default), 8da4w, nothing live: bind_weights reads no graph; verify's
+    quantized reference (last night's quantized program with tonight's weights, written from its
+    tables: lowering.serialize.with_new_tables) is a cold lowering's quantized program byte for
+    byte, and the only graph night 2 reads is verify's, of it; the pair runs on both runtimes."""
+    from tasks.artifacts import put_program
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, "mlp", ("xnnpack",), quantize="8da4w")
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
+    entry, before = summary["models"]["m"]["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "quantized": "weights", "ptd": "replayed"}
+    library = cold(tmp_path, "mlp", "xnnpack", "8da4w")
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+    assert published(entry["ptd"]) == library.ptd
+    reference = put_program(ArtifactStore(str(tmp_path / "cold")), library.quantized_program)
+    assert [ref.sha256 for ref in graphs] == [reference.sha256]  # verify's reference, and nothing else
+    assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
+
+
+def test_a_weight_two_partitions_share_is_bound_to_each(tmp_path, monkeypatch, fresh_stages):
+    """A tied embedding and head (as SmolLM2's): the head's delegate holds a copy of the shared
+    weight under another name (``head.weight_dup_…``), which a retrain binds to the new weight too:
+    the .ptd from the recipes, a cold lowering's pair, verify on both runtimes."""
+    from lowering.pte.flat_tensor import deserialize_ptd
+
+    manifest = retrain_fleet(tmp_path, "tied", ("xnnpack",))
+    first, summary, ran, graphs = retrain_in_a_new_process(tmp_path, monkeypatch, fresh_stages, manifest)
+    entry, before = summary["models"]["m"]["targets"]["xnnpack"], first["targets"]["xnnpack"]
+    assert entry["ok"], entry["error"]
+    assert dict(ran) == {"bind_weights": 1, "verify": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "ptd": "replayed"}
+    library = cold(tmp_path, "tied", "xnnpack")
+    assert any("_dup_" in key for key in deserialize_ptd(library.ptd))  # the delegate's copy of the weight
+    assert entry["pte"]["sha256"] == before["pte"]["sha256"]
+    assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
+    assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
+
+
 def test_what_the_recipes_cannot_replay_is_bound_the_slow_way(tmp_path, monkeypatch, fresh_stages):
     """A retrain that changes a weight the recipes' check pinned (an int64 buffer): bind_weights
     reads the emitted program and binds it again (its .pte emitted again and compared); the pair is
@@ -217,8 +276,8 @@ def test_a_retrain_of_a_model_of_several_methods_binds_every_method(tmp_path, ta
         entry, before = second["targets"][target], first["targets"][target]
         assert entry["ok"], entry["error"]
         assert before["weights_only"] == {"bind_weights": "as exported"}
-        assert entry["weights_only"] == {"bind_weights": "rebound",
-                                         **({"quantized": "weights"} if recipe else {"ptd": "replayed"})}
+        assert entry["weights_only"] == {"bind_weights": "rebound", **({"quantized": "weights"} if recipe else {}),
+                                         "ptd": "replayed"}
         library = cold(tmp_path, "two_methods", target, recipe)
         assert (published(entry["pte"]), published(entry["ptd"])) == (library.pte, library.ptd)
         assert entry["pte"]["sha256"] == before["pte"]["sha256"] and entry["ptd"]["sha256"] != before["ptd"]["sha256"]
