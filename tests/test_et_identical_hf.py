@@ -174,10 +174,12 @@ def test_ethos_u_int8_payloads(ethos_u_lowerings):
     """MobileNetV2: all of it on the NPU, the Vela command stream ExecuTorch's byte for byte (no named data).
     Both: TOSA graphs (what Vela compiles) with the same operators and the same constants as
     ExecuTorch's (MobileNetV2's differ in names and order only, which Vela's stream does not keep).
-    BERT: ExecuTorch's 2 Ethos-U partitions and the same ops left on the CPU, but not the same Vela streams: the TOSA
-    serializer writes operators, constants and a partition's outputs in graph order, and lowerflow's
-    graph orders some independent nodes differently from ExecuTorch's (as Vulkan's BERT payload
-    above), so the partitions come in the other order and Vela's streams differ.  (The adapter hands
+    BERT: ExecuTorch's 2 Ethos-U partitions and the same ops left on the CPU; the Vela streams are
+    ExecuTorch's byte for byte in some processes and not in others, because ExecuTorch's own BERT
+    streams depend on its process's string hash seed (measured: PYTHONHASHSEED 1 and 2 give exactly
+    lowerflow's streams, 3 orders some independent nodes otherwise, and the TOSA serializer writes
+    operators, constants and a partition's outputs in graph order, so other streams); lowerflow's
+    `.pte` is the same bytes under each seed.  (The adapter hands
     Arm's partitioner ``_clone_dim_order`` where lowerflow's graph has a no-op ``aten.clone``, as
     ExecuTorch's ``to_edge`` does: left as ``aten.clone``, it cut BERT into 12 partitions.)
     lowerflow's program loads either way."""
@@ -191,7 +193,7 @@ def test_ethos_u_int8_payloads(ethos_u_lowerings):
         assert ours == theirs and len(ours) == 1 and len(ours[0][1]) > 100_000
         assert ops_outside(result.exported_program) == Counter()
     else:
-        assert len(ours) == len(theirs) == 2 and ours != theirs  # (when equal: say so above)
+        assert len(ours) == len(theirs) == 2  # equal streams or not: ExecuTorch's hash seed decides (above)
         assert ops_outside(result.exported_program) != Counter()  # the mask's and the lookups' ops
     assert sorted(map(tosa_contents, our_tosa), key=repr) == sorted(map(tosa_contents, their_tosa), key=repr)
     assert loads_in_executorchs_parser(result.pte)
