@@ -42,6 +42,18 @@ def stored(tmp_path):
     return store, store.put_bytes(data, "blob"), data
 
 
+@pytest.fixture
+def windowed(tmp_path):
+    """(store, blob ref, program ref): a program holding the blob at offset 4, the blob kept as its window."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    blob = os.urandom(SIZE)
+    ref = store.put_bytes(blob, "blob")
+    container = b"head" + blob + b"tail"
+    program = store.put_bytes(container, "pte")
+    assert store.keep_as_windows(program, [(4, SIZE)], container) == SIZE
+    return store, ref, program
+
+
 def _overwrite_keeping_times(path: str, offset: int, data: bytes) -> None:
     """Change bytes in place, then put the file's atime and mtime back to the nanosecond."""
     st = os.stat(path)
@@ -109,15 +121,10 @@ def test_a_published_link_keeps_the_check_and_a_change_through_it_is_caught(stor
         store.get_bytes(published)
 
 
-def test_a_window_is_checked_by_its_container_and_the_range(tmp_path):
+def test_a_window_is_checked_by_its_container_and_the_range(windowed):
     """An object kept as a window of a bigger one (keep_as_windows) is trusted while the
     container's file is unchanged; bytes changed in its range are caught."""
-    store = ArtifactStore(str(tmp_path / "store"))
-    blob = os.urandom(SIZE)
-    ref = store.put_bytes(blob, "blob")
-    container = b"head" + blob + b"tail"
-    program = store.put_bytes(container, "pte")
-    assert store.keep_as_windows(program, [(4, SIZE)], container) == SIZE
+    store, ref, program = windowed
     assert not os.path.exists(store.object_path(ref.sha256)) and store.window(ref.sha256)
     assert store.checked(ref.sha256) and verify_reads(store, ref) < 4096
     _overwrite_keeping_times(store.object_path(program.sha256), 4 + SIZE // 3, b"\x00\x00\x00")
@@ -126,18 +133,13 @@ def test_a_window_is_checked_by_its_container_and_the_range(tmp_path):
         store.verify(ref)
 
 
-def test_a_window_stays_checked_while_its_container_is_after_a_link_moves_its_stamp(tmp_path):
+def test_a_window_stays_checked_while_its_container_is_after_a_link_moves_its_stamp(windowed, tmp_path):
     """A hard link to the container (``lowerflow lower -o``, a published output, then either
     removed) moves its ctime: the container stays checked (the link is the store's) and so do
     its windows, without reading them; once a link goes, the container's stamp is stale and a
     window's check hashes the whole container once (not each window, then the container
     again); a container edited through the link is hashed again and caught."""
-    store = ArtifactStore(str(tmp_path / "store"))
-    blob = os.urandom(SIZE)
-    ref = store.put_bytes(blob, "blob")
-    container = b"head" + blob + b"tail"
-    program = store.put_bytes(container, "pte")
-    store.keep_as_windows(program, [(4, SIZE)], container)
+    store, ref, program = windowed
     out = tmp_path / "out.pte"
     store.copy_out(program, str(out))
     out.unlink()  # moves the container's ctime again, outside the store
@@ -152,14 +154,9 @@ def test_a_window_stays_checked_while_its_container_is_after_a_link_moves_its_st
         store.verify(ref)
 
 
-def test_a_moved_window_record_is_not_trusted(tmp_path):
+def test_a_moved_window_record_is_not_trusted(windowed):
     """The record of a window names its range: the same container, another range, is hashed."""
-    store = ArtifactStore(str(tmp_path / "store"))
-    blob = os.urandom(SIZE)
-    ref = store.put_bytes(blob, "blob")
-    container = b"head" + blob + b"tail"
-    program = store.put_bytes(container, "pte")
-    store.keep_as_windows(program, [(4, SIZE)], container)
+    store, ref, program = windowed
     with open(store.window_path(ref.sha256), "w") as f:  # one byte later: other bytes
         json.dump({"object": program.sha256, "offset": 5, "size": SIZE}, f, sort_keys=True)
     assert not store.checked(ref.sha256)
