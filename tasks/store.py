@@ -33,8 +33,9 @@ too) when its bytes last hashed to the object's name, or when the store wrote th
 stamp that differs in any field means the object is hashed again (and quarantined if
 corrupt); except that a window of an object, once checked, stays checked while that
 object is (the object's bytes are fixed by its name, so are the range's), whatever moved
-the object's stamp since (a hard link to it: a published output, ``lowerflow lower -o``).  So a cached rerun stats its objects instead of re-reading them (SmolLM2-135M:
-1.1 GB hashed per warm run before).  What the stamp catches, and what it cannot:
+the object's stamp since (a hard link to it: a published output, ``lowerflow lower -o``).
+So a cached rerun stats its objects instead of re-reading them (SmolLM2-135M: 1.1 GB
+hashed per warm run before).  What the stamp catches, and what it cannot:
 
 * caught: any write through the filesystem to the object's file (it moves mtime and
   ctime; putting mtime back with ``touch -d`` or ``os.utime`` still moves ctime, which
@@ -263,7 +264,7 @@ class ArtifactStore:
         stamp = self._file_stamp(sha256)
         if self.checked(sha256, stamp):
             return
-        if self._follows_container(sha256, stamp):  # hash the whole object once, not each window
+        if self._follows_container(stamp, self._check_record(sha256)):  # hash the object once, not each window
             container = str(stamp["window"]["object"])
             try:
                 self._check_object(container, f"container of {what}")
@@ -291,15 +292,15 @@ class ArtifactStore:
         record = self._check_record(sha256)
         if record == stamp:
             return True
-        return self._follows_container(sha256, stamp, record) and self.checked(str(stamp["window"]["object"]))
+        return self._follows_container(stamp, record) and self.checked(str(stamp["window"]["object"]))
 
-    def _follows_container(self, sha256: str, stamp: dict | None, record: Any = ...) -> bool:
-        """Whether the object is a window of an object (not of an outside file) whose bytes
-        hashed to its name in that same range of that same object, as its check record says:
-        the object's bytes are its name's, so while that object is checked the window's are
-        too (a link to the object moves its ctime, never its bytes)."""
+    @staticmethod
+    def _follows_container(stamp: dict | None, record: Any) -> bool:
+        """Whether the object of ``stamp`` is a window of an object (not of an outside file)
+        whose bytes hashed to its name in that same range of that same object, as its check
+        ``record`` says: the object's bytes are its name's, so while that object is checked
+        the window's are too (a link to the object moves its ctime, never its bytes)."""
         window = (stamp or {}).get("window")
-        record = self._check_record(sha256) if record is ... else record
         return (bool(window) and "object" in window and isinstance(record, dict) and record.get("window") == window
                 and record.get("file") == stamp.get("file"))
 
