@@ -137,6 +137,9 @@ def serve(host: str = "127.0.0.1", port: int = 4200, say: Callable[[str], None] 
     """Start the UI server, print where the reports are and the latest fleet report itself
     (``verbose``: the address of every model's latest report too), serve until interrupted."""
     url = f"http://{host}:{port}"
+    # Ctrl-C stops it whatever this process inherited: a parent that ignores SIGINT (some test
+    # runners' workers) passes SIG_IGN down, and Python then installs no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = start_server(host, port)
     try:
         wait_until_up(url, server)
