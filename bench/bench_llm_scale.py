@@ -231,14 +231,12 @@ def run_lowerflow(ckpt: Path, recipe: str, work: Path, extra: list[str]) -> dict
 
 
 def hash_seconds(directory: Path) -> float:
-    """Wall seconds to hash the checkpoint's files as a cached rerun does (blake3 over each
-    file mapped, all cores: tasks/fingerprint.py), right after the warm rerun: the issue's
-    budget for a cached rerun is 5 s plus this."""
-    import blake3
+    """Wall seconds to hash the checkpoint's files as a cached rerun does (tasks.fingerprint.hf_files),
+    right after the warm rerun: the issue's budget for a cached rerun is 5 s plus this."""
+    from tasks.fingerprint import hf_files  # imported before the clock starts
 
     start = time.perf_counter()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.stat().st_size):
-        blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(str(path))
+    hf_files(directory)
     return round(time.perf_counter() - start, 2)
 
 
