@@ -85,6 +85,11 @@ _ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "memo
 _HEX = frozenset("0123456789abcdef")
 
 
+#: The extended attribute of a local object's file naming the object (set when the store writes
+#: it).  Every hard link to the file shares it: replacing or removing a link (a published output,
+#: an ``-o`` file) moves the object's ctime, and the attribute says which object's check to keep.
+OBJECT_XATTR = "user.lowerflow.object"
+
 #: Environment variable: set (to anything but "" or "0"), checks ignore the checked records
 #: and hash every object (see "Checked objects" above).
 REHASH_ENV = "LOWERFLOW_STORE_REHASH"
@@ -186,6 +191,8 @@ class ArtifactStore:
             self._touch(self.window_path(digest))  # kept as a window of a bigger object (or of a file)
         elif size is None:
             self._write_atomic(path, view)
+            if self.is_local:
+                _name_file(path, digest)  # before its stamp: setting it moves the ctime
             self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
         elif self.is_local:
             with self._keeping_check(digest):
@@ -414,13 +421,13 @@ class ArtifactStore:
             self._replace_file(path, write)
         return ref.size
 
-    @staticmethod
-    def _replace_file(path: str, fill: Callable[[str], Any]) -> None:
+    def _replace_file(self, path: str, fill: Callable[[str], Any]) -> None:
         """Replace the local file ``path`` atomically by what ``fill(tmp)`` writes at ``tmp``."""
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             fill(tmp)
-            os.replace(tmp, path)
+            with self._keeping_replaced(path):
+                os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -433,12 +440,32 @@ class ArtifactStore:
         try:
             with self._keeping_check(sha256):  # a link and its rename move the object's ctime
                 os.link(self.object_path(sha256), tmp)
-                os.replace(tmp, path)
+                with self._keeping_replaced(path):
+                    os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             return False
         return True
+
+    @contextlib.contextmanager
+    def _keeping_replaced(self, path: str):
+        """Replace or remove the local file ``path``: when it is a hard link to an object's file
+        (last night's published output), that object, checked before, stays checked after (the
+        link's removal moves its ctime, never its bytes; its next check would hash it again)."""
+        linked = self._object_linked_at(path) if self.is_local else None
+        with self._keeping_check(linked) if linked is not None else contextlib.nullcontext():
+            yield
+
+    def _object_linked_at(self, path: str) -> str | None:
+        """The object whose file the local file ``path`` is (its :data:`OBJECT_XATTR`), or None."""
+        try:
+            digest = os.getxattr(path, OBJECT_XATTR).decode()
+        except (OSError, AttributeError, UnicodeDecodeError):  # none, not a file, no xattrs here
+            return None
+        if len(digest) != 64 or not set(digest) <= _HEX or path == self.object_path(digest):
+            return None
+        return digest if _same_file(path, self.object_path(digest)) else None
 
     def _check_file_digest(self, path: str, ref: ArtifactRef) -> None:
         """ArtifactCorrupt (the object quarantined) unless the file at ``path`` hashes to ``ref``'s digest."""
@@ -463,7 +490,8 @@ class ArtifactStore:
         """Remove the named output ``name`` if present; returns whether it was there."""
         path = self.named_path(name)
         try:
-            self.fs.rm_file(path)
+            with self._keeping_replaced(path):
+                self.fs.rm_file(path)
         except FileNotFoundError:
             return False
         return True
@@ -768,6 +796,13 @@ class ArtifactStore:
             self.fs.mv(path, target)
         except FileNotFoundError:
             pass  # already moved or removed by someone else
+
+
+def _name_file(path: str, digest: str) -> None:
+    """Set the :data:`OBJECT_XATTR` of the local object file ``path`` (where the filesystem keeps
+    user attributes; elsewhere a replaced link costs its object one more hash)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setxattr(path, OBJECT_XATTR, digest.encode())
 
 
 def _same_file(a: str, b: str) -> bool:
