@@ -38,7 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, serialize_ptd
+from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, ptd_parts
 from .rebind import NotWeightsOnly, with_partition_copies
 from .serialize import tensor_memory
 
@@ -198,9 +198,16 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
 
 def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> bytes:
     """The ``.ptd`` of the recorded program (:func:`record_recipes`) bound to ``bindings``
-    (target -> tensor of tonight's weights).  Raises :class:`NotWeightsOnly` when the record is
-    unproven or of another version, a weight is missing or of another dtype or shape, or a
-    pinned weight (not perturbed by the check) changed."""
+    (target -> tensor of tonight's weights): :func:`replay_parts` joined."""
+    return b"".join(replay_parts(record, bindings))
+
+
+def replay_parts(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> list:
+    """:func:`replay`'s ``.ptd`` as its pieces in order (:func:`~lowering.pte.flat_tensor.ptd_parts`:
+    a weight stored as it is stays a view of its tensor, for a store to write without a joined
+    copy).  Raises :class:`NotWeightsOnly` when the record is unproven or of another version, a
+    weight is missing or of another dtype or shape, or a pinned weight (not perturbed by the
+    check) changed."""
     from .quantize.graph import value_digest
 
     if record.get("version") != VERSION:
@@ -217,8 +224,8 @@ def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> b
         if name not in bindings or value_digest(bindings[name]) != digest:
             raise NotWeightsOnly(f"{name!r} ({'missing' if name not in bindings else 'changed'}) is not a "
                                  "weight the .ptd recipes were checked with: bind again")
-    return serialize_ptd({key: PtdEntry(entry_bytes(recipe, bindings), _layout(record["layouts"][key]))
-                          for key, recipe in record["recipes"].items()})
+    return ptd_parts({key: PtdEntry(entry_bytes(recipe, bindings), _layout(record["layouts"][key]))
+                      for key, recipe in record["recipes"].items()})
 
 
 def _layout_json(layout: TensorLayout | None) -> list | None:

@@ -45,11 +45,11 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
         ptd = replayed(store, emitted, bindings) if replay else None
         how = "replayed" if ptd is not None else "rebound"
         if ptd is None:
-            ptd = emit_bound_ptd(emitted_program or get_program(store, program), bindings, plan,
-                                 store.get_bytes(emitted["pte"]), runtime_ops)
+            ptd = [emit_bound_ptd(emitted_program or get_program(store, program), bindings, plan,
+                                  store.get_bytes(emitted["pte"]), runtime_ops)]
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "reference": new_reference, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_parts(ptd, "ptd"), "reference": new_reference, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}
 
 
@@ -69,15 +69,16 @@ def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: di
     return store.put_bytes(serialized.manifest, "program")
 
 
-def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> bytes | None:
+def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> list | None:
     """The ``.ptd`` of ``bindings`` written from the recipes emit recorded (``emitted["recipes"]``,
-    :mod:`lowering.ptd_recipes`), or None where they do not hold (unproven, another weight dtype,
-    a pinned weight changed): then the program is bound again."""
-    from lowering.ptd_recipes import replay
+    :mod:`lowering.ptd_recipes`) as its parts (:func:`lowering.ptd_recipes.replay_parts`), or None
+    where they do not hold (unproven, another weight dtype, a pinned weight changed): then the
+    program is bound again."""
+    from lowering.ptd_recipes import replay_parts
     from lowering.rebind import NotWeightsOnly
 
     try:
-        return replay(get_doc(store, emitted["recipes"]), bindings)
+        return replay_parts(get_doc(store, emitted["recipes"]), bindings)
     except NotWeightsOnly:
         return None
 
@@ -147,9 +148,9 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
         how = "replayed" if ptd is not None else "rebound"
         if ptd is None:
             programs = programs or {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
-            ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
-                                        runtime_ops=runtime_ops)
+            ptd = [rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
+                                         runtime_ops=runtime_ops)]
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "references": new_references, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_parts(ptd, "ptd"), "references": new_references, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}

@@ -178,26 +178,36 @@ class ArtifactStore:
         """Store ``data`` (bytes or any contiguous buffer, e.g. a tensor's memoryview: not
         copied) under its sha256 (no rewrite if present) and return its ref."""
         view = byte_view(data)
-        return self._put_digested(sha256_hex(view), view, kind)
+        return self._put_digested(sha256_hex(view), [view], kind)
 
-    def _put_digested(self, digest: str, view: memoryview, kind: str) -> ArtifactRef:
-        """The write path: store ``view``, whose sha256 is ``digest``, unless present."""
+    def put_parts(self, parts: Iterable[Any], kind: str) -> ArtifactRef:
+        """:meth:`put_bytes` of the concatenation of ``parts`` (buffers, e.g. a ``.ptd``'s header
+        and its weights' tensor memory: :func:`lowering.pte.flat_tensor.ptd_parts`), hashed and
+        written one after another, never joined in memory (on a local store)."""
+        views = [byte_view(part) for part in parts]
+        digest = hashlib.sha256()
+        for view in views:
+            digest.update(view)
+        return self._put_digested(digest.hexdigest(), views, kind)
+
+    def _put_digested(self, digest: str, views: list[memoryview], kind: str) -> ArtifactRef:
+        """The write path: store the bytes of ``views`` (in order), whose sha256 is ``digest``, unless present."""
         path = self.object_path(digest)
-        size = self._size(path)
-        if size is not None and size != view.nbytes:
+        size, nbytes = self._size(path), sum(view.nbytes for view in views)
+        if size is not None and size != nbytes:
             self._quarantine(path, digest)
             size = None
-        if size is None and self._window_size(digest) == view.nbytes and self._window_holds(digest):
+        if size is None and self._window_size(digest) == nbytes and self._window_holds(digest):
             self._touch(self.window_path(digest))  # kept as a window of a bigger object (or of a file)
         elif size is None:
-            self._write_atomic(path, view)
+            self._write_atomic(path, views)
             if self.is_local:
                 _name_file(path, digest)  # before its stamp: setting it moves the ctime
             self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
         elif self.is_local:
             with self._keeping_check(digest):
                 os.utime(path)  # in use again: garbage collection counts its age from now
-        return ArtifactRef(self.uri(path), digest, view.nbytes, kind)
+        return ArtifactRef(self.uri(path), digest, nbytes, kind)
 
     def get_bytes(self, ref: ArtifactRef) -> bytes:
         """The bytes of ``ref`` (an object, or a named output of this store), digest-checked."""
@@ -552,7 +562,7 @@ class ArtifactStore:
             candidates = files(view) if files is not None and not self.has(digest) else ()
             if not any(self.keep_in_file(digest, path, offset, view.nbytes, transpose)
                        for path, offset, transpose in candidates):
-                self._put_digested(digest, view, "blob")
+                self._put_digested(digest, [view], "blob")
         return self.put_bytes(serialized.manifest, "program")
 
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
@@ -768,10 +778,11 @@ class ArtifactStore:
             )
         return data
 
-    def _write_atomic(self, path: str, data: bytes | memoryview) -> None:
+    def _write_atomic(self, path: str, data: bytes | memoryview | list[memoryview]) -> None:
+        """Write ``data`` (or its parts, in order) at ``path``: a reader sees all of it or none."""
         parent = posixpath.dirname(path)
         if not self.is_local:
-            data = bytes(data)  # fsspec's remote filesystems take bytes
+            data = b"".join(data) if isinstance(data, list) else bytes(data)  # fsspec's remote filesystems take bytes
         if self._atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -779,7 +790,7 @@ class ArtifactStore:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         if self.is_local:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.writelines(data if isinstance(data, list) else [data])
             os.replace(tmp, path)
         else:  # e.g. sftp: rename is atomic there too
             self.fs.pipe_file(tmp, data)
