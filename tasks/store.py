@@ -70,6 +70,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import fsspec
 
+from .local_files import (OBJECT_XATTR, file_digest, name_file, path_stamp, read_into_buffer, same_file,
+                          transposed)
+
 if TYPE_CHECKING:  # torch is imported only by the program helpers, on use
     from torch.export import ExportedProgram
 
@@ -84,11 +87,6 @@ MANIFEST_KINDS = frozenset({"program"})
 _ATOMIC_PUT_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "memory"})
 _HEX = frozenset("0123456789abcdef")
 
-
-#: The extended attribute of a local object's file naming the object (set when the store writes
-#: it).  Every hard link to the file shares it: replacing or removing a link (a published output,
-#: an ``-o`` file) moves the object's ctime, and the attribute says which object's check to keep.
-OBJECT_XATTR = "user.lowerflow.object"
 
 #: Environment variable: set (to anything but "" or "0"), checks ignore the checked records
 #: and hash every object (see "Checked objects" above).
@@ -202,7 +200,7 @@ class ArtifactStore:
         elif size is None:
             self._write_atomic(path, views)
             if self.is_local:
-                _name_file(path, digest)  # before its stamp: setting it moves the ctime
+                name_file(path, digest)  # before its stamp: setting it moves the ctime
             self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
         elif self.is_local:
             with self._keeping_check(digest):
@@ -294,7 +292,7 @@ class ArtifactStore:
             stamp = self._file_stamp(sha256)
             if self.checked(sha256, stamp):
                 return
-        if stamp is None or _file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
+        if stamp is None or file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
             self.read_object(sha256, what=what)  # elsewhere, or the error it raises (quarantined)
         if stamp is not None and self._file_stamp(sha256) == stamp:  # unchanged while it was hashed
             self._record_check(sha256, stamp)
@@ -365,7 +363,7 @@ class ArtifactStore:
             if window is None:
                 return None
             path = self._window_source(window)
-        stamp = _path_stamp(path)
+        stamp = path_stamp(path)
         if stamp is None:
             return None
         inside = window is None or "object" in window
@@ -388,7 +386,7 @@ class ArtifactStore:
         path = self.named_path(name)
         source = self.object_path(ref.sha256)
         if self._size(source) == ref.size and (self.is_local or _server_side_copy(self.fs)):
-            if self.is_local and _same_file(source, path):
+            if self.is_local and same_file(source, path):
                 return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
             if self.is_local:
                 self._check_object(ref.sha256, f"{ref.kind} artifact")
@@ -412,10 +410,10 @@ class ArtifactStore:
         handed out.  A file at ``path`` that already holds those bytes (a rerun writing the
         same output; hashing it costs a third of copying it) is left as it is."""
         source = self.object_path(ref.sha256)
-        if self.is_local and _same_file(source, path):
+        if self.is_local and same_file(source, path):
             self._check_object(ref.sha256, f"{ref.kind} artifact")
             return ref.size
-        if os.path.isfile(path) and os.path.getsize(path) == ref.size and _file_digest(path) == ref.sha256:
+        if os.path.isfile(path) and os.path.getsize(path) == ref.size and file_digest(path) == ref.sha256:
             return ref.size
         if self.is_local and self._size(source) == ref.size:  # linked or copied: checked first
             self._check_object(ref.sha256, f"{ref.kind} artifact")
@@ -475,7 +473,7 @@ class ArtifactStore:
             return None
         if len(digest) != 64 or not set(digest) <= _HEX or path == self.object_path(digest):
             return None
-        return digest if _same_file(path, self.object_path(digest)) else None
+        return digest if same_file(path, self.object_path(digest)) else None
 
     def _check_file_digest(self, path: str, ref: ArtifactRef) -> None:
         """ArtifactCorrupt (the object quarantined) unless the file at ``path`` hashes to ``ref``'s digest."""
@@ -623,8 +621,8 @@ class ArtifactStore:
         doc = {"file": path, "offset": int(offset), "size": int(size)}
         if transpose is not None:
             doc["transpose"] = [int(n) for n in transpose]
-        before = _path_stamp(path)
-        if before is None or not _is_window(doc) or _file_digest(path, doc) != sha256:
+        before = path_stamp(path)
+        if before is None or not _is_window(doc) or file_digest(path, doc) != sha256:
             return False
         self._write_atomic(self.window_path(sha256), json.dumps(doc, sort_keys=True).encode())
         stamp = self._file_stamp(sha256)
@@ -704,7 +702,7 @@ class ArtifactStore:
         start, source = int(doc["offset"]), self._window_source(doc)
         of = f"object {doc['object']}" if "object" in doc else f"file {source}"
         try:
-            data = _transposed(self.fs.cat_file(source, start=start, end=start + int(doc["size"])), doc)
+            data = transposed(self.fs.cat_file(source, start=start, end=start + int(doc["size"])), doc)
         except FileNotFoundError:
             data = None
         if data is not None and sha256_hex(data) == sha256:
@@ -765,7 +763,7 @@ class ArtifactStore:
     def _read_verified(self, path: str, sha256: str, what: str, *, quarantine: bool,
                        writable: bool = False) -> bytes:
         try:
-            data = _read_into_buffer(path) if writable and self.is_local else self.fs.cat_file(path)
+            data = read_into_buffer(path) if writable and self.is_local else self.fs.cat_file(path)
         except FileNotFoundError:
             raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url}") from None
         actual = sha256_hex(data)
@@ -809,19 +807,8 @@ class ArtifactStore:
             pass  # already moved or removed by someone else
 
 
-def _name_file(path: str, digest: str) -> None:
-    """Set the :data:`OBJECT_XATTR` of the local object file ``path`` (where the filesystem keeps
-    user attributes; elsewhere a replaced link costs its object one more hash)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setxattr(path, OBJECT_XATTR, digest.encode())
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two local paths are one file (a published output linked to its object)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def _server_side_copy(fs) -> bool:
@@ -846,66 +833,12 @@ def _is_window(doc: Any) -> bool:
                              and shape[0] * shape[1] * shape[2] == doc["size"])
 
 
-def _transposed(data: bytes, window: dict | None) -> bytes | bytearray:
-    """``data`` (a window's range), transposed as its window's ``transpose`` says (else as it is)."""
-    shape = (window or {}).get("transpose")
-    if not shape:
-        return data
-    import numpy as np
-
-    rows, cols, itemsize = shape
-    dtype = np.dtype({1: "u1", 2: "u2", 4: "u4", 8: "u8"}.get(itemsize, f"V{itemsize}"))
-    out = bytearray(len(data))
-    np.copyto(np.frombuffer(out, dtype).reshape(cols, rows), np.frombuffer(data, dtype).reshape(rows, cols).T)
-    return out
 
 
-def _path_stamp(path: str) -> dict | None:
-    """A local file's size, mtime_ns, ctime_ns, inode and device (as in a check's stamp); None if absent."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-            "dev": st.st_dev}
 
 
-def _file_digest(path: str, window: dict | None = None, chunk: int = 16 * 2**20) -> str | None:
-    """The sha256 of a local file (of the range ``window`` names, transposed if it says so),
-    read in chunks: a big object is hashed without being held; None when it is missing or short."""
-    start, size = (int(window["offset"]), int(window["size"])) if window else (0, None)
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            if window and window.get("transpose"):  # held once: a transpose reads all of it
-                data = f.read(size)
-                return sha256_hex(_transposed(data, window)) if len(data) == size else None
-            left = os.fstat(f.fileno()).st_size - start if size is None else size
-            while left > 0:
-                data = f.read(min(chunk, left))
-                if not data:
-                    return None
-                digest.update(data)
-                left -= len(data)
-    except OSError:
-        return None
-    return digest.hexdigest()
 
 
-def _read_into_buffer(path: str) -> bytearray:
-    """A local file's bytes read straight into one ``bytearray`` (``cat_file`` would give bytes
-    that the caller then copies into writable memory)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = bytearray(size)
-        view, done = memoryview(buffer), 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                break
-            done += n
-    return buffer if done == size else buffer[:done]
 
 
 def _check_name(name: str) -> str:
