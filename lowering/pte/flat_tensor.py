@@ -120,12 +120,12 @@ def ptd_parts(entries: Mapping[str, PtdEntry]) -> list:
     segments: list = []
     segment_of: dict[tuple, int] = {}
     table: list[tuple[str, int, TensorLayout | None]] = []
-    shared = {size for size, n in Counter(memoryview(e.data).nbytes for e in entries.values()).items() if n > 1}
+    looks = {key: _look(entry.data) for key, entry in entries.items()}
+    shared = {look for look, n in Counter(looks.values()).items() if n > 1}
     for key in sorted(entries):
         entry = entries[key]
-        size = memoryview(entry.data).nbytes
-        # equal bytes have equal sizes: only a blob whose size another has is hashed to find its twin
-        same = (size, hashlib.sha256(entry.data).digest() if size in shared else None)
+        # equal bytes look alike (size, first bytes): only a blob that looks like another is hashed
+        same = (looks[key], hashlib.sha256(entry.data).digest() if looks[key] in shared else None)
         if same not in segment_of:
             segment_of[same] = len(segments)
             segments.append(entry.data)
@@ -152,6 +152,13 @@ def ptd_parts(entries: Mapping[str, PtdEntry]) -> list:
         parts.append(data)
         written = offset + size
     return parts
+
+
+def _look(data) -> tuple[int, bytes]:
+    """A blob's size and first 4 KiB: blobs that differ there differ (most weights, at once)."""
+    view = memoryview(data)
+    view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return view.nbytes, bytes(view[:4096])
 
 
 def _flatbuffer(offsets: list[tuple[int, int]], table: list[tuple[str, int, TensorLayout | None]]) -> bytes:
