@@ -566,10 +566,10 @@ class ArtifactStore:
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
         """Load the program a :meth:`put_program` ref names, checking every digest.  Each
         weight is read into the buffer its tensor keeps (one copy, never two)."""
-        from lowering.serialize import deserialize_any
+        from lowering.serialize import CheckingReader, deserialize_any
 
         what = f"blob of program {ref.sha256[:12]}"
-        return deserialize_any(self.get_bytes(ref), lambda d: self.read_object_buffer(d, what=what))
+        return deserialize_any(self.get_bytes(ref), CheckingReader(lambda d: self.read_object_buffer(d, what=what)))
 
     def put_blobs(self, blobs: Iterable[bytes]) -> list[ArtifactRef]:
         """Store manifest blobs (kind ``"blob"``); present ones are not rewritten."""
