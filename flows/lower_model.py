@@ -51,7 +51,8 @@ from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, qua
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
-from tasks.stages import StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key, quantize_versions
+from tasks.stages import (IN_PROCESS_STAGES, StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key,
+                          quantize_versions)
 
 from . import heartbeats, run_logs, weights_only
 from .dry_run import DryRun, exported_control_flow, stored_control_flow
@@ -199,14 +200,19 @@ def run_model(
     config = CacheConfig.for_store(store, locks=locks)
     stages = StageTasks(config)
     lookup = StageLookup(config)
+    # lower_cached binds a retrain's weights itself when no stage after it (verify, benchmark) runs
+    in_process = IN_PROCESS_STAGES if cached_only and benchmark is None and gates is None and all(
+        target_mode(verify, target, 0) == "off" for target in targets) else frozenset()
 
     def run(stage: str, records: list[dict], **inputs: Any) -> Any:
         try:
             return lookup(stage, records, **inputs)
         except WouldRun:
-            if cached_only:
+            if cached_only and stage not in in_process:
                 raise
-            records.pop()  # the lookup's would-run record; the task records itself
+            records.pop()  # the lookup's would-run record; the task (or compute) records itself
+            if cached_only:
+                return lookup.compute(stage, records, **inputs)
             return call_stage(getattr(stages, stage), records, **inputs)
 
     # publishes (a hard link in a local directory: no second copy) unless a gate refuses
@@ -250,7 +256,10 @@ def lower_cached(model: str, targets: list[str] = [PORTABLE], **options: Any) ->
     cache: the same stages looked up, the same outputs published, the same manifest
     (``flow_run`` None, no report artifact), and no Prefect API used, so ``lowerflow lower``
     with no API server configured starts none for a cached rerun (its ephemeral server
-    took 6-26 s of a SmolLM2-135M rerun).  None when a stage would run or anything fails:
+    took 6-26 s of a SmolLM2-135M rerun).  A retrain with external weights and verify off
+    (every graph stage hits, only ``bind_weights`` runs: :mod:`flows.weights_only`) binds its
+    weights here too (:meth:`tasks.stages.StageLookup.compute`: its result recorded as its
+    task records it).  None when another stage would run or anything fails:
     then the flow runs the model (and reports what failed).  ``options``: lower_model's.
     A model the store has no manifest of (never published: its first lowering) is not
     looked up at all, so a cold run loads and fingerprints it once."""

@@ -71,7 +71,7 @@ from lowering.verify_executorch import with_data
 from .artifacts import (checkpoint_ranges, get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte,
                         put_program)
 from .bind import bind_from_tables, bind_methods_from_tables, note_as_recorded, record_recipes
-from .cache import CacheConfig, iter_refs, stage_task
+from .cache import CacheConfig, check_result, iter_refs, stage_task
 from .live import LIVE, release_live, take_program
 from .model_spec import live_model
 from .run_names import task_run_name
@@ -843,6 +843,42 @@ class StageLookup:
         if result is None:
             raise WouldRun(stage)
         return result
+
+
+    def compute(self, stage: str, records: list[dict], **inputs: Any) -> Any:
+        """Run ``stage`` in this process, without a task run, and persist its result as its
+        task would (the same key, record and serializer; under the stage's lock, so that a
+        concurrent run computes it once): what :func:`flows.lower_model.lower_cached` does with
+        the one stage of a retrain night (:data:`IN_PROCESS_STAGES`).  Appends its record."""
+        import os
+        import threading
+
+        start = time.perf_counter()
+        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
+        key = policy.key_for(stage_inputs(stage, inputs))
+        holder = f"lowerflow-{os.getpid()}-{threading.get_ident()}"
+        policy.lock_manager.acquire_lock(key, holder)
+        try:
+            if self.results.exists(key):  # computed meanwhile by another run
+                result = self.results.read(key).result
+                policy.check_refs(result)
+                state = "Cached"
+            else:
+                with TORCH_LOCK:
+                    result = globals()[f"run_{stage}"](self.store, **inputs)
+                check_result(stage, result)
+                self.results.write(obj=result, key=key, holder=holder)
+                state = "Completed"
+        finally:
+            policy.lock_manager.release_lock(key, holder)
+        records.append({"stage": stage, "cached": state == "Cached", "state": state,
+                        "seconds": round(time.perf_counter() - start, 4), "bytes": _result_bytes(result), "key": key})
+        return result
+
+
+#: The stages :meth:`StageLookup.compute` may run outside a flow: a retrain's weights bound to
+#: last night's program (flows/weights_only.py), when nothing else of the night would run.
+IN_PROCESS_STAGES = frozenset({"bind_weights", "bind_weights_methods"})
 
 
 def stage_inputs(stage: str, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -247,6 +247,64 @@ def test_a_quantized_retrain_with_verify_on_writes_its_reference_from_the_tables
     assert {c["runtime"] for c in entry["verify"]["checks"] if c["ok"]} == {"lowerflow", "executorch"}
 
 
+#: ``lowerflow ARGS`` in a fresh interpreter, then whether it started Prefect's server.
+_LOWER_AND_TELL = """
+import sys
+from flows.cli import main
+code = main(sys.argv[1:])
+print("server imported:", "prefect.server.api.server" in sys.modules)
+sys.exit(code)
+"""
+
+
+def test_a_command_line_retrain_with_verify_off_binds_without_a_flow_run(tmp_path, fresh_stages):
+    """``lowerflow lower --external-weights --verify off`` with no API server configured, on a
+    retrain: every graph stage hits, and the command binds tonight's weights in its own process
+    (flows.lower_model.lower_cached: no flow run, Prefect's server never started); the .pte is
+    last night's, the .ptd a cold lowering's.  Its cache record is the task's own: the flow, run
+    next on the same weights, finds bind_weights cached.  With verify on, the flow runs it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flows.lower_model import lower_model
+
+    (tmp_path / "retrained.py").write_text(FACTORIES)
+    (tmp_path / "seed.txt").write_text("1")
+    spec, store = f"{tmp_path / 'retrained.py'}:mlp", tmp_path / "store"
+    first = lower_model(spec, ["xnnpack"], store=str(store), verify=False, external_weights=True)
+    (tmp_path / "seed.txt").write_text("2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "LOWERFLOW_"))}
+    env.update(PYTHONPATH=str(ROOT), PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+
+    def lower(*extra: str) -> str:
+        args = ["lower", spec, "-t", "xnnpack", "--external-weights", "--store", str(store),
+                "-o", str(tmp_path / "out.pte"), *extra]
+        done = subprocess.run([sys.executable, "-c", _LOWER_AND_TELL, *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    out = lower("--verify", "off")
+    assert "server imported: False" in out and "bind_weights        ran" in out, out
+    manifest = json.loads((store / "outputs" / first["name"] / "manifest.json").read_text())
+    entry = manifest["targets"]["xnnpack"]
+    assert manifest["flow_run"] is None and manifest["changed"] == ["weights"]
+    assert entry["weights_only"] == {"bind_weights": "rebound", "ptd": "replayed"}
+    assert [r["stage"] for r in entry["stages"] if not r["cached"]] == ["bind_weights"]
+    assert entry["pte"]["sha256"] == first["targets"]["xnnpack"]["pte"]["sha256"]
+    library = cold(tmp_path, "mlp", "xnnpack")
+    assert (tmp_path / "out.pte").read_bytes() == library.pte and (tmp_path / "out.ptd").read_bytes() == library.ptd
+    summary, ran = executions_during(lower_model, spec, ["xnnpack"], store=str(store), verify=False,
+                                     external_weights=True)
+    assert dict(ran) == {}, dict(ran)  # the command's record is the task's: a hit in the flow
+    assert summary["flow_run"] is not None
+    (tmp_path / "seed.txt").write_text("3")
+    out = lower("--verify", "full")  # verify runs after the bind: the flow runs the night
+    assert "server imported: True" in out and "bind_weights        ran" in out, out
+
+
 def test_a_weight_two_partitions_share_is_bound_to_each(tmp_path, monkeypatch, fresh_stages):
     """A tied embedding and head (as SmolLM2's): the head's delegate holds a copy of the shared
     weight under another name (``head.weight_dup_…``), which a retrain binds to the new weight too:
