@@ -51,8 +51,8 @@ from lowering.targets import PORTABLE, backend_versions, chain_of, keep_for, qua
 from tasks.cache import CacheConfig
 from tasks.model_spec import ModelSpec, holding, load_model, modules_loaded
 from tasks.run_names import labelled
-from tasks.stages import (IN_PROCESS_STAGES, StageLookup, StageTasks, WouldRun, call_stage, fused_ops_key,
-                          quantize_versions)
+from tasks.stage_tasks import IN_PROCESS_STAGES, StageLookup, StageTasks, WouldRun, call_stage
+from tasks.stages import fused_ops_key, quantize_versions
 
 from . import heartbeats, run_logs, weights_only
 from .dry_run import DryRun, exported_control_flow, stored_control_flow
@@ -258,7 +258,7 @@ def lower_cached(model: str, targets: list[str] = [PORTABLE], **options: Any) ->
     with no API server configured starts none for a cached rerun (its ephemeral server
     took 6-26 s of a SmolLM2-135M rerun).  A retrain with external weights and verify off
     (every graph stage hits, only ``bind_weights`` runs: :mod:`flows.weights_only`) binds its
-    weights here too (:meth:`tasks.stages.StageLookup.compute`: its result recorded as its
+    weights here too (:meth:`tasks.stage_tasks.StageLookup.compute`: its result recorded as its
     task records it).  None when another stage would run or anything fails:
     then the flow runs the model (and reports what failed).  ``options``: lower_model's.
     A model the store has no manifest of (never published: its first lowering) is not

@@ -338,8 +338,9 @@ def test_stage_tasks_are_made_on_first_use(tmp_path):
     """A model run whose stages all hit the cache makes no Prefect task: each is made
     when the run first needs it, once, for every stage there is."""
     from tasks.cache import CacheConfig
+    from tasks.stage_tasks import StageTasks
 
-    made = stages.StageTasks(CacheConfig.for_store(str(tmp_path)))
+    made = StageTasks(CacheConfig.for_store(str(tmp_path)))
     assert not set(stages.STAGE_IGNORES) & set(vars(made))
     task = made.export
     assert made.export is task and task.name == "export" and task.cache_policy is not None

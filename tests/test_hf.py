@@ -456,7 +456,9 @@ def test_models_load_beside_export_stages_unchanged(hf_dirs, tmp_path):
         """))
     export_options = {"strict": True}  # a dynamo export: the most process-wide state
     other = load_model(ModelSpec.parse(f"{exported}:model"), export_options)
-    export = stages.StageTasks(CacheConfig.for_store(str(tmp_path / "store"))).export.fn
+    from tasks.stage_tasks import StageTasks
+
+    export = StageTasks(CacheConfig.for_store(str(tmp_path / "store"))).export.fn
     exports, done = [], threading.Event()
 
     def export_stages():
