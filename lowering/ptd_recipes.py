@@ -56,7 +56,7 @@ FUNCTIONS = {"conv_filter": ("lowering.backends.xnnpack.ops.convolution", "conv_
 
 VERSION = 1
 FIXED_LIMIT = 1 << 20  # bytes of fixed blobs a record holds; more: unproven
-PERTURB_SLICE = 1 << 20  # values :func:`perturbed` computes at once (8 MB of float64)
+PERTURB_SLICE = 1 << 18  # values :func:`perturbed` computes at once (2 MB of float64)
 
 
 def recording() -> bool:
@@ -139,20 +139,22 @@ def tables_of(program) -> dict[str, torch.Tensor]:
     return tables
 
 
-def perturbed(tensor: torch.Tensor) -> torch.Tensor | None:
+def perturbed(tensor: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """``tensor`` with every value changed and none out of its domain, or None (not perturbed):
     ``x * 1.5 + 0.25`` (computed in float64) or ``-x - 1`` (int8).  A contiguous floating-point
-    tensor is computed in slices of :data:`PERTURB_SLICE` values: its float64 temporaries are
-    a slice's, not the tensor's four times over (the same values, elementwise)."""
+    tensor is computed a slice at a time in ``scratch`` (float64, one-dimensional; default: one of
+    :data:`PERTURB_SLICE` values): no float64 copy of the whole tensor, the same values."""
     if tensor.is_floating_point():
         tensor = tensor.detach()
         if not tensor.is_contiguous():
             return tensor.to(torch.float64).mul_(1.5).add_(0.25).to(tensor.dtype)
+        scratch = torch.empty(PERTURB_SLICE, dtype=torch.float64) if scratch is None else scratch
         out = torch.empty_like(tensor)
         source, target = tensor.reshape(-1), out.view(-1)
-        for start in range(0, source.numel(), PERTURB_SLICE):
-            part = slice(start, start + PERTURB_SLICE)
-            target[part].copy_(source[part].to(torch.float64).mul_(1.5).add_(0.25))
+        for start in range(0, source.numel(), scratch.numel()):
+            part = slice(start, start + scratch.numel())
+            values = scratch[:source[part].numel()]
+            target[part].copy_(values.copy_(source[part]).mul_(1.5).add_(0.25))
         return out
     if tensor.dtype == torch.int8 and bool(tensor.any()):  # all zeros: a symmetric recipe's zero points
         return (-tensor.detach().to(torch.int16) - 1).to(torch.int8)
@@ -166,6 +168,7 @@ def perturbed_tables(tables: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     program holds one."""
     changed: dict[str, torch.Tensor | None] = {}
     first: dict[tuple, str] = {}
+    scratch = torch.empty(PERTURB_SLICE, dtype=torch.float64)  # one for every tensor: no float64 garbage
     for name, tensor in tables.items():
         same = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                 tensor.stride(), tensor.dtype) if tensor.numel() else None
@@ -174,7 +177,7 @@ def perturbed_tables(tables: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
         else:
             if same is not None:
                 first[same] = name
-            changed[name] = perturbed(tensor)
+            changed[name] = perturbed(tensor, scratch)
     return changed
 
 
