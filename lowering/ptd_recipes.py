@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import torch
 
 from .delegation import same_blob
-from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, serialize_ptd
+from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, ptd_parts
 from .rebind import NotWeightsOnly, with_partition_copies
 from .serialize import tensor_memory
 
@@ -249,9 +249,16 @@ def _entries(ptd: "bytes | bytearray | memoryview | Mapping[str, PtdEntry]") -> 
 
 def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> bytes:
     """The ``.ptd`` of the recorded program (:func:`record_recipes`) bound to ``bindings``
-    (target -> tensor of tonight's weights).  Raises :class:`NotWeightsOnly` when the record is
-    unproven or of another version, a weight is missing or of another dtype or shape, or a
-    pinned weight (not perturbed by the check) changed."""
+    (target -> tensor of tonight's weights): :func:`replay_parts` joined."""
+    return b"".join(replay_parts(record, bindings))
+
+
+def replay_parts(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> list:
+    """:func:`replay`'s ``.ptd`` as its pieces in order (:func:`~lowering.pte.flat_tensor.ptd_parts`:
+    a weight stored as it is stays a view of its tensor, for a store to write without a joined
+    copy).  Raises :class:`NotWeightsOnly` when the record is unproven or of another version, a
+    weight is missing or of another dtype or shape, or a pinned weight (not perturbed by the
+    check) changed."""
     from .quantize.graph import value_digest
 
     if record.get("version") != VERSION:
@@ -268,8 +275,8 @@ def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> b
         if name not in bindings or value_digest(bindings[name]) != digest:
             raise NotWeightsOnly(f"{name!r} ({'missing' if name not in bindings else 'changed'}) is not a "
                                  "weight the .ptd recipes were checked with: bind again")
-    return serialize_ptd({key: PtdEntry(entry_bytes(recipe, bindings), _layout(record["layouts"][key]))
-                          for key, recipe in record["recipes"].items()})
+    return ptd_parts({key: PtdEntry(entry_bytes(recipe, bindings), _layout(record["layouts"][key]))
+                      for key, recipe in record["recipes"].items()})
 
 
 def _layout_json(layout: TensorLayout | None) -> list | None:

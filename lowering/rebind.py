@@ -100,10 +100,12 @@ def rebind_stored_methods(pte: bytes, methods: Mapping[str, tuple[ExportedProgra
 def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple],
                     model: "torch.nn.Module | Mapping[str, torch.Tensor]", *, quantize: Any = None,
                     quantized: Mapping[str, torch.Tensor] | None = None, derived: Mapping[str, dict] | None = None,
-                    mutated: Any = ()) -> dict[str, torch.Tensor] | None:
+                    mutated: Any = (), checked: bool = False) -> dict[str, torch.Tensor] | None:
     """target -> tensor of every weight of the program lowered from the exported program whose
     tables are ``source`` (see :func:`rebind_stored`), for the weights of ``model``; None when
-    the quantize pass must run again."""
+    the quantize pass must run again.  ``checked``: the quantized tables are known to be what
+    ``derived`` records of the source's (:func:`derivations_hold`, when they were made): neither
+    table's values are compared (they may be ``meta`` tensors)."""
     state_dict, constants = source
     _check_views(constants, folded)
     state_dict2, constants2 = bound_tables(state_dict, constants, folded, _state_of(model))
@@ -114,7 +116,7 @@ def stored_bindings(source: tuple[Mapping, Mapping], folded: Mapping[str, tuple]
     if quantized is None or derived is None:
         return None
     old_tables = {k: v for k, v in {**state_dict, **constants}.items() if isinstance(v, torch.Tensor)}
-    return requantized_tables(quantized, derived, old_tables, new_tables, mutated)
+    return requantized_tables(quantized, derived, old_tables, new_tables, mutated, checked=checked)
 
 
 def replaced_names(model: "torch.nn.Module | Mapping[str, torch.Tensor]", folded: Mapping[str, tuple]) -> frozenset:
@@ -247,22 +249,27 @@ def requantized_weights(quantized: ExportedProgram, source: ExportedProgram,
                               _tensors(source), _tensors(bound), quantized.graph_signature.buffers_to_mutate.values())
 
 
+def quantized_as_recorded(quantized: ExportedProgram, source: ExportedProgram) -> bool:
+    """:func:`derivations_hold` of the ``quantized`` program and the ``source`` it was quantized
+    from: what the quantize stage checks once, so that a retrain binds by the recorded recipes
+    without reading or hashing last night's weights (:func:`stored_bindings`' ``checked``)."""
+    from .quantize.graph import DERIVED_META
+
+    return derivations_hold(_tensors(quantized), quantized.graph_module.meta.get(DERIVED_META) or {},
+                            _tensors(source), quantized.graph_signature.buffers_to_mutate.values())
+
+
 def requantized_tables(before: Mapping[str, torch.Tensor], entries: Mapping[str, dict],
                        old_tables: Mapping[str, torch.Tensor], new_tables: Mapping[str, torch.Tensor],
-                       mutated: Any = ()) -> dict[str, torch.Tensor] | None:
+                       mutated: Any = (), checked: bool = False) -> dict[str, torch.Tensor] | None:
     """:func:`requantized_weights` on tables: ``before`` (the quantized program's constants),
     ``entries`` (its :data:`~lowering.quantize.graph.DERIVED_META`), the source's tables before
-    (``old_tables``) and with the new weights (``new_tables``); ``mutated``: buffers left out."""
-    from .quantize.graph import derived_value, value_digest
+    (``old_tables``) and with the new weights (``new_tables``); ``mutated``: buffers left out.
+    None unless :func:`derivations_hold` (``checked``: known to, not compared again)."""
+    from .quantize.graph import derived_value
 
-    def recorded(target: str) -> bool:
-        """Whether ``target``'s recipe was computed from the source ``source`` holds (its digests chained)."""
-        entry = entries[target]
-        src = entry["recipe"][1]
-        if src in entries:
-            return entries[src]["value"] == entry["source"] and recorded(src)
-        return src in old_tables and value_digest(old_tables[src]) == entry["source"]
-
+    if not checked and not derivations_hold(before, entries, old_tables, mutated):
+        return None
     memo: dict = {}
 
     def value(target: str) -> torch.Tensor:
@@ -277,13 +284,39 @@ def requantized_tables(before: Mapping[str, torch.Tensor], entries: Mapping[str,
     for target, old in before.items():
         if target in mutated or not isinstance(old, torch.Tensor):
             continue
-        if target in entries:
-            if value_digest(old) != entries[target]["value"] or not recorded(target):
-                return None
-        elif target not in old_tables or not _equal(old_tables[target], old):
+        if target not in entries and target not in new_tables:
             return None
         out[target] = value(target)
     return out
+
+
+def derivations_hold(before: Mapping[str, torch.Tensor], entries: Mapping[str, dict],
+                     old_tables: Mapping[str, torch.Tensor], mutated: Any = ()) -> bool:
+    """Whether every weight of the quantized program (its tables ``before``) is what its
+    :data:`~lowering.quantize.graph.DERIVED_META` entry (in ``entries``) records, computed from
+    the source program's tables ``old_tables`` as recorded (digests chained to a source weight),
+    or else that source weight itself: then a retrain's weights quantize by the entries alone.
+    ``mutated``: buffers left out."""
+    from .quantize.graph import value_digest
+
+    def recorded(target: str) -> bool:
+        """Whether ``target``'s recipe was computed from the source ``source`` holds (its digests chained)."""
+        entry = entries[target]
+        src = entry["recipe"][1]
+        if src in entries:
+            return entries[src]["value"] == entry["source"] and recorded(src)
+        return src in old_tables and value_digest(old_tables[src]) == entry["source"]
+
+    mutated = set(mutated)
+    for target, old in before.items():
+        if target in mutated or not isinstance(old, torch.Tensor):
+            continue
+        if target in entries:
+            if value_digest(old) != entries[target]["value"] or not recorded(target):
+                return False
+        elif target not in old_tables or not _equal(old_tables[target], old):
+            return False
+    return True
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

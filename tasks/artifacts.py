@@ -118,13 +118,13 @@ def get_program_tables(store: ArtifactStore, ref: ArtifactRef, skip: Any = froze
     store without its graph (binding new weights needs no more of a program it does not emit);
     ``skip``: entries whose bytes are not read (tensors on the ``meta`` device: new weights
     replace them, :func:`lowering.serialize.deserialize_tables`)."""
-    from lowering.serialize import deserialize_tables
+    from lowering.serialize import CheckingReader, deserialize_tables
 
     program = LIVE.peek(ref)
     if program is not None:
         return program.state_dict, program.constants
     what = f"blob of program {ref.sha256[:12]}"  # as ArtifactStore.get_program reads them
-    return deserialize_tables(store.get_bytes(ref), lambda d: store.read_object_buffer(d, what=what), skip)
+    return deserialize_tables(store.get_bytes(ref), CheckingReader(lambda d: store.read_object_buffer(d, what=what)), skip)
 
 
 def put_doc(store: ArtifactStore, doc: Any, kind: str) -> ArtifactRef:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowering.serialize import EVERY_ENTRY, canonical_json
+
 from .artifacts import get_doc, get_program, get_program_tables, put_doc
-from .store import ArtifactRef, ArtifactStore
+from .store import ArtifactRef, ArtifactStore, sha256_hex
 
 
 def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef, plan: Any, emitted: dict,
@@ -25,16 +27,18 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
 
     replay = emitted.get("recipes") is not None
     emitted_program = None if replay else get_program(store, program)  # first: a portable target's is live
-    quantized = None
+    quantized, checked = None, False
     if recipe and reference is not None and derived is not None:
-        state_dict, constants = get_program_tables(store, reference)
+        checked = as_recorded(store, exported["program"], reference, derived)  # else compared here, read back
+        state_dict, constants = get_program_tables(store, reference, EVERY_ENTRY if checked else frozenset())
         quantized = {**state_dict, **constants}
     try:
         folded = folded_from_json(get_doc(store, exported["folded"]))
-        skip = frozenset() if recipe else replaced_names(module, folded)  # a recipe checks the old weights
+        skip = replaced_names(module, folded) if not recipe or checked else frozenset()
         bindings = stored_bindings(get_program_tables(store, exported["program"], skip), folded, module,
                                    quantize=recipe, quantized=quantized, derived=get_doc(store, derived)
-                                   if quantized is not None else None, mutated=exported.get("mutated_buffers", ()))
+                                   if quantized is not None else None, mutated=exported.get("mutated_buffers", ()),
+                                   checked=checked)
         if bindings is None:
             return None
         new_reference = None
@@ -45,12 +49,30 @@ def bind_from_tables(store: ArtifactStore, exported: dict, program: ArtifactRef,
         ptd = replayed(store, emitted, bindings) if replay else None
         how = "replayed" if ptd is not None else "rebound"
         if ptd is None:
-            ptd = emit_bound_ptd(emitted_program or get_program(store, program), bindings, plan,
-                                 store.get_bytes(emitted["pte"]), runtime_ops)
+            ptd = [emit_bound_ptd(emitted_program or get_program(store, program), bindings, plan,
+                                  store.get_bytes(emitted["pte"]), runtime_ops)]
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "reference": new_reference, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_parts(ptd, "ptd"), "reference": new_reference, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}
+
+
+def note_as_recorded(store: ArtifactStore, source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> None:
+    """Remember (a store memo) that the ``quantized`` program holds what ``derived`` records of the
+    weights of ``source`` (:func:`lowering.rebind.quantized_as_recorded`, checked by the quantize
+    stage on the live programs): a retrain's bind then reads neither program's weights back."""
+    value = _as_recorded(source, quantized, derived)
+    store.put_memo(f"as-recorded-{sha256_hex(canonical_json(value))}", value)
+
+
+def as_recorded(store: ArtifactStore, source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> bool:
+    """Whether the quantize stage noted the three as recorded (:func:`note_as_recorded`)."""
+    value = _as_recorded(source, quantized, derived)
+    return store.get_memo(f"as-recorded-{sha256_hex(canonical_json(value))}") == value
+
+
+def _as_recorded(source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> dict:
+    return {"source": source.sha256, "quantized": quantized.sha256, "derived": derived.sha256}
 
 
 def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: dict,
@@ -69,15 +91,16 @@ def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: di
     return store.put_bytes(serialized.manifest, "program")
 
 
-def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> bytes | None:
+def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> list | None:
     """The ``.ptd`` of ``bindings`` written from the recipes emit recorded (``emitted["recipes"]``,
-    :mod:`lowering.ptd_recipes`), or None where they do not hold (unproven, another weight dtype,
-    a pinned weight changed): then the program is bound again."""
-    from lowering.ptd_recipes import replay
+    :mod:`lowering.ptd_recipes`) as its parts (:func:`lowering.ptd_recipes.replay_parts`), or None
+    where they do not hold (unproven, another weight dtype, a pinned weight changed): then the
+    program is bound again."""
+    from lowering.ptd_recipes import replay_parts
     from lowering.rebind import NotWeightsOnly
 
     try:
-        return replay(get_doc(store, emitted["recipes"]), bindings)
+        return replay_parts(get_doc(store, emitted["recipes"]), bindings)
     except NotWeightsOnly:
         return None
 
@@ -121,17 +144,19 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
     bindings = {}
     try:
         for method, done in exported.items():
-            tables = None
+            tables, checked = None, False
             if recipe and quantized and derived and derived.get(method) is not None:
-                state_dict, constants_ = get_program_tables(store, quantized[method])
+                checked = as_recorded(store, done["program"], quantized[method], derived[method])
+                state_dict, constants_ = get_program_tables(store, quantized[method],
+                                                            EVERY_ENTRY if checked else frozenset())
                 tables = {**state_dict, **constants_}
             folded = folded_from_json(get_doc(store, done["folded"]))
-            skip = frozenset() if recipe else replaced_names(modules[method], folded)
+            skip = replaced_names(modules[method], folded) if not recipe or checked else frozenset()
             bindings[method] = stored_bindings(
                 get_program_tables(store, done["program"], skip), folded, modules[method], quantize=recipe,
                 quantized=tables,
                 derived=get_doc(store, derived[method]) if tables is not None else None,
-                mutated=done.get("mutated_buffers", ()))
+                mutated=done.get("mutated_buffers", ()), checked=checked)
             if bindings[method] is None:
                 return None
         new_references = None
@@ -148,9 +173,9 @@ def bind_methods_from_tables(store: ArtifactStore, exported: dict, methods: dict
         how = "replayed" if ptd is not None else "rebound"
         if ptd is None:
             programs = programs or {m: (get_program(store, e["program"]), plans[m]) for m, e in methods.items()}
-            ptd = rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
-                                        runtime_ops=runtime_ops)
+            ptd = [rebind_stored_methods(store.get_bytes(emitted["pte"]), programs, constants or {}, bindings,
+                                         runtime_ops=runtime_ops)]
     except NotWeightsOnly as exc:
         return {"fallback": str(exc)}
-    return {"ptd": store.put_bytes(ptd, "ptd"), "references": new_references, "rebound": True, "ptd_from": how,
+    return {"ptd": store.put_parts(ptd, "ptd"), "references": new_references, "rebound": True, "ptd_from": how,
             **({"quantized": "weights"} if recipe else {})}

@@ -70,7 +70,7 @@ from lowering.verify_executorch import with_data
 
 from .artifacts import (checkpoint_ranges, get_blob, get_doc, get_program, local_pte, put_blob, put_doc, put_pte,
                         put_program)
-from .bind import bind_from_tables, bind_methods_from_tables, record_recipes
+from .bind import bind_from_tables, bind_methods_from_tables, note_as_recorded, record_recipes
 from .cache import CacheConfig, iter_refs, stage_task
 from .live import LIVE, release_live, take_program
 from .model_spec import live_model
@@ -288,6 +288,7 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     """
     from lowering.quantize import parse_recipe, quantize
     from lowering.quantize.graph import DERIVED_META
+    from lowering.rebind import quantized_as_recorded
 
     from .calibration import calibration_batches
 
@@ -301,12 +302,16 @@ def run_quantize(store: ArtifactStore, program: ArtifactRef, recipe: dict, calib
     weights = {"fp32": weight_bytes(fp32), "quantized": weight_bytes(quantized)}
     # how the pass computed each constant from a weight: a retrain's weights quantize without it (bind_weights)
     derived = quantized.graph_module.meta.get(DERIVED_META, {})
+    as_recorded = bool(derived) and backend is None and quantized_as_recorded(quantized, fp32)
     # The stages after this one read the quantized program: the fp32 one's folded weights need
     # not stay live through them (SmolLM2-135M 8da4w: 0.5 GB); another target reads it back.
     del fp32
     LIVE.drop(program)
-    return {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
-            "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
+    result = {"program": put_program(store, quantized), "quantized_nodes": count_quantized_nodes(quantized),
+              "weight_bytes": weights, "derived": put_doc(store, derived, "derived_constants")}
+    if as_recorded:  # checked once here, on the live programs: a retrain's bind need not read the weights back
+        note_as_recorded(store, program, result["program"], result["derived"])
+    return result
 
 
 def quantize_live_model(backend: dict, recipe: dict, batches, model: str, fingerprint: str, options: dict | None):

@@ -70,6 +70,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import fsspec
 
+from .local_files import (OBJECT_XATTR, file_digest, name_file, path_stamp, read_into_buffer, same_file,
+                          transposed)
+
 if TYPE_CHECKING:  # torch is imported only by the program helpers, on use
     from torch.export import ExportedProgram
 
@@ -173,24 +176,36 @@ class ArtifactStore:
         """Store ``data`` (bytes or any contiguous buffer, e.g. a tensor's memoryview: not
         copied) under its sha256 (no rewrite if present) and return its ref."""
         view = byte_view(data)
-        return self._put_digested(sha256_hex(view), view, kind)
+        return self._put_digested(sha256_hex(view), [view], kind)
 
-    def _put_digested(self, digest: str, view: memoryview, kind: str) -> ArtifactRef:
-        """The write path: store ``view``, whose sha256 is ``digest``, unless present."""
+    def put_parts(self, parts: Iterable[Any], kind: str) -> ArtifactRef:
+        """:meth:`put_bytes` of the concatenation of ``parts`` (buffers, e.g. a ``.ptd``'s header
+        and its weights' tensor memory: :func:`lowering.pte.flat_tensor.ptd_parts`), hashed and
+        written one after another, never joined in memory (on a local store)."""
+        views = [byte_view(part) for part in parts]
+        digest = hashlib.sha256()
+        for view in views:
+            digest.update(view)
+        return self._put_digested(digest.hexdigest(), views, kind)
+
+    def _put_digested(self, digest: str, views: list[memoryview], kind: str) -> ArtifactRef:
+        """The write path: store the bytes of ``views`` (in order), whose sha256 is ``digest``, unless present."""
         path = self.object_path(digest)
-        size = self._size(path)
-        if size is not None and size != view.nbytes:
+        size, nbytes = self._size(path), sum(view.nbytes for view in views)
+        if size is not None and size != nbytes:
             self._quarantine(path, digest)
             size = None
-        if size is None and self._window_size(digest) == view.nbytes and self._window_holds(digest):
+        if size is None and self._window_size(digest) == nbytes and self._window_holds(digest):
             self._touch(self.window_path(digest))  # kept as a window of a bigger object (or of a file)
         elif size is None:
-            self._write_atomic(path, view)
+            self._write_atomic(path, views)
+            if self.is_local:
+                name_file(path, digest)  # before its stamp: setting it moves the ctime
             self._record_check(digest, self._file_stamp(digest))  # its bytes are the ones just hashed
         elif self.is_local:
             with self._keeping_check(digest):
                 os.utime(path)  # in use again: garbage collection counts its age from now
-        return ArtifactRef(self.uri(path), digest, view.nbytes, kind)
+        return ArtifactRef(self.uri(path), digest, nbytes, kind)
 
     def get_bytes(self, ref: ArtifactRef) -> bytes:
         """The bytes of ``ref`` (an object, or a named output of this store), digest-checked."""
@@ -277,7 +292,7 @@ class ArtifactStore:
             stamp = self._file_stamp(sha256)
             if self.checked(sha256, stamp):
                 return
-        if stamp is None or _file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
+        if stamp is None or file_digest(posixpath.join(self.root, stamp["file"]), stamp["window"]) != sha256:
             self.read_object(sha256, what=what)  # elsewhere, or the error it raises (quarantined)
         if stamp is not None and self._file_stamp(sha256) == stamp:  # unchanged while it was hashed
             self._record_check(sha256, stamp)
@@ -348,7 +363,7 @@ class ArtifactStore:
             if window is None:
                 return None
             path = self._window_source(window)
-        stamp = _path_stamp(path)
+        stamp = path_stamp(path)
         if stamp is None:
             return None
         inside = window is None or "object" in window
@@ -371,7 +386,7 @@ class ArtifactStore:
         path = self.named_path(name)
         source = self.object_path(ref.sha256)
         if self._size(source) == ref.size and (self.is_local or _server_side_copy(self.fs)):
-            if self.is_local and _same_file(source, path):
+            if self.is_local and same_file(source, path):
                 return ArtifactRef(self.uri(path), ref.sha256, ref.size, kind)
             if self.is_local:
                 self._check_object(ref.sha256, f"{ref.kind} artifact")
@@ -395,10 +410,10 @@ class ArtifactStore:
         handed out.  A file at ``path`` that already holds those bytes (a rerun writing the
         same output; hashing it costs a third of copying it) is left as it is."""
         source = self.object_path(ref.sha256)
-        if self.is_local and _same_file(source, path):
+        if self.is_local and same_file(source, path):
             self._check_object(ref.sha256, f"{ref.kind} artifact")
             return ref.size
-        if os.path.isfile(path) and os.path.getsize(path) == ref.size and _file_digest(path) == ref.sha256:
+        if os.path.isfile(path) and os.path.getsize(path) == ref.size and file_digest(path) == ref.sha256:
             return ref.size
         if self.is_local and self._size(source) == ref.size:  # linked or copied: checked first
             self._check_object(ref.sha256, f"{ref.kind} artifact")
@@ -414,13 +429,13 @@ class ArtifactStore:
             self._replace_file(path, write)
         return ref.size
 
-    @staticmethod
-    def _replace_file(path: str, fill: Callable[[str], Any]) -> None:
+    def _replace_file(self, path: str, fill: Callable[[str], Any]) -> None:
         """Replace the local file ``path`` atomically by what ``fill(tmp)`` writes at ``tmp``."""
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
             fill(tmp)
-            os.replace(tmp, path)
+            with self._keeping_replaced(path):
+                os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -433,12 +448,32 @@ class ArtifactStore:
         try:
             with self._keeping_check(sha256):  # a link and its rename move the object's ctime
                 os.link(self.object_path(sha256), tmp)
-                os.replace(tmp, path)
+                with self._keeping_replaced(path):
+                    os.replace(tmp, path)
         except OSError:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             return False
         return True
+
+    @contextlib.contextmanager
+    def _keeping_replaced(self, path: str):
+        """Replace or remove the local file ``path``: when it is a hard link to an object's file
+        (last night's published output), that object, checked before, stays checked after (the
+        link's removal moves its ctime, never its bytes; its next check would hash it again)."""
+        linked = self._object_linked_at(path) if self.is_local else None
+        with self._keeping_check(linked) if linked is not None else contextlib.nullcontext():
+            yield
+
+    def _object_linked_at(self, path: str) -> str | None:
+        """The object whose file the local file ``path`` is (its :data:`OBJECT_XATTR`), or None."""
+        try:
+            digest = os.getxattr(path, OBJECT_XATTR).decode()
+        except (OSError, AttributeError, UnicodeDecodeError):  # none, not a file, no xattrs here
+            return None
+        if len(digest) != 64 or not set(digest) <= _HEX or path == self.object_path(digest):
+            return None
+        return digest if same_file(path, self.object_path(digest)) else None
 
     def _check_file_digest(self, path: str, ref: ArtifactRef) -> None:
         """ArtifactCorrupt (the object quarantined) unless the file at ``path`` hashes to ``ref``'s digest."""
@@ -463,7 +498,8 @@ class ArtifactStore:
         """Remove the named output ``name`` if present; returns whether it was there."""
         path = self.named_path(name)
         try:
-            self.fs.rm_file(path)
+            with self._keeping_replaced(path):
+                self.fs.rm_file(path)
         except FileNotFoundError:
             return False
         return True
@@ -524,16 +560,16 @@ class ArtifactStore:
             candidates = files(view) if files is not None and not self.has(digest) else ()
             if not any(self.keep_in_file(digest, path, offset, view.nbytes, transpose)
                        for path, offset, transpose in candidates):
-                self._put_digested(digest, view, "blob")
+                self._put_digested(digest, [view], "blob")
         return self.put_bytes(serialized.manifest, "program")
 
     def get_program(self, ref: ArtifactRef) -> "ExportedProgram":
         """Load the program a :meth:`put_program` ref names, checking every digest.  Each
         weight is read into the buffer its tensor keeps (one copy, never two)."""
-        from lowering.serialize import deserialize_any
+        from lowering.serialize import CheckingReader, deserialize_any
 
         what = f"blob of program {ref.sha256[:12]}"
-        return deserialize_any(self.get_bytes(ref), lambda d: self.read_object_buffer(d, what=what))
+        return deserialize_any(self.get_bytes(ref), CheckingReader(lambda d: self.read_object_buffer(d, what=what)))
 
     def put_blobs(self, blobs: Iterable[bytes]) -> list[ArtifactRef]:
         """Store manifest blobs (kind ``"blob"``); present ones are not rewritten."""
@@ -585,8 +621,8 @@ class ArtifactStore:
         doc = {"file": path, "offset": int(offset), "size": int(size)}
         if transpose is not None:
             doc["transpose"] = [int(n) for n in transpose]
-        before = _path_stamp(path)
-        if before is None or not _is_window(doc) or _file_digest(path, doc) != sha256:
+        before = path_stamp(path)
+        if before is None or not _is_window(doc) or file_digest(path, doc) != sha256:
             return False
         self._write_atomic(self.window_path(sha256), json.dumps(doc, sort_keys=True).encode())
         stamp = self._file_stamp(sha256)
@@ -666,7 +702,7 @@ class ArtifactStore:
         start, source = int(doc["offset"]), self._window_source(doc)
         of = f"object {doc['object']}" if "object" in doc else f"file {source}"
         try:
-            data = _transposed(self.fs.cat_file(source, start=start, end=start + int(doc["size"])), doc)
+            data = transposed(self.fs.cat_file(source, start=start, end=start + int(doc["size"])), doc)
         except FileNotFoundError:
             data = None
         if data is not None and sha256_hex(data) == sha256:
@@ -727,7 +763,7 @@ class ArtifactStore:
     def _read_verified(self, path: str, sha256: str, what: str, *, quarantine: bool,
                        writable: bool = False) -> bytes:
         try:
-            data = _read_into_buffer(path) if writable and self.is_local else self.fs.cat_file(path)
+            data = read_into_buffer(path) if writable and self.is_local else self.fs.cat_file(path)
         except FileNotFoundError:
             raise ArtifactMissing(f"{what} {sha256} is missing from store {self.url}") from None
         actual = sha256_hex(data)
@@ -740,10 +776,11 @@ class ArtifactStore:
             )
         return data
 
-    def _write_atomic(self, path: str, data: bytes | memoryview) -> None:
+    def _write_atomic(self, path: str, data: bytes | memoryview | list[memoryview]) -> None:
+        """Write ``data`` (or its parts, in order) at ``path``: a reader sees all of it or none."""
         parent = posixpath.dirname(path)
         if not self.is_local:
-            data = bytes(data)  # fsspec's remote filesystems take bytes
+            data = b"".join(data) if isinstance(data, list) else bytes(data)  # fsspec's remote filesystems take bytes
         if self._atomic_put:
             self.fs.pipe_file(path, data)
             return
@@ -751,7 +788,7 @@ class ArtifactStore:
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         if self.is_local:
             with open(tmp, "wb") as f:
-                f.write(data)
+                f.writelines(data if isinstance(data, list) else [data])
             os.replace(tmp, path)
         else:  # e.g. sftp: rename is atomic there too
             self.fs.pipe_file(tmp, data)
@@ -770,12 +807,8 @@ class ArtifactStore:
             pass  # already moved or removed by someone else
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two local paths are one file (a published output linked to its object)."""
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
+
+
 
 
 def _server_side_copy(fs) -> bool:
@@ -800,66 +833,12 @@ def _is_window(doc: Any) -> bool:
                              and shape[0] * shape[1] * shape[2] == doc["size"])
 
 
-def _transposed(data: bytes, window: dict | None) -> bytes | bytearray:
-    """``data`` (a window's range), transposed as its window's ``transpose`` says (else as it is)."""
-    shape = (window or {}).get("transpose")
-    if not shape:
-        return data
-    import numpy as np
-
-    rows, cols, itemsize = shape
-    dtype = np.dtype({1: "u1", 2: "u2", 4: "u4", 8: "u8"}.get(itemsize, f"V{itemsize}"))
-    out = bytearray(len(data))
-    np.copyto(np.frombuffer(out, dtype).reshape(cols, rows), np.frombuffer(data, dtype).reshape(rows, cols).T)
-    return out
 
 
-def _path_stamp(path: str) -> dict | None:
-    """A local file's size, mtime_ns, ctime_ns, inode and device (as in a check's stamp); None if absent."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-            "dev": st.st_dev}
 
 
-def _file_digest(path: str, window: dict | None = None, chunk: int = 16 * 2**20) -> str | None:
-    """The sha256 of a local file (of the range ``window`` names, transposed if it says so),
-    read in chunks: a big object is hashed without being held; None when it is missing or short."""
-    start, size = (int(window["offset"]), int(window["size"])) if window else (0, None)
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            if window and window.get("transpose"):  # held once: a transpose reads all of it
-                data = f.read(size)
-                return sha256_hex(_transposed(data, window)) if len(data) == size else None
-            left = os.fstat(f.fileno()).st_size - start if size is None else size
-            while left > 0:
-                data = f.read(min(chunk, left))
-                if not data:
-                    return None
-                digest.update(data)
-                left -= len(data)
-    except OSError:
-        return None
-    return digest.hexdigest()
 
 
-def _read_into_buffer(path: str) -> bytearray:
-    """A local file's bytes read straight into one ``bytearray`` (``cat_file`` would give bytes
-    that the caller then copies into writable memory)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        buffer = bytearray(size)
-        view, done = memoryview(buffer), 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                break
-            done += n
-    return buffer if done == size else buffer[:done]
 
 
 def _check_name(name: str) -> str:

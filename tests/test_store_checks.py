@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store import REHASH_ENV, ArtifactCorrupt, ArtifactMissing, ArtifactStore
+from tasks.store import OBJECT_XATTR, REHASH_ENV, ArtifactCorrupt, ArtifactMissing, ArtifactStore
 
 SIZE = 4 * 2**20
 
@@ -213,6 +213,38 @@ def test_copy_out_links_the_object_and_leaves_a_file_that_holds_the_bytes_as_it_
     copied.write_bytes(bytes(ref.size))
     store.copy_out(ref, str(copied))
     assert copied.read_bytes() == store.get_bytes(ref) and os.path.samefile(copied, store.object_path(ref.sha256))
+
+
+def test_an_output_replaced_or_removed_leaves_its_last_object_checked(tmp_path):
+    """Tonight's program published over last night's (or an ``-o`` file over last night's, or
+    an output removed): the old object's file loses a link, which moves its ctime; the store
+    names each object file it writes (OBJECT_XATTR), so it keeps that object checked rather than
+    hashing it again at its next check.  An object written in place after that is still caught."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    nights = [store.put_bytes(os.urandom(SIZE), "ptd") for _ in range(3)]
+    if not _has_xattr(store, nights[0]):
+        pytest.skip("this filesystem keeps no user extended attributes")
+    out = tmp_path / "model.ptd"
+    store.publish_object("m/xnnpack.ptd", nights[0])
+    store.copy_out(nights[0], str(out))
+    store.publish_object("m/xnnpack.ptd", nights[1])  # the published link replaced
+    store.copy_out(nights[1], str(out))  # the -o link replaced
+    assert os.stat(store.object_path(nights[0].sha256)).st_nlink == 1
+    assert store.checked(nights[0].sha256) and verify_reads(store, nights[0]) < 4096
+    assert store.remove_named("m/xnnpack.ptd")
+    assert store.checked(nights[1].sha256) and verify_reads(store, nights[1]) < 4096
+    _overwrite_keeping_times(store.object_path(nights[0].sha256), 0, b"x")
+    with pytest.raises(ArtifactCorrupt):
+        store.verify(nights[0])
+    store.copy_out(nights[2], str(out))  # the -o link to night 1 replaced too
+    assert store.checked(nights[1].sha256) and store.checked(nights[2].sha256)
+
+
+def _has_xattr(store, ref) -> bool:
+    try:
+        return bool(os.getxattr(store.object_path(ref.sha256), OBJECT_XATTR))
+    except OSError:
+        return False
 
 
 def test_copy_out_to_another_filesystem_copies(tmp_path):

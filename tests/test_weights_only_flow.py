@@ -192,6 +192,38 @@ def test_a_retrain_in_a_new_process_binds_from_the_stored_tables(tmp_path, monke
         assert published(entry["ptd"]) == library.ptd
 
 
+@pytest.mark.parametrize("noted", [True, False])
+@pytest.mark.parametrize("factory", ["mlp", "two_methods"])
+def test_a_quantized_retrain_reads_no_weights_back_where_the_quantize_stage_noted_its_recipes_hold(
+        tmp_path, monkeypatch, fresh_stages, factory, noted):
+    """8da4w, nothing live: the quantize stage checked, on the live programs, that every quantized
+    weight is what its recorded recipe makes of the exported weights (lowering.rebind.quantized_as_recorded)
+    and noted it in the store (tasks.bind.note_as_recorded): a retrain's bind reads neither
+    program's weights back.  Without the note (an older store) it reads and compares them.  Either
+    way the .ptd is a cold lowering's of tonight's weights."""
+    from tasks.store import ArtifactStore
+
+    manifest = retrain_fleet(tmp_path, factory, ("xnnpack",), verify=False, quantize="8da4w")
+    first = lower_fleet(manifest)["models"]["m"]
+    notes = sorted((tmp_path / "store" / "memo").glob("as-recorded-*.json"))
+    assert len(notes) == (2 if factory == "two_methods" else 1)
+    if not noted:
+        for note in notes:
+            note.unlink()
+    fresh_stages.LIVE.clear()
+    (tmp_path / "seed.txt").write_text("2")
+    read, original = [], ArtifactStore.read_object_buffer
+    monkeypatch.setattr(ArtifactStore, "read_object_buffer",
+                        lambda store, digest, **kw: read.append(len(data := original(store, digest, **kw))) or data)
+    summary, ran = executions_during(lower_fleet, manifest)
+    entry = summary["models"]["m"]["targets"]["xnnpack"]
+    assert dict(ran) == {"bind_weights" if factory == "mlp" else "bind_weights_methods": 1}, dict(ran)
+    assert entry["weights_only"] == {"bind_weights": "rebound", "quantized": "weights", "ptd": "replayed"}
+    weights = first["targets"]["xnnpack"]["quantize"]["weight_bytes"]["fp32"]
+    assert (sum(read) == 0) if noted else (sum(read) >= weights), (sum(read), weights)
+    assert published(entry["ptd"]) == cold(tmp_path, factory, "xnnpack", "8da4w").ptd
+
+
 def test_a_quantized_retrain_with_verify_on_writes_its_reference_from_the_tables(tmp_path, monkeypatch,
                                                                                  fresh_stages):
     """Verify on (the flow's default), 8da4w, nothing live: bind_weights reads no graph; verify's

@@ -37,6 +37,7 @@ The code is lowerflow's own (the facts are ExecuTorch's ``serialize.py`` and
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -102,27 +103,38 @@ class PtdEntry:
 
 
 def serialize_ptd(entries: Mapping[str, PtdEntry]) -> bytes:
-    """The ``.ptd`` bytes of ``entries`` (key -> :class:`PtdEntry`).
+    """The ``.ptd`` bytes of ``entries`` (key -> :class:`PtdEntry`): :func:`ptd_parts` joined.
 
     Keys are written sorted; blobs with equal bytes share one segment (the
     runtime reads a segment per key, several keys may name one).  Same entries,
     same bytes.
     """
+    return b"".join(ptd_parts(entries))
+
+
+def ptd_parts(entries: Mapping[str, PtdEntry]) -> list:
+    """The ``.ptd`` of ``entries`` as the pieces of its bytes, in order: the header and
+    flatbuffer, then each segment's padding and its blob as the entry holds it (a view of a
+    tensor's memory is not copied).  A store hashes and writes them one after another
+    (:meth:`tasks.store.ArtifactStore.put_parts`), without a joined copy of the weights."""
     segments: list = []
-    segment_of: dict[bytes, int] = {}
+    segment_of: dict[tuple, int] = {}
     table: list[tuple[str, int, TensorLayout | None]] = []
+    looks = {key: _look(entry.data) for key, entry in entries.items()}
+    shared = {look for look, n in Counter(looks.values()).items() if n > 1}
     for key in sorted(entries):
         entry = entries[key]
-        digest = hashlib.sha256(entry.data).digest()
-        if digest not in segment_of:
-            segment_of[digest] = len(segments)
+        # equal bytes look alike (size, first bytes): only a blob that looks like another is hashed
+        same = (looks[key], hashlib.sha256(entry.data).digest() if looks[key] in shared else None)
+        if same not in segment_of:
+            segment_of[same] = len(segments)
             segments.append(entry.data)
-        table.append((key, segment_of[digest], entry.layout))
+        table.append((key, segment_of[same], entry.layout))
     offsets, position = [], 0
     for data in segments:
         position += _padding(position, SEGMENT_ALIGNMENT)
-        offsets.append((position, len(data)))
-        position += len(data)
+        offsets.append((position, memoryview(data).nbytes))
+        position += memoryview(data).nbytes
     flatbuffer = _flatbuffer(offsets, table)
     header_size = HEADER_LENGTH + _padding(HEADER_LENGTH, HEADER_ALIGNMENT)
     flatbuffer_end = header_size + len(flatbuffer)
@@ -131,14 +143,22 @@ def serialize_ptd(entries: Mapping[str, PtdEntry]) -> bytes:
               + len(flatbuffer).to_bytes(8, "little") + base.to_bytes(8, "little")
               + position.to_bytes(8, "little"))
     root = int.from_bytes(flatbuffer[0:4], "little") + header_size
-    parts = [root.to_bytes(4, "little"), flatbuffer[4:8], header, b"\0" * (header_size - len(header)),
-             flatbuffer[8:], b"\0" * (base - flatbuffer_end)]
+    parts = [b"".join([root.to_bytes(4, "little"), flatbuffer[4:8], header, b"\0" * (header_size - len(header)),
+                       flatbuffer[8:], b"\0" * (base - flatbuffer_end)])]
     written = 0
-    for (offset, _), data in zip(offsets, segments):
-        parts.append(b"\0" * (offset - written))
+    for (offset, size), data in zip(offsets, segments):
+        if offset > written:
+            parts.append(b"\0" * (offset - written))
         parts.append(data)
-        written = offset + len(data)
-    return b"".join(parts)
+        written = offset + size
+    return parts
+
+
+def _look(data) -> tuple[int, bytes]:
+    """A blob's size and first 4 KiB: blobs that differ there differ (most weights, at once)."""
+    view = memoryview(data)
+    view = view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return view.nbytes, bytes(view[:4096])
 
 
 def _flatbuffer(offsets: list[tuple[int, int]], table: list[tuple[str, int, TensorLayout | None]]) -> bytes:
