@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .delegation import same_blob
 from .pte.flat_tensor import PtdEntry, TensorLayout, deserialize_ptd, ptd_parts
 from .rebind import NotWeightsOnly, with_partition_copies
 from .serialize import tensor_memory
@@ -55,6 +56,7 @@ FUNCTIONS = {"conv_filter": ("lowering.backends.xnnpack.ops.convolution", "conv_
 
 VERSION = 1
 FIXED_LIMIT = 1 << 20  # bytes of fixed blobs a record holds; more: unproven
+PERTURB_SLICE = 1 << 18  # values :func:`perturbed` computes at once (2 MB of float64)
 
 
 def recording() -> bool:
@@ -137,26 +139,65 @@ def tables_of(program) -> dict[str, torch.Tensor]:
     return tables
 
 
-def perturbed(tensor: torch.Tensor) -> torch.Tensor | None:
-    """``tensor`` with every value changed and none out of its domain, or None (not perturbed)."""
+def perturbed(tensor: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``tensor`` with every value changed and none out of its domain, or None (not perturbed):
+    ``x * 1.5 + 0.25`` (computed in float64) or ``-x - 1`` (int8).  A contiguous floating-point
+    tensor is computed a slice at a time in ``scratch`` (float64, one-dimensional; default: one of
+    :data:`PERTURB_SLICE` values): no float64 copy of the whole tensor, the same values."""
     if tensor.is_floating_point():
-        return (tensor.detach().to(torch.float64) * 1.5 + 0.25).to(tensor.dtype)
+        tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            return tensor.to(torch.float64).mul_(1.5).add_(0.25).to(tensor.dtype)
+        scratch = torch.empty(PERTURB_SLICE, dtype=torch.float64) if scratch is None else scratch
+        out = torch.empty_like(tensor)
+        source, target = tensor.reshape(-1), out.view(-1)
+        for start in range(0, source.numel(), scratch.numel()):
+            part = slice(start, start + scratch.numel())
+            values = scratch[:source[part].numel()]
+            target[part].copy_(values.copy_(source[part]).mul_(1.5).add_(0.25))
+        return out
     if tensor.dtype == torch.int8 and bool(tensor.any()):  # all zeros: a symmetric recipe's zero points
         return (-tensor.detach().to(torch.int16) - 1).to(torch.int8)
     return None
 
 
-def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -> dict:
+def perturbed_tables(tables: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+    """name -> :func:`perturbed` of each of ``tables``; names of one tensor (the same memory,
+    view and dtype: a tied weight and a partition's copy of it,
+    :func:`lowering.partition.duplicate_shared_constants`) get one perturbed tensor, as the
+    program holds one."""
+    changed: dict[str, torch.Tensor | None] = {}
+    first: dict[tuple, str] = {}
+    scratch = torch.empty(PERTURB_SLICE, dtype=torch.float64)  # one for every tensor: no float64 garbage
+    for name, tensor in tables.items():
+        same = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                tensor.stride(), tensor.dtype) if tensor.numel() else None
+        if same is not None and same in first:
+            changed[name] = changed[first[same]]
+        else:
+            if same is not None:
+                first[same] = name
+            changed[name] = perturbed(tensor, scratch)
+    return changed
+
+
+def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: "bytes | Mapping[str, PtdEntry]") -> dict:
     """The record of a program whose weights are ``tables`` (:func:`tables_of`; every method's,
-    for a program of several methods) and whose cold ``.ptd`` is ``ptd``: ``{"version",
-    "recipes": {key: recipe}, "layouts": {key: layout or None}, "weights": {name: [dtype, shape]},
-    "pinned": {name: digest}}``, or ``{"unproven": why}``.  ``emit_again(bindings)``: the
-    ``.ptd`` of the program bound to ``bindings``, or its entries (key -> ``PtdEntry``, not
-    serialized: one copy of the weights less), raising :class:`NotWeightsOnly` when its
-    ``.pte`` differs (:func:`lowering.rebind.emit_bound_entries`)."""
+    for a program of several methods) and whose cold ``.ptd`` is ``ptd`` (its bytes, or the
+    entries it was written from: key -> ``PtdEntry``, e.g. ``PteData.external``, views of the
+    program's weights): ``{"version", "recipes": {key: recipe}, "layouts": {key: layout or None},
+    "weights": {name: [dtype, shape]}, "pinned": {name: digest}}``, or ``{"unproven": why}``.
+    ``emit_again(bindings)``: the ``.ptd`` of the program bound to ``bindings``, or its entries
+    (not serialized: one copy of the weights less), raising :class:`NotWeightsOnly` when its
+    ``.pte`` differs (:func:`lowering.rebind.emit_bound_entries`).
+
+    Memory: one perturbed copy of the weights (one per tensor, however many names it has) and
+    what the second emit computes beside views of it; bytes are read in place (a ``.ptd``'s
+    entries are views of it, a recipe's bytes a view of its weight where they are one), and
+    each entry of the second emit is let go once it is compared."""
     from .quantize.graph import value_digest
 
-    changed = {name: perturbed(t) for name, t in tables.items()}
+    changed = perturbed_tables(tables)
     bindings = {name: t if changed[name] is None else changed[name] for name, t in tables.items()}
     recorded: dict = {}
     token = RECORDING.set(recorded)
@@ -166,17 +207,19 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
         return {"unproven": f"{type(exc).__name__}: {exc}".splitlines()[0]}
     finally:
         RECORDING.reset(token)
-    cold = deserialize_ptd(ptd)
-    other = deserialize_ptd(ptd_p) if isinstance(ptd_p, (bytes, bytearray, memoryview)) else ptd_p
+    cold = _entries(ptd)
+    other = _entries(ptd_p) if isinstance(ptd_p, (bytes, bytearray, memoryview)) else dict(ptd_p)
+    del ptd_p
     if set(cold) != set(other):
         return {"unproven": "the perturbed weights give a .ptd of other keys"}
     recipes, fixed = {}, 0
-    for key, entry in cold.items():
+    for key in sorted(cold):  # the .ptd's order: the first failure is the one the file shows first
+        entry, perturbed_entry = cold[key], other.pop(key)
         recipe = recorded.get(key)
         if recipe is None and key not in recorded and key in tables:  # a portable EXTERNAL tensor
             recipe = {"fn": "tensor", **view_spec(key, tables[key], tables[key])}
         if recipe is None:
-            if entry.data != other[key].data:
+            if not same_blob(entry.data, perturbed_entry.data):
                 return {"unproven": f"the .ptd entry {key!r} depends on the weights in a way the backend "
                                     "did not record"}
             fixed += len(entry.data)
@@ -184,16 +227,24 @@ def record_recipes(emit_again, tables: Mapping[str, torch.Tensor], ptd: bytes) -
                 return {"unproven": f"more than {FIXED_LIMIT} bytes of fixed blobs"}
             recipe = {"fn": "fixed", "data": base64.b64encode(bytes(entry.data)).decode()}
         try:
-            same = entry_bytes(recipe, tables) == entry.data and entry_bytes(recipe, bindings) == other[key].data
+            same = same_blob(entry_bytes(recipe, tables), entry.data) and \
+                same_blob(entry_bytes(recipe, bindings), perturbed_entry.data)
         except NotWeightsOnly as exc:
             return {"unproven": f"{key!r}: {exc}"}
         if not same:
             return {"unproven": f"the recipe of .ptd entry {key!r} does not give its bytes"}
         recipes[key] = recipe
     return {"version": VERSION, "recipes": recipes,
-            "layouts": {k: _layout_json(e.layout) for k, e in cold.items()},
+            "layouts": {k: _layout_json(cold[k].layout) for k in sorted(cold)},
             "weights": {n: [str(t.dtype), list(t.shape)] for n, t in tables.items() if changed[n] is not None},
             "pinned": {n: value_digest(t) for n, t in tables.items() if changed[n] is None}}
+
+
+def _entries(ptd: "bytes | bytearray | memoryview | Mapping[str, PtdEntry]") -> Mapping[str, PtdEntry]:
+    """A ``.ptd``'s entries: read in place from its bytes (views of them), or as given."""
+    if isinstance(ptd, (bytes, bytearray, memoryview)):
+        return deserialize_ptd(memoryview(ptd))
+    return ptd
 
 
 def replay(record: Mapping[str, Any], bindings: Mapping[str, torch.Tensor]) -> bytes:

@@ -105,13 +105,14 @@ def replayed(store: ArtifactStore, emitted: dict, bindings: dict) -> list | None
         return None
 
 
-def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: bytes, constants: dict | None,
+def record_recipes(store: ArtifactStore, methods: dict, pte: bytes, ptd: Any, constants: dict | None,
                    runtime_ops: list[str] | None) -> dict:
-    """Emit's ``{"recipes": ref}``: how each entry of ``ptd`` derives from the weights of the
-    program ``pte`` (:func:`lowering.ptd_recipes.record_recipes`, checked on perturbed weights),
-    what a retrain's bind writes its ``.ptd`` from.  ``methods``: ``{name: (delegated program,
-    memory plan)}``; one entry, None as its name: a program of one method (``constants``: a
-    program of several methods' constant methods)."""
+    """Emit's ``{"recipes": ref}``: how each entry of ``ptd`` (the ``.ptd``'s bytes, or the entries
+    it was written from) derives from the weights of the program ``pte``
+    (:func:`lowering.ptd_recipes.record_recipes`, checked on perturbed weights), what a retrain's
+    bind writes its ``.ptd`` from.  ``methods``: ``{name: (delegated program, memory plan)}``; one
+    entry, None as its name: a program of one method (``constants``: a program of several
+    methods' constant methods)."""
     from lowering.ptd_recipes import record_recipes as record, tables_of
     from lowering.rebind import emit_bound_entries, rebind_stored_methods
 

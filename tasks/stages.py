@@ -605,23 +605,28 @@ def run_emit(store: ArtifactStore, program: ArtifactRef, plan: ArtifactRef,
     ``.ptd`` (``"ptd"`` in the result; :mod:`lowering.external`)."""
     _begin("emit")
     delegated, memory_plan = get_program(store, program), get_memory_plan(store, plan)
-    built = build_pte(delegated, memory_plan, runtime_ops=runtime_ops, external_weights=bool(external_weights))
-    files, built = program_files(built, bool(external_weights)), None  # its blobs: not held while recipes record
-    return _emitted(store, files, {None: (delegated, memory_plan)}, None, runtime_ops)
+    return _emitted(store, build_pte(delegated, memory_plan, runtime_ops=runtime_ops,
+                                     external_weights=bool(external_weights)),
+                    bool(external_weights), {None: (delegated, memory_plan)}, None, runtime_ops)
 
 
-def _emitted(store: ArtifactStore, files: tuple, methods: dict, constants: dict | None,
+def _emitted(store: ArtifactStore, built: Any, external_weights: bool, methods: dict, constants: dict | None,
              runtime_ops: list[str] | None) -> dict:
-    """Store an emitted program's ``files`` (:func:`lowering.external.program_files`: its
-    ``.pte`` and ``.ptd`` or None): ``{"pte": ref}``, and with external weights ``"ptd"`` and
-    ``"recipes"``, how a retrain's ``.ptd`` is written (:func:`tasks.bind.record_recipes`;
-    ``methods``: ``{name: (delegated program, plan)}``, None as the name of a program of one).
-    The emitted program itself is let go before (the recipes' check emits it once more)."""
-    pte, ptd = files
+    """Store an emitted program ``built`` (the ``PteData``, passed straight from the emitter so that
+    nothing else holds it) as its files (:func:`lowering.external.program_files`): ``{"pte": ref}``,
+    and with ``external_weights`` ``"ptd"`` and ``"recipes"``, how a retrain's ``.ptd`` is written
+    (:func:`tasks.bind.record_recipes`; ``methods``: ``{name: (delegated program, plan)}``, None as
+    the name of a program of one).  The recipes' check emits the program once more, so the first
+    emit is let go before: all but the entries the ``.ptd`` was written from (views of the weights
+    and of the delegates' named data, which the program holds anyway), and the ``.ptd``'s bytes
+    once stored."""
+    pte, ptd = program_files(built, external_weights)
+    entries, built = built.external if ptd is not None else None, None
     result = {"pte": put_pte(store, pte)}
     if ptd is not None:
         result["ptd"] = store.put_bytes(ptd, "ptd")
-        result.update(record_recipes(store, methods, pte, ptd, constants, runtime_ops))
+        del ptd
+        result.update(record_recipes(store, methods, pte, entries, constants, runtime_ops))
     return result
 
 
@@ -638,9 +643,9 @@ def run_emit_methods(store: ArtifactStore, methods: dict, constants: dict | None
     _begin("emit_methods")
     programs = {name: (get_program(store, entry["program"]), get_memory_plan(store, entry["plan"]))
                 for name, entry in methods.items()}
-    built = build_methods_pte(programs, constants, runtime_ops=runtime_ops, external_weights=bool(external_weights))
-    files, built = program_files(built, bool(external_weights)), None  # its blobs: not held while recipes record
-    return _emitted(store, files, programs, constants, runtime_ops)
+    return _emitted(store, build_methods_pte(programs, constants, runtime_ops=runtime_ops,
+                                             external_weights=bool(external_weights)),
+                    bool(external_weights), programs, constants, runtime_ops)
 
 
 def run_verify(store: ArtifactStore, pte: ArtifactRef, model: str, fingerprint: str, method: str = "forward",

@@ -99,3 +99,46 @@ def test_what_the_check_cannot_prove_is_refused():
     assert "control flow" in record["unproven"], record
     with pytest.raises(NotWeightsOnly, match="control flow"):
         replay(record, tables_of(night1.exported_program))
+
+
+@pytest.mark.parametrize("cls, inputs, target", [
+    (models.MLP, (torch.randn(4, 64),), "xnnpack"),
+    (models.CNN, (torch.randn(1, 3, 32, 32),), "xnnpack"),  # conv_filter / conv_bias recipes
+    (models.CNN, (torch.randn(1, 3, 32, 32),), "portable"),
+])
+def test_the_check_records_the_same_from_the_entries_the_ptd_was_written_from(cls, inputs, target):
+    """Emit checks the recipes against the entries its ``.ptd`` was written from (views of the
+    weights, the ``.ptd``'s bytes let go): the same record as from the ``.ptd``'s bytes."""
+    from lowering.emit.method import build_pte
+    from lowering.pte.flat_tensor import serialize_ptd
+
+    result = lower(trained(cls, 1), inputs, partitioner=partitioner_for(target), external_weights=True)
+    entries = build_pte(result.exported_program, result.memory_plan, external_weights=True).external
+    assert serialize_ptd(entries) == result.ptd
+    program = result.exported_program
+    from_entries = record_recipes(lambda b: emit_bound_ptd(program, b, result.memory_plan, result.pte),
+                                  tables_of(program), entries)
+    assert "unproven" not in from_entries, from_entries
+    assert from_entries == record_of(result)
+
+
+def test_perturbed_weights_are_computed_a_slice_at_a_time_to_the_same_values():
+    """The check's perturbation, ``x * 1.5 + 0.25`` in float64, computed in slices (several, and a
+    last short one): every value and the layout as computed on the whole tensor; names of one
+    tensor (a tied weight) share one perturbed tensor, a copy of equal values gets its own."""
+    from lowering.ptd_recipes import PERTURB_SLICE, perturbed_tables
+
+    torch.manual_seed(0)
+    weight = torch.randn(3 * PERTURB_SLICE // 64 + 5, 64)
+    tables = {"w": weight, "w_dup": weight, "w_copy": weight.clone(), "t": weight.t(),
+              "bf16": weight.to(torch.bfloat16), "f16": weight[:100].to(torch.float16),
+              "col": torch.randn(1, 7).t(), "i8": torch.randint(-8, 8, (5,), dtype=torch.int8),
+              "zeros": torch.zeros(3, dtype=torch.int8), "index": torch.arange(4)}
+    changed = perturbed_tables(tables)
+    for name, tensor in tables.items():
+        if tensor.is_floating_point():
+            expected = (tensor.to(torch.float64) * 1.5 + 0.25).to(tensor.dtype)
+            assert torch.equal(changed[name], expected) and changed[name].stride() == expected.stride(), name
+    assert torch.equal(changed["i8"], -tables["i8"] - 1)
+    assert changed["zeros"] is None and changed["index"] is None
+    assert changed["w_dup"] is changed["w"] and changed["w_copy"] is not changed["w"]
