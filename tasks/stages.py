@@ -59,6 +59,7 @@ from lowering.partition import (
     partition_tags_of,
 )
 from lowering.program import copy_program
+from lowering.pte.flat_tensor import ptd_parts
 from lowering.paging import page_out_module
 from lowering.serialize import canonical_json
 from lowering.submodule import create_submodules, getitems_of, nodes_by_tag
@@ -618,14 +619,13 @@ def _emitted(store: ArtifactStore, built: Any, external_weights: bool, methods: 
     (:func:`tasks.bind.record_recipes`; ``methods``: ``{name: (delegated program, plan)}``, None as
     the name of a program of one).  The recipes' check emits the program once more, so the first
     emit is let go before: all but the entries the ``.ptd`` was written from (views of the weights
-    and of the delegates' named data, which the program holds anyway), and the ``.ptd``'s bytes
-    once stored."""
-    pte, ptd = program_files(built, external_weights)
-    entries, built = built.external if ptd is not None else None, None
+    and of the delegates' named data, which the program holds anyway); the ``.ptd`` is stored from
+    them piece by piece (:func:`lowering.pte.flat_tensor.ptd_parts`), never joined."""
+    pte = program_files(built, False)[0]
+    entries, built = built.external if external_weights else None, None
     result = {"pte": put_pte(store, pte)}
-    if ptd is not None:
-        result["ptd"] = store.put_bytes(ptd, "ptd")
-        del ptd
+    if entries is not None:  # the .ptd written piece by piece (views of the weights): never joined in memory
+        result["ptd"] = store.put_parts(ptd_parts(entries), "ptd")
         result.update(record_recipes(store, methods, pte, entries, constants, runtime_ops))
     return result
 
