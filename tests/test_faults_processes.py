@@ -118,6 +118,7 @@ FLEET_SCRIPT = textwrap.dedent(
     from flows.lower_fleet import FleetFailed, lower_fleet
     from tasks import stages
     from tasks.locks import FileLockManager
+    from tasks.torch_lock import TORCH_LOCK
 
     manifest = json.loads(sys.argv[1])
     options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
@@ -134,7 +135,7 @@ FLEET_SCRIPT = textwrap.dedent(
         def blocking_emit(store, *args, **kwargs):
             if getattr(current, "model", None) != block["model"]:
                 return run_emit(store, *args, **kwargs)
-            stages.TORCH_LOCK.release()  # the other models' stages may run meanwhile
+            TORCH_LOCK.release()  # the other models' stages may run meanwhile
             outputs = Path(manifest["store"]) / "outputs"
             while not all((outputs / m / "manifest.json").exists() for m in block["others"]):
                 time.sleep(0.05)
