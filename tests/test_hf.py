@@ -426,8 +426,8 @@ def test_models_load_beside_export_stages_unchanged(hf_dirs, tmp_path):
     (built from a seed) and an hf: model's (its ASR head is initialized, not in the checkpoint)."""
     import threading
 
-    from tasks import stages
     from tasks.cache import CacheConfig
+    from tasks.stage_tasks import StageTasks
     from tasks.model_spec import ModelSpec, holding, load_model
 
     factory = tmp_path / "initialized.py"
@@ -456,8 +456,6 @@ def test_models_load_beside_export_stages_unchanged(hf_dirs, tmp_path):
         """))
     export_options = {"strict": True}  # a dynamo export: the most process-wide state
     other = load_model(ModelSpec.parse(f"{exported}:model"), export_options)
-    from tasks.stage_tasks import StageTasks
-
     export = StageTasks(CacheConfig.for_store(str(tmp_path / "store"))).export.fn
     exports, done = [], threading.Event()
 
