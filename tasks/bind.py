@@ -61,18 +61,19 @@ def note_as_recorded(store: ArtifactStore, source: ArtifactRef, quantized: Artif
     """Remember (a store memo) that the ``quantized`` program holds what ``derived`` records of the
     weights of ``source`` (:func:`lowering.rebind.quantized_as_recorded`, checked by the quantize
     stage on the live programs): a retrain's bind then reads neither program's weights back."""
-    value = _as_recorded(source, quantized, derived)
-    store.put_memo(f"as-recorded-{sha256_hex(canonical_json(value))}", value)
+    store.put_memo(*_as_recorded(source, quantized, derived))
 
 
 def as_recorded(store: ArtifactStore, source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> bool:
     """Whether the quantize stage noted the three as recorded (:func:`note_as_recorded`)."""
-    value = _as_recorded(source, quantized, derived)
-    return store.get_memo(f"as-recorded-{sha256_hex(canonical_json(value))}") == value
+    key, value = _as_recorded(source, quantized, derived)
+    return store.get_memo(key) == value
 
 
-def _as_recorded(source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> dict:
-    return {"source": source.sha256, "quantized": quantized.sha256, "derived": derived.sha256}
+def _as_recorded(source: ArtifactRef, quantized: ArtifactRef, derived: ArtifactRef) -> tuple[str, dict]:
+    """The note's memo key and value: the three objects' digests."""
+    value = {"source": source.sha256, "quantized": quantized.sha256, "derived": derived.sha256}
+    return f"as-recorded-{sha256_hex(canonical_json(value))}", value
 
 
 def rebound_reference(store: ArtifactStore, reference: ArtifactRef, bindings: dict,

@@ -62,6 +62,7 @@ class StageLookup:
     ``lookup(stage, records, **inputs)`` returns the cached result of a stage (and
     records it as cached), or raises :class:`WouldRun` when the stage would run.
     Keys come from the same :class:`~tasks.cache.StageCachePolicy` the tasks use.
+    :meth:`compute` runs one stage outside a flow (:data:`IN_PROCESS_STAGES`).
     """
 
     def __init__(self, config: CacheConfig) -> None:
@@ -83,8 +84,7 @@ class StageLookup:
 
     def __call__(self, stage: str, records: list[dict], **inputs: Any) -> Any:
         start = time.perf_counter()
-        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
-        key = policy.key_for(stage_inputs(stage, inputs))
+        policy, key = self._policy_and_key(stage, inputs)
         result = None
         if self.results.exists(key):
             result = self.results.read(key).result
@@ -105,6 +105,11 @@ class StageLookup:
         return result
 
 
+    def _policy_and_key(self, stage: str, inputs: dict[str, Any]):
+        """The stage's cache policy (the task's) and its key for ``inputs``."""
+        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
+        return policy, policy.key_for(stage_inputs(stage, inputs))
+
     def compute(self, stage: str, records: list[dict], **inputs: Any) -> Any:
         """Run ``stage`` in this process, without a task run, and persist its result as its
         task would (the same key, record and serializer; under the stage's lock, so that a
@@ -114,8 +119,7 @@ class StageLookup:
         import threading
 
         start = time.perf_counter()
-        policy = self.config.policy(stage, STAGE_VERSIONS[stage], STAGE_IGNORES[stage], STAGE_OPTIONAL.get(stage, ()))
-        key = policy.key_for(stage_inputs(stage, inputs))
+        policy, key = self._policy_and_key(stage, inputs)
         holder = f"lowerflow-{os.getpid()}-{threading.get_ident()}"
         policy.lock_manager.acquire_lock(key, holder)
         try:
