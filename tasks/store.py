@@ -175,8 +175,7 @@ class ArtifactStore:
     def put_bytes(self, data: bytes, kind: str) -> ArtifactRef:
         """Store ``data`` (bytes or any contiguous buffer, e.g. a tensor's memoryview: not
         copied) under its sha256 (no rewrite if present) and return its ref."""
-        view = byte_view(data)
-        return self._put_digested(sha256_hex(view), [view], kind)
+        return self.put_parts([data], kind)
 
     def put_parts(self, parts: Iterable[Any], kind: str) -> ArtifactRef:
         """:meth:`put_bytes` of the concatenation of ``parts`` (buffers, e.g. a ``.ptd``'s header

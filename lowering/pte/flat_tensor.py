@@ -128,13 +128,13 @@ def ptd_parts(entries: Mapping[str, PtdEntry]) -> list:
         same = (looks[key], hashlib.sha256(entry.data).digest() if looks[key] in shared else None)
         if same not in segment_of:
             segment_of[same] = len(segments)
-            segments.append(entry.data)
+            segments.append((entry.data, looks[key][0]))
         table.append((key, segment_of[same], entry.layout))
     offsets, position = [], 0
-    for data in segments:
+    for _, size in segments:
         position += _padding(position, SEGMENT_ALIGNMENT)
-        offsets.append((position, memoryview(data).nbytes))
-        position += memoryview(data).nbytes
+        offsets.append((position, size))
+        position += size
     flatbuffer = _flatbuffer(offsets, table)
     header_size = HEADER_LENGTH + _padding(HEADER_LENGTH, HEADER_ALIGNMENT)
     flatbuffer_end = header_size + len(flatbuffer)
@@ -146,7 +146,7 @@ def ptd_parts(entries: Mapping[str, PtdEntry]) -> list:
     parts = [b"".join([root.to_bytes(4, "little"), flatbuffer[4:8], header, b"\0" * (header_size - len(header)),
                        flatbuffer[8:], b"\0" * (base - flatbuffer_end)])]
     written = 0
-    for (offset, size), data in zip(offsets, segments):
+    for (offset, size), (data, _) in zip(offsets, segments):
         if offset > written:
             parts.append(b"\0" * (offset - written))
         parts.append(data)
